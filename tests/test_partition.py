@@ -1,0 +1,45 @@
+import pytest
+
+from worker.partition import Role, layer_range, role_of
+
+
+@pytest.mark.parametrize("num_stages", range(2, 9))
+@pytest.mark.parametrize("total", range(1, 41))
+def test_every_block_is_owned_exactly_once_and_sizes_differ_by_at_most_one(total, num_stages):
+    if total < num_stages:
+        with pytest.raises(ValueError, match="cannot be split"):
+            layer_range(total, 0, num_stages)
+        return
+    ranges = [layer_range(total, s, num_stages) for s in range(num_stages)]
+    assert [b for r in ranges for b in r] == list(range(total))  # contiguous, in stage order
+    sizes = [len(r) for r in ranges]
+    assert max(sizes) - min(sizes) <= 1 and min(sizes) == total // num_stages
+
+
+@pytest.mark.parametrize("total,num_stages,expected", [
+    (16, 5, [(0, 4), (4, 7), (7, 10), (10, 13), (13, 16)]),  # llama3.2:1b: the last stage, which runs the head, gets fewer
+    (16, 2, [(0, 8), (8, 16)]),
+    (8, 8, [(i, i + 1) for i in range(8)]),
+    (10, 3, [(0, 4), (4, 7), (7, 10)]),
+])
+def test_known_splits(total, num_stages, expected):
+    assert [(r.start, r.stop) for r in (layer_range(total, s, num_stages) for s in range(num_stages))] == expected
+
+
+@pytest.mark.parametrize("stage,num_stages,role", [
+    (0, 2, Role.FIRST), (1, 2, Role.LAST),
+    (0, 5, Role.FIRST), (1, 5, Role.MIDDLE), (3, 5, Role.MIDDLE), (4, 5, Role.LAST),
+])
+def test_role_of_each_stage(stage, num_stages, role):
+    assert role_of(stage, num_stages) is role
+
+
+def test_one_stage_is_refused_with_a_pointer_to_single_process_generation():
+    with pytest.raises(ValueError, match="at least 2 stages.*generate_full"):
+        role_of(0, 1)
+
+
+@pytest.mark.parametrize("stage", [-1, 5])
+def test_stage_outside_the_pipeline_is_refused(stage):
+    with pytest.raises(ValueError, match="outside 0..4"):
+        layer_range(16, stage, 5)

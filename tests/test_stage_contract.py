@@ -1,0 +1,117 @@
+"""The worker contract, against the stub and against tinygrad on the tiny model."""
+import numpy as np
+import pytest
+
+from worker.errors import WorkerError
+from worker.models import open_worker, stub_model, tinygrad_model
+from worker.partition import Role
+from worker.tiny import TinySource
+
+
+@pytest.fixture(params=["stub", "tiny"], scope="module")
+def model(request):
+    return stub_model() if request.param == "stub" else tinygrad_model(TinySource())
+
+
+@pytest.fixture
+def chain3(model):
+    return [open_worker(model, s, 3) for s in range(3)]
+
+
+def test_each_stage_reports_its_role_and_slice(model, chain3):
+    assert [w.info.role for w in chain3] == [Role.FIRST, Role.MIDDLE, Role.LAST]
+    assert [b for w in chain3 for b in w.info.layers] == list(range(model.total_blocks))
+    assert all(w.info.hidden_dim > 0 and w.info.vocab_size > 0 and w.info.stop_ids for w in chain3)
+
+
+def test_every_op_of_every_role_runs_a_prefill_and_a_decode_step(chain3):
+    first, middle, last = chain3
+    ids = first.tokenize("Say hello")
+    dim = first.info.hidden_dim
+    h = first.embed_and_forward("r", ids, 0)
+    assert len(h) == len(ids) * dim * 4
+    h = middle.forward_range("r", h, 0, len(ids))
+    assert len(h) == len(ids) * dim * 4
+    out = last.forward_and_sample("r", h, 0, len(ids))
+    assert 0 <= out.token_id < last.info.vocab_size and out.logits.shape == (last.info.vocab_size,)
+    assert out.token_id == int(np.argmax(out.logits))
+    pos = len(ids)
+    h = middle.forward_range("r", first.decode_step("r", out.token_id, pos), pos, 1)
+    assert len(h) == dim * 4
+    assert 0 <= last.forward_and_sample("r", h, pos, 1).token_id < last.info.vocab_size
+    assert isinstance(last.detokenize([out.token_id]), str)
+    for w in chain3:
+        w.release("r")
+        w.release("r")  # idempotent
+
+
+@pytest.mark.parametrize("stage,op", [
+    (1, "tokenize"), (2, "tokenize"), (1, "embed_and_forward"), (2, "decode_step"),
+    (0, "forward_range"), (2, "forward_range"), (0, "forward_and_sample"), (1, "forward_and_sample"),
+    (0, "detokenize"), (1, "detokenize"),
+])
+def test_an_op_outside_the_stage_role_is_a_clear_error(chain3, stage, op):
+    w = chain3[stage]
+    args = {"tokenize": ("hi",), "embed_and_forward": ("r", [1, 2]), "decode_step": ("r", 1, 2),
+            "forward_range": ("r", b"", 0, 1), "forward_and_sample": ("r", b"", 0, 1), "detokenize": ([1],)}[op]
+    with pytest.raises(WorkerError, match=rf"{op} is a \w+-stage op; this worker is stage {stage} of 3"):
+        getattr(w, op)(*args)
+
+
+@pytest.mark.parametrize("nbytes_delta,seq_len", [(-4, 2), (4, 2), (0, 0), (0, 3)])
+def test_a_wrongly_shaped_hidden_state_is_refused(chain3, nbytes_delta, seq_len):
+    middle = chain3[1]
+    data = b"\0" * (2 * middle.info.hidden_dim * 4 + nbytes_delta)
+    with pytest.raises(WorkerError, match="does not match seq_len"):
+        middle.forward_range("r", data, 0, seq_len)
+
+
+def test_steps_must_continue_a_known_request_at_its_next_position(chain3):
+    first = chain3[0]
+    with pytest.raises(WorkerError, match="unknown request 'nope'"):
+        first.decode_step("nope", 1, 3)
+    first.embed_and_forward("r", [5, 6, 7], 0)
+    for wrong in (2, 4):  # a lost or a repeated step
+        with pytest.raises(WorkerError, match="got position .*, expected 3"):
+            first.decode_step("r", 1, wrong)
+    first.decode_step("r", 1, 3)  # still usable after the refusals
+
+
+def test_a_new_prefill_supersedes_the_previous_request(chain3):
+    first = chain3[0]
+    first.embed_and_forward("old", [5, 6], 0)
+    first.embed_and_forward("new", [5, 6], 0)
+    with pytest.raises(WorkerError, match="unknown request 'old'"):
+        first.decode_step("old", 1, 2)
+    first.decode_step("new", 1, 2)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(chain3):
+    first, last = chain3[0], chain3[-1]
+    with pytest.raises(WorkerError, match="out of range"):
+        first.embed_and_forward("r", [first.info.vocab_size], 0)
+    with pytest.raises(WorkerError, match="out of range"):
+        last.detokenize([-1])
+    with pytest.raises(WorkerError, match="no tokens"):
+        first.embed_and_forward("r", [], 0)
+
+
+def test_a_step_past_the_context_is_refused(chain3):
+    first = chain3[0]
+    limit = first.compute.max_context
+    with pytest.raises(WorkerError, match=f"exceeds the context of {limit}"):
+        first.embed_and_forward("r", [1] * (limit + 1), 0)
+
+
+def test_a_failed_step_forgets_the_request_instead_of_continuing_on_a_half_written_cache():
+    first = open_worker(stub_model(), 0, 2)
+    first.embed_and_forward("r", [5, 6], 0)
+
+    def broken(hidden, position):
+        raise RuntimeError("device lost")
+    real, first.compute.forward = first.compute.forward, broken
+    with pytest.raises(RuntimeError, match="device lost"):
+        first.decode_step("r", 1, 2)
+    first.compute.forward = real
+    with pytest.raises(WorkerError, match="unknown request 'r'"):
+        first.decode_step("r", 1, 2)

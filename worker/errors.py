@@ -1,0 +1,14 @@
+"""Errors the worker raises; each names what went wrong in words a user can act on."""
+
+
+class ModelFileError(ValueError):
+    """A weights, config or tokenizer file is unreadable, incomplete or unsupported."""
+
+    def __init__(self, path, problem: str):
+        self.path = str(path)
+        self.problem = problem
+        super().__init__(f"{self.path}: {problem}")
+
+
+class WorkerError(ValueError):
+    """A worker op was called in a way the contract refuses (wrong role, bad shape, unknown request)."""

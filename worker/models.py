@@ -1,0 +1,55 @@
+"""A model the worker can run: how to open a slice of it and its tokenizer, whatever its backend."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import attrs
+
+from .fetch import ModelKind, resolve_model
+from .partition import Role, layer_range, role_of
+from .slice import Slice, TinygradSlice
+from .stage import StageWorker
+from .stub import STUB_BLOCKS, StubSlice, StubTokenizer
+from .tiny import TinySource
+from .weights import WeightSource
+
+
+@attrs.frozen
+class Model:
+    name: str
+    total_blocks: int
+    open_slice: Callable[..., Slice]  # (layers: range, *, embed: bool, head: bool) -> Slice
+    tokenizer: Callable[[], object]
+
+
+def tinygrad_model(source: WeightSource) -> Model:
+    def open_slice(layers: range, *, embed: bool, head: bool) -> Slice:
+        return TinygradSlice(source, layers, embed=embed, head=head)
+    return Model(source.path, source.config.n_layers, open_slice, source.tokenizer)
+
+
+def stub_model() -> Model:
+    return Model("stub", STUB_BLOCKS, StubSlice, StubTokenizer)
+
+
+def open_worker(model: Model, stage: int, num_stages: int) -> StageWorker:
+    """Load exactly stage `stage`'s slice: its blocks, plus embedding (first) or head (last)."""
+    role = role_of(stage, num_stages)
+    layers = layer_range(model.total_blocks, stage, num_stages)
+    compute = model.open_slice(layers, embed=role is Role.FIRST, head=role is Role.LAST)
+    return StageWorker(compute, model.tokenizer(), stage=stage, num_stages=num_stages, total_blocks=model.total_blocks)
+
+
+def open_model(spec: str, *, cache_dir: Path, ollama_models_dir: Path | None, progress: bool = True) -> Model:
+    """The one model argument: `stub`, `tiny`, a .gguf file, a Hugging Face directory or a known name."""
+    if spec.strip().lower() == "stub":
+        return stub_model()
+    ref = resolve_model(spec, cache_dir=cache_dir, ollama_models_dir=ollama_models_dir, progress=progress)
+    if ref.kind is ModelKind.TINY:
+        return tinygrad_model(TinySource())
+    if ref.kind is ModelKind.GGUF:
+        from .gguf import GGUFSource
+        return tinygrad_model(GGUFSource(ref.path))
+    from .hf import HFSource
+    return tinygrad_model(HFSource(ref.path))

@@ -1,0 +1,43 @@
+"""A stage's compute: the protocol every backend implements, and the tinygrad backend.
+
+A slice owns blocks [lo, hi) and their KV caches; the first slice also embeds token ids, and the
+last also turns its output into logits. `forward` takes and returns float32 numpy hidden states.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from .config import ModelConfig
+from .model import StageModel
+from .weights import EMBEDDING, OUTPUT, WeightSource, stage_tensor_names
+
+
+class Slice(Protocol):
+    hidden_dim: int
+    vocab_size: int
+    max_context: int
+    weight_bytes: int
+
+    def embed(self, token_ids: list[int]) -> np.ndarray: ...  # (seq_len, hidden_dim); first slice only
+
+    def forward(self, hidden: np.ndarray, position: int) -> np.ndarray: ...  # hidden, or logits (vocab,) with a head
+
+
+class TinygradSlice:
+    def __init__(self, source: WeightSource, layers: range, *, embed: bool, head: bool):
+        config: ModelConfig = source.config
+        names = stage_tensor_names(config, layers, embed=embed, head=head)
+        tensors = {name: source.load(name) for name in names}
+        self.hidden_dim, self.vocab_size, self.max_context = config.dim, config.vocab_size, config.max_context
+        self.weight_bytes = sum(t.nbytes for t in tensors.values())
+        self._table = tensors[EMBEDDING] if embed else None
+        head_weight = (EMBEDDING if config.tie_embeddings else OUTPUT) if head else None
+        self.model = StageModel(config, layers, tensors, head_weight=head_weight)
+
+    def embed(self, token_ids: list[int]) -> np.ndarray:
+        return self._table[np.asarray(token_ids, dtype=np.int64)]
+
+    def forward(self, hidden: np.ndarray, position: int) -> np.ndarray:
+        return self.model.forward(hidden, position)

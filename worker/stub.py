@@ -1,0 +1,61 @@
+"""A deterministic stand-in for the model: no tinygrad, tiny dims, for fast node and transport tests.
+
+Like a real model it has blocks with a per-position cache, so the answer is wrong if any block is
+skipped, repeated or run out of order, or if a decode step is lost, repeated or reordered: each
+block maps h -> (31·h + c_block + Σ cache[0..p]) mod 1009, a polynomial hash whose value depends on
+the order of every step. All arithmetic is on small integers, exact in float32.
+"""
+from __future__ import annotations
+
+import string
+
+import numpy as np
+
+STUB_BLOCKS = 8
+STUB_DIM = 16
+STUB_VOCAB = 32
+STUB_CONTEXT = 512
+_MOD = 1009
+_ALPHABET = string.ascii_lowercase + "012345"  # one printable character per id 0..31
+
+
+class StubTokenizer:
+    vocab_size, bos_id, eot_id = STUB_VOCAB, 0, 1
+    stop_ids = frozenset({1})
+
+    def encode(self, text: str, *, bos: bool = False) -> list[int]:
+        ids = [2 + b % (STUB_VOCAB - 2) for b in text.encode()]
+        return [self.bos_id, *ids] if bos else ids
+
+    def encode_chat(self, prompt: str) -> list[int]:
+        return [*self.encode(prompt, bos=True), self.eot_id]
+
+    def decode(self, ids) -> str:
+        return "".join(_ALPHABET[i] for i in ids)
+
+
+class StubSlice:
+    hidden_dim, vocab_size, max_context = STUB_DIM, STUB_VOCAB, STUB_CONTEXT
+
+    def __init__(self, layers: range, *, embed: bool, head: bool):
+        self.layers, self._embed, self._head = layers, embed, head
+        self.weight_bytes = 0
+        self._cache = {i: np.zeros((STUB_CONTEXT, STUB_DIM), dtype=np.int64) for i in layers}
+
+    def embed(self, token_ids: list[int]) -> np.ndarray:
+        if not self._embed:
+            raise RuntimeError("this stub slice has no embedding")
+        ids = np.asarray(token_ids, dtype=np.int64)[:, None]
+        return ((ids * 7 + np.arange(STUB_DIM)) % _MOD).astype(np.float32)
+
+    def forward(self, hidden: np.ndarray, position: int) -> np.ndarray:
+        h = hidden.astype(np.int64)
+        for i in self.layers:
+            cache = self._cache[i]
+            cache[position:position + len(h)] = h
+            seen = np.cumsum(cache[:position + len(h)], axis=0)[position:]  # Σ cache[0..p] per row
+            h = (31 * h + (i + 1) * (np.arange(STUB_DIM) + 1) + seen) % _MOD
+        if self._head:
+            target = int(h[-1].sum()) % STUB_VOCAB
+            return -np.abs(np.arange(STUB_VOCAB) - target).astype(np.float32)
+        return h.astype(np.float32)

@@ -1,0 +1,334 @@
+"""Llama 3 tokenizers (tiktoken byte-level BPE) built from GGUF metadata, tokenizer.json, or bytes.
+
+Token ids are tiktoken merge ranks. A GGUF or Hugging Face vocabulary is accepted only when its
+merges say the same thing as those ranks would (see check_merges), so that what we encode is what
+llama.cpp or Hugging Face would encode for the same file.
+"""
+from __future__ import annotations
+
+import json
+import operator
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+
+import tiktoken
+
+from .errors import ModelFileError
+
+# Meta's pre-tokenizer regex, from llama_models/llama3/tokenizer.py.
+PAT_STR = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+BEGIN_OF_TEXT = "<|begin_of_text|>"
+END_OF_TEXT = "<|end_of_text|>"
+START_HEADER = "<|start_header_id|>"
+END_HEADER = "<|end_header_id|>"
+EOT = "<|eot_id|>"
+CHAT_SPECIALS = (BEGIN_OF_TEXT, START_HEADER, END_HEADER, EOT)
+BYTE_SPECIALS = (BEGIN_OF_TEXT, END_OF_TEXT, START_HEADER, END_HEADER, EOT)
+
+# tiktoken panics on huge inputs and is quadratic in long runs; Meta cuts text the same way.
+MAX_ENCODE_CHARS = 400_000
+MAX_RUN_CHARS = 25_000
+_RUNS = re.compile(r"\s+|\S+")  # re's \s is str.isspace, which Meta's cutter uses
+
+# GGUF token types (llama.cpp's llama_token_type).
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+# Added tokens: literal text, never produced from user text, decoded as their text.
+LITERAL_TYPES = frozenset({CONTROL, USER_DEFINED, UNUSED})
+# tokenizer.ggml.pre values whose pre-tokenizer is Llama 3's regex.
+LLAMA3_PRE = frozenset({"llama-bpe", "llama3", "llama-v3"})
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map that byte-level BPE vocabularies are written in."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{b: chr(b) for b in kept}, **{b: chr(256 + n) for n, b in enumerate(moved)}}
+
+
+# str.translate table taking a byte-level string to latin-1 (one char per byte). Characters that
+# encode no byte become U+FFFD so that .encode("latin-1") refuses them.
+_TO_LATIN1 = {c: "\ufffd" for c in range(256)} | {ord(u): chr(b) for b, u in bytes_to_unicode().items()}
+
+
+class Tokenizer:
+    """Encodes prompts and decodes generated ids; `path` is named in every error about the vocabulary."""
+
+    def __init__(self, path, ranks: dict[bytes, int], specials: dict[str, int], *, bos_id: int, eos_id: int):
+        self.path = str(path)
+        self.mergeable_ranks, self.special_ids = ranks, dict(specials)
+        self._bytes = self._decode_table(ranks, specials)
+        self.vocab_size = len(self._bytes)
+        missing_bytes = [b for b in range(256) if bytes([b]) not in ranks]
+        if missing_bytes:
+            raise ModelFileError(path, f"byte-level vocabulary lacks tokens for {len(missing_bytes)} single bytes "
+                                       f"(first: 0x{missing_bytes[0]:02x})")
+        for name in CHAT_SPECIALS:
+            if name not in specials:
+                raise ModelFileError(path, f"vocabulary lacks the Llama 3 special token {name}")
+        for what, i in (("bos", bos_id), ("eos", eos_id)):
+            if not 0 <= i < self.vocab_size:
+                raise ModelFileError(path, f"{what} token id {i} is not in the vocabulary")
+        self.bos_id, self.eos_id = bos_id, eos_id
+        self.stop_ids = frozenset({eos_id} | {specials[n] for n in (EOT, END_OF_TEXT) if n in specials})
+        self._encoding = tiktoken.Encoding(os.path.basename(self.path) or "tokenizer", pat_str=PAT_STR,
+                                           mergeable_ranks=ranks, special_tokens=self.special_ids)
+
+    def _decode_table(self, ranks: dict[bytes, int], specials: dict[str, int]) -> list[bytes]:
+        """Bytes of each id; ids must be exactly 0..n-1, as in GGUF and Hugging Face vocabularies."""
+        entries = [*ranks.items(), *((name.encode(), i) for name, i in specials.items())]
+        table: list[bytes | None] = [None] * len(entries)
+        for text, i in entries:
+            if not 0 <= i < len(entries) or table[i] is not None:
+                raise ModelFileError(self.path, f"token id {i} is repeated or out of range: "
+                                                f"{len(entries)} tokens need ids 0..{len(entries) - 1}")
+            table[i] = text
+        return table
+
+    def encode(self, text: str, *, bos: bool = False) -> list[int]:
+        """Ordinary text only: special-token strings in `text` are encoded as text, never as control ids."""
+        ids = [self.bos_id] if bos else []
+        for piece in split_long_runs(text):
+            ids.extend(self._encoding.encode_ordinary(piece))
+        return ids
+
+    def encode_chat(self, prompt: str) -> list[int]:
+        """Llama 3 instruct template for one user message, ending where the assistant's reply starts."""
+        s = self.special_ids
+        return [s[BEGIN_OF_TEXT], *self._header("user"), *self.encode(prompt), s[EOT], *self._header("assistant")]
+
+    def _header(self, role: str) -> list[int]:
+        return [self.special_ids[START_HEADER], *self.encode(role), self.special_ids[END_HEADER],
+                *self.encode("\n\n")]
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        """The raw bytes of `ids` (specials as their text); for decoding UTF-8 incrementally."""
+        parts = []
+        for token in ids:
+            i = operator.index(token)
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"token id {i} is not in the vocabulary (size {self.vocab_size})")
+            parts.append(self._bytes[i])
+        return b"".join(parts)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+
+def split_long_runs(text: str, max_chars: int = MAX_ENCODE_CHARS, max_run: int = MAX_RUN_CHARS) -> list[str]:
+    """Cut `text` into chunks of at most max_chars, and every max_run chars into a run of only
+    whitespace or only non-whitespace (as Meta's _split_whitespaces_or_nonwhitespaces does)."""
+    pieces = []
+    for start in range(0, len(text), max_chars):
+        chunk, last = text[start:start + max_chars], 0
+        for run in _RUNS.finditer(chunk):
+            for cut in range(run.start() + max_run, run.end(), max_run):
+                pieces.append(chunk[last:cut])
+                last = cut
+        pieces.append(chunk[last:])
+    return pieces or [""]
+
+
+def byte_tokenizer() -> Tokenizer:
+    """The built-in tiny model's vocabulary: id = byte value, then the five Llama 3 specials."""
+    specials = {name: 256 + n for n, name in enumerate(BYTE_SPECIALS)}
+    return Tokenizer("<byte tokenizer>", {bytes([b]): b for b in range(256)}, specials,
+                     bos_id=specials[BEGIN_OF_TEXT], eos_id=specials[END_OF_TEXT])
+
+
+def token_bytes(path, text: str, token_id: int) -> bytes:
+    """A byte-level BPE token string (GPT-2's printable alphabet) as the bytes it stands for."""
+    try:
+        return text.translate(_TO_LATIN1).encode("latin-1")
+    except UnicodeEncodeError:
+        raise ModelFileError(path, f"token {token_id} {text!r} is not a byte-level BPE string") from None
+
+
+def check_merges(path, vocab: Mapping[str, int], merges: Sequence[tuple[str, str]]) -> None:
+    """Refuse merges that a tiktoken reading (id = merge rank) would tokenize differently.
+
+    tiktoken merges any adjacent pair whose join is a token, lowest id first; llama.cpp and
+    Hugging Face merge only listed pairs, earliest listed first. They agree when the list is sorted
+    by the id of the token each merge makes and holds every split of a token into two tokens
+    (Hugging Face's tiktoken converter writes exactly that; Llama 3 files are made that way).
+    """
+    last, pairs = -1, set()
+    for n, (a, b) in enumerate(merges):
+        made = vocab.get(a + b)
+        if a not in vocab or b not in vocab or made is None:
+            raise ModelFileError(path, f"merge {n} ({a!r} {b!r}) uses or makes a token not in the vocabulary")
+        if made < last:
+            raise ModelFileError(path, f"merge {n} ({a!r} {b!r}) makes token {made} after a merge made token "
+                                       f"{last}: token ids are not merge ranks, which this tokenizer needs")
+        last = made
+        pairs.add((a, b))
+    splits = _count_splits(vocab)
+    if len(pairs) != splits:
+        raise ModelFileError(path, f"merges list {len(pairs)} distinct pairs but the vocabulary has {splits} "
+                                   f"splits of a token into two tokens; each must be a merge for ids to be ranks")
+
+
+def _count_splits(vocab: Mapping[str, int]) -> int:
+    """How many (a, b) pairs of tokens join into a token."""
+    count = 0
+    for t in vocab:
+        for i in range(1, len(t)):
+            if t[:i] in vocab and t[i:] in vocab:
+                count += 1
+    return count
+
+
+def ranks_from_bpe(path, vocab: Mapping[str, int], merges: Sequence[tuple[str, str]]) -> dict[bytes, int]:
+    """tiktoken ranks from a byte-level BPE vocabulary (string -> id) and its merges."""
+    ranks = {token_bytes(path, text, i): i for text, i in vocab.items()}
+    if b"" in ranks:
+        raise ModelFileError(path, f"token {ranks[b'']} is empty")
+    check_merges(path, vocab, merges)
+    return ranks
+
+
+def tokenizer_from_gguf_metadata(kv: Mapping, path) -> Tokenizer:
+    """The tokenizer described by a GGUF file's `tokenizer.ggml.*` metadata (llama.cpp's layout)."""
+    model = _required(kv, "tokenizer.ggml.model", path)
+    if model != "gpt2":
+        raise ModelFileError(path, f"tokenizer.ggml.model is {model!r}; only 'gpt2' (byte-level BPE, "
+                                   f"as Llama 3 uses) is supported")
+    pre = kv.get("tokenizer.ggml.pre")
+    if pre is not None and pre not in LLAMA3_PRE:
+        raise ModelFileError(path, f"tokenizer.ggml.pre is {pre!r}; only Llama 3's pre-tokenizer "
+                                   f"({', '.join(sorted(LLAMA3_PRE))}) is supported")
+    tokens = _required_list(kv, "tokenizer.ggml.tokens", path)
+    types = _required_list(kv, "tokenizer.ggml.token_type", path)
+    if len(types) != len(tokens):
+        raise ModelFileError(path, f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+    vocab: dict[str, int] = {}
+    specials: dict[str, int] = {}
+    for i, (text, kind) in enumerate(zip(tokens, types)):
+        table = vocab if kind == NORMAL else specials if kind in LITERAL_TYPES else None
+        if table is None:
+            raise ModelFileError(path, f"token {i} {text!r} has type {kind!r}, which byte-level BPE does not use")
+        if not isinstance(text, str):
+            raise ModelFileError(path, f"tokenizer.ggml.tokens[{i}] is {text!r}, not a string")
+        if table.setdefault(text, i) != i:
+            raise ModelFileError(path, f"token {i} {text!r} repeats token {table[text]}")
+    # GGUF writers drop empty arrays, so a vocabulary of single bytes has no merges key.
+    single_bytes = "tokenizer.ggml.merges" not in kv and all(len(t) == 1 for t in vocab)
+    merges = [] if single_bytes else [merge_pair(path, "tokenizer.ggml.merges", n, m)
+                                      for n, m in enumerate(_required_list(kv, "tokenizer.ggml.merges", path))]
+    return Tokenizer(path, ranks_from_bpe(path, vocab, merges), specials,
+                     bos_id=_required_id(kv, "tokenizer.ggml.bos_token_id", path),
+                     eos_id=_required_id(kv, "tokenizer.ggml.eos_token_id", path))
+
+
+def _required(kv: Mapping, key: str, path):
+    if key not in kv:
+        raise ModelFileError(path, f"metadata key {key!r} is missing")
+    return kv[key]
+
+
+def _required_list(kv: Mapping, key: str, path) -> list | tuple:
+    value = _required(kv, key, path)
+    if not isinstance(value, (list, tuple)):
+        raise ModelFileError(path, f"metadata key {key!r} is a {type(value).__name__}, want an array")
+    return value
+
+
+def _required_id(kv: Mapping, key: str, path) -> int:
+    value = _required(kv, key, path)
+    if not _is_int(value):
+        raise ModelFileError(path, f"metadata key {key!r} is {value!r}, want a token id")
+    return value
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def merge_pair(path, field: str, n: int, merge) -> tuple[str, str]:
+    """One merge, written "a b" (GGUF, older tokenizer.json) or ["a", "b"] (newer tokenizer.json)."""
+    pair = merge.split(" ") if isinstance(merge, str) else merge
+    if isinstance(pair, (list, tuple)) and len(pair) == 2:
+        a, b = pair
+        if isinstance(a, str) and isinstance(b, str) and a and b:
+            return a, b
+    raise ModelFileError(path, f"{field}[{n}] is {merge!r}, not a pair of tokens")
+
+
+def tokenizer_from_json(path) -> Tokenizer:
+    """The tokenizer in a Hugging Face `tokenizer.json` (byte-level BPE with Llama 3's pre-tokenizer).
+
+    Every added token, special or not, is literal: user text never turns into it, and it decodes
+    as its text. BOS and EOS are found by name, as tokenizer.json does not declare them.
+    """
+    doc = _read_json(path)
+    model = _json_field(path, doc, "model", dict)
+    if model.get("type") != "BPE":
+        raise ModelFileError(path, f"model.type is {model.get('type')!r}; only 'BPE' is supported")
+    vocab = dict(_json_field(path, model, "vocab", dict, "model.vocab"))
+    raw_merges = _json_field(path, model, "merges", list, "model.merges")
+    added = _json_field(path, doc, "added_tokens", list)
+    _check_pre_tokenizer(path, doc)
+    for text, i in vocab.items():
+        if not _is_int(i):
+            raise ModelFileError(path, f"model.vocab[{text!r}] is {i!r}, not a token id")
+    specials: dict[str, int] = {}
+    for n, entry in enumerate(added):
+        text, i = (entry.get("content"), entry.get("id")) if isinstance(entry, dict) else (None, None)
+        if not isinstance(text, str) or not _is_int(i):
+            raise ModelFileError(path, f"added_tokens[{n}] is {entry!r}, want content and id")
+        if specials.setdefault(text, i) != i:
+            raise ModelFileError(path, f"added_tokens[{n}] {text!r} repeats id {specials[text]}")
+        if vocab.get(text) == i:  # some files also list added tokens in the BPE vocab
+            del vocab[text]
+    merges = [merge_pair(path, "model.merges", n, m) for n, m in enumerate(raw_merges)]
+    ranks = ranks_from_bpe(path, vocab, merges)
+    eos = specials.get(END_OF_TEXT, specials.get(EOT))
+    if BEGIN_OF_TEXT not in specials or eos is None:
+        raise ModelFileError(path, f"added_tokens lacks {BEGIN_OF_TEXT} or both {END_OF_TEXT} and {EOT}")
+    return Tokenizer(path, ranks, specials, bos_id=specials[BEGIN_OF_TEXT], eos_id=eos)
+
+
+def _read_json(path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            doc = json.load(f)
+    except OSError as e:
+        raise ModelFileError(path, f"cannot read tokenizer: {e.strerror or e}") from e
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ModelFileError(path, f"tokenizer is not valid JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise ModelFileError(path, "tokenizer JSON is not an object")
+    return doc
+
+
+def _json_field(path, parent: dict, key: str, kind: type, name: str | None = None):
+    value = parent.get(key)
+    if not isinstance(value, kind):
+        want = "an object" if kind is dict else "a list"
+        raise ModelFileError(path, f"field {name or key!r} is {'missing' if value is None else 'not ' + want}")
+    return value
+
+
+def _check_pre_tokenizer(path, doc: dict) -> None:
+    """Refuse text splitting other than Llama 3's: it would silently change every encoding."""
+    if doc.get("normalizer") is not None:
+        raise ModelFileError(path, f"normalizer {doc['normalizer']!r} is not supported (Llama 3 has none)")
+    splits = _splitters(doc.get("pre_tokenizer"))
+    if splits != [PAT_STR]:
+        raise ModelFileError(path, f"pre_tokenizer splits text by {splits!r}, not Llama 3's regex")
+
+
+def _splitters(node) -> list:
+    """What each pre-tokenizer step splits text by; ByteLevel without its regex only maps bytes."""
+    if node is None:
+        return []
+    kind = node.get("type") if isinstance(node, dict) else node
+    if kind == "Sequence":
+        return [s for sub in node.get("pretokenizers") or [] for s in _splitters(sub)]
+    if kind == "Split":
+        return [(node.get("pattern") or {}).get("Regex", node.get("pattern"))]
+    if kind == "ByteLevel" and node.get("use_regex") is False:
+        return []
+    return [kind if kind != "ByteLevel" else "ByteLevel's GPT-2 regex"]
