@@ -43,6 +43,10 @@ def random_tensor(config: ModelConfig, name: str) -> np.ndarray:
         # Shrink the rows (and so, tied, the logits) of all but printable ASCII: the random text
         # stays readable and does not end at once on a stop token.
         w[[i for i in range(shape[0]) if not 32 <= i < 127]] *= 0.1
+    else:
+        # Blocks must outweigh the tied embedding in the residual stream, or the random model
+        # just repeats its last token.
+        w *= 2.0
     return w.astype(np.float32)
 
 
