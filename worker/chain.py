@@ -31,7 +31,7 @@ def run_chain(workers: list[StageWorker], prompt_ids: list[int], max_tokens: int
         tokens.append(step.token_id)
         logits.append(step.logits)
         if generation_done(step.token_id, generated=len(tokens), max_tokens=max_tokens, next_position=position,
-                           max_context=last.compute.max_context, stop_ids=last.info.stop_ids):
+                           max_context=last.info.max_context, stop_ids=last.info.stop_ids):
             break
         hidden, seq_len = first.decode_step(request_id, step.token_id, position), 1
     for w in workers:

@@ -27,6 +27,7 @@ class WorkerInfo:
     total_blocks: int
     hidden_dim: int
     vocab_size: int
+    max_context: int
     stop_ids: frozenset[int]
     weight_bytes: int
 
@@ -51,7 +52,7 @@ class StageWorker:
         self.info = WorkerInfo(
             stage=stage, num_stages=num_stages, role=self.role,
             layers=layer_range(total_blocks, stage, num_stages), total_blocks=total_blocks,
-            hidden_dim=compute.hidden_dim, vocab_size=compute.vocab_size,
+            hidden_dim=compute.hidden_dim, vocab_size=compute.vocab_size, max_context=compute.max_context,
             stop_ids=frozenset(tokenizer.stop_ids), weight_bytes=compute.weight_bytes)
         self._requests: dict[str, _Request] = {}
 

@@ -1,0 +1,1 @@
+"""Pipeline node: SWIM-lite membership (gossip.py pure rules, swim.py trio driver)."""

@@ -1,0 +1,150 @@
+"""The HTTP face of a node (and of the runner): one quart-trio app served by hypercorn inside the
+caller's nursery, HTTP/2 cleartext with prior knowledge, HTTP/1.1 still accepted.
+
+Handlers validate, hand the message to the dispatcher and answer at once: a hop never waits for
+downstream compute. Every endpoint but /health needs `Authorization: Bearer <cluster token>`.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import hmac
+import logging
+from typing import Protocol
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+from quart import Response, jsonify, request
+from quart_trio import QuartTrio
+
+from roles.actions import Refused
+
+from . import gossip, h2_guard, wire
+from .swim import Swim, WrongTargetError
+
+log = logging.getLogger("pp.http")
+
+
+class Dispatcher(Protocol):
+    """What the app hands messages to: a stage node or the runner."""
+
+    swim: Swim | None
+    hidden_dim: int | None  # None until the worker is loaded: activations are refused until then
+
+    def deliver(self, message) -> None: ...  # admit and enqueue, or raise Refused
+
+    def health(self) -> dict: ...
+
+
+def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int) -> QuartTrio:
+    h2_guard.install()
+    app = QuartTrio("pp")
+    app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
+    app.config["BODY_TIMEOUT"] = 120
+    app.http_versions = collections.Counter()  # requests served per HTTP version, for tests and /health
+    expected = f"Bearer {token}".encode()
+
+    @app.before_request
+    async def authorize():
+        app.http_versions[request.http_version] += 1
+        if request.path == "/health":
+            return None
+        given = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            return _error(401, "missing or wrong cluster token (Authorization: Bearer ...)")
+        return None
+
+    @app.errorhandler(413)
+    async def too_large(_):
+        return _error(413, f"body over the limit of {max_body_bytes} bytes")
+
+    @app.get("/health")
+    async def health():
+        return jsonify({**dispatcher.health(), "http_versions": dict(app.http_versions)})
+
+    @app.get("/v1/members")
+    async def members():
+        swim = _swim(dispatcher)
+        return jsonify({"members": wire.converter.unstructure(list(swim.members().values()))})
+
+    for path, kind in [("/v1/inference", wire.InferenceRequest), ("/v1/next-token", wire.NextToken),
+                       ("/v1/response", wire.InferenceResponse)]:
+        app.add_url_rule(path, endpoint=path, view_func=_json_endpoint(dispatcher, kind), methods=["POST"])
+
+    @app.post("/v1/activation")
+    async def activation():
+        if dispatcher.hidden_dim is None:
+            raise Refused(503, "this stage is still loading its weights")
+        act = wire.decode_activation(await request.get_data(), dispatcher.hidden_dim)
+        dispatcher.deliver(act)
+        return jsonify({"accepted": act.meta.request_id}), 202
+
+    _gossip_routes(app, dispatcher)
+
+    @app.errorhandler(wire.WireError)
+    async def malformed(exc):
+        return _error(400, str(exc))
+
+    @app.errorhandler(Refused)
+    async def refused(exc):
+        log.info("refused %s %s: %s", request.method, request.path, exc.message)
+        return _error(exc.status, exc.message)
+
+    return app
+
+
+def _json_endpoint(dispatcher: Dispatcher, kind: type):
+    async def endpoint():
+        message = wire.decode(kind, await request.get_data())
+        dispatcher.deliver(message)
+        return jsonify({"accepted": message.request_id}), 202
+    return endpoint
+
+
+def _gossip_routes(app: QuartTrio, dispatcher: Dispatcher) -> None:
+    @app.post("/swim/ping")
+    async def ping():
+        msg = wire.decode(gossip.Ping, await request.get_data())
+        try:
+            ack = await _swim(dispatcher).on_ping(msg)
+        except WrongTargetError as exc:
+            raise Refused(409, str(exc)) from None
+        return Response(wire.encode(ack), content_type="application/json")
+
+    @app.post("/swim/ping-req")
+    async def ping_req():
+        msg = wire.decode(gossip.PingReq, await request.get_data())
+        answer = await _swim(dispatcher).on_ping_req(msg)
+        key = "ack" if isinstance(answer, gossip.Ack) else "nack"
+        return jsonify({key: wire.converter.unstructure(answer)})
+
+    @app.post("/swim/sync")
+    async def sync():
+        msg = wire.decode(gossip.Sync, await request.get_data())
+        return Response(wire.encode(_swim(dispatcher).on_sync(msg)), content_type="application/json")
+
+
+def _swim(dispatcher: Dispatcher) -> Swim:
+    if dispatcher.swim is None:
+        raise Refused(503, "membership is not running yet")
+    return dispatcher.swim
+
+
+def _error(status: int, message: str):
+    return jsonify({"error": message}), status
+
+
+async def serve_app(app: QuartTrio, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve until cancelled; reports the bound port (port 0 picks a free one)."""
+    config = Config()
+    config.bind = [f"{host}:{port}"]
+    config.accesslog = None
+    config.errorlog = logging.getLogger("pp.hypercorn")
+    # hypercorn closes an HTTP/2 connection after 1000 requests by default; a pipeline makes far more
+    config.keep_alive_max_requests = 2 ** 31
+    config.graceful_timeout = 1.0
+
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(functools.partial(serve, app, config))
+        task_status.started(int(binds[0].rsplit(":", 1)[1]))

@@ -1,0 +1,100 @@
+"""Outbound HTTP/2 to peers: one httpx client per process (one kept-alive connection per peer),
+the cluster token on every request, failures turned into PeerError at this edge."""
+from __future__ import annotations
+
+import attrs
+import httpx
+import trio
+
+from . import gossip, wire
+from .swim import TransportError
+
+
+class PeerError(Exception):
+    """A peer could not be reached, or answered with an error status."""
+
+    def __init__(self, url: str, problem: str, status: int | None = None):
+        super().__init__(f"{url}: {problem}")
+        self.url, self.problem, self.status = url, problem, status
+
+    @property
+    def retryable(self) -> bool:
+        """Connection trouble and 5xx may pass; a 4xx means the message itself was refused."""
+        return self.status is None or self.status >= 500
+
+
+class PeerClient:
+    def __init__(self, token: str, *, timeout_s: float = 30.0, http2: bool = True):
+        # prior-knowledge h2c: http1=False makes httpx speak HTTP/2 over plain TCP
+        self._client = httpx.AsyncClient(http1=not http2, http2=http2, timeout=timeout_s,
+                                         headers={"Authorization": f"Bearer {token}"})
+
+    async def __aenter__(self) -> PeerClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        with trio.CancelScope(shield=True):
+            await self._client.aclose()
+
+    async def post(self, base: str, path: str, body: bytes, content_type: str = "application/json") -> httpx.Response:
+        return await self._request("POST", base + path, content=body, headers={"Content-Type": content_type})
+
+    async def get(self, base: str, path: str) -> httpx.Response:
+        return await self._request("GET", base + path)
+
+    async def _request(self, method: str, url: str, **kw) -> httpx.Response:
+        try:
+            r = await self._client.request(method, url, **kw)
+        except httpx.HTTPError as exc:  # connection refused/reset, timeouts, protocol errors
+            raise PeerError(url, f"{type(exc).__name__}: {exc}") from None
+        if r.status_code >= 400:
+            raise PeerError(url, f"HTTP {r.status_code}: {_error_text(r)}", r.status_code)
+        return r
+
+    async def send(self, base: str, message) -> httpx.Response:
+        """POST a pipeline message to the endpoint for its type."""
+        if isinstance(message, wire.Activation):
+            return await self.post(base, "/v1/activation", wire.encode_activation(message), "application/octet-stream")
+        path = {wire.InferenceRequest: "/v1/inference", wire.NextToken: "/v1/next-token",
+                wire.InferenceResponse: "/v1/response"}[type(message)]
+        return await self.post(base, path, wire.encode(message))
+
+
+def _error_text(r: httpx.Response) -> str:
+    try:
+        return str(r.json().get("error", r.text))
+    except ValueError:
+        return r.text[:200]
+
+
+@attrs.frozen
+class _AckOrNack:
+    ack: gossip.Ack | None = None
+    nack: gossip.Nack | None = None
+
+
+class HttpTransport:
+    """SWIM's transport over the node's HTTP endpoints."""
+
+    def __init__(self, client: PeerClient):
+        self._client = client
+
+    async def ping(self, addr: str, msg: gossip.Ping) -> gossip.Ack:
+        return await self._call(addr, "/swim/ping", msg, gossip.Ack)
+
+    async def ping_req(self, addr: str, msg: gossip.PingReq) -> gossip.Ack | gossip.Nack:
+        answer = await self._call(addr, "/swim/ping-req", msg, _AckOrNack)
+        if (answer.ack is None) == (answer.nack is None):
+            raise TransportError(addr, "ping-req answer must hold exactly one of ack, nack")
+        return answer.ack or answer.nack
+
+    async def sync(self, addr: str, msg: gossip.Sync) -> gossip.Sync:
+        return await self._call(addr, "/swim/sync", msg, gossip.Sync)
+
+    async def _call(self, addr: str, path: str, msg, kind: type):
+        try:
+            return wire.decode(kind, (await self._client.post(addr, path, wire.encode(msg))).content)
+        except PeerError as exc:
+            raise TransportError(addr, exc.problem) from None
+        except wire.WireError as exc:
+            raise TransportError(addr, f"malformed answer: {exc}") from None

@@ -1,0 +1,283 @@
+"""The node's configuration: read once from the environment and flags at the entrypoint, then passed down.
+
+Nothing below the entrypoint reads the environment; it gets a NodeConfig. Every setting has an environment
+variable (how orchestrators such as vast.ai pass settings) and most have a flag; a flag wins over its variable.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import attrs
+
+from worker.fetch import default_cache_dir, default_ollama_dir
+from worker.partition import check_stage
+
+DEFAULT_MODEL = "tiny"
+DEFAULT_PORT = 8000
+DEFAULT_BIND = "0.0.0.0"
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024  # a few prefill activations of an 8B model, with room to spare
+DEFAULT_LOG_LEVEL = "INFO"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+LOOPBACK = "127.0.0.1"
+TOKEN_ENV = "PP_CLUSTER_TOKEN"
+
+
+class ConfigError(ValueError):
+    """A setting is missing or malformed; the message names the variable or flag it came from."""
+
+
+@attrs.frozen(kw_only=True)
+class NodeConfig:
+    """Everything one node needs to know about itself. Its repr (and str) never shows the cluster token."""
+
+    stage: int
+    num_stages: int
+    cluster_token: str = attrs.field(repr=False)
+    node_id: str
+    cache_dir: Path
+    ollama_models_dir: Path
+    seed_addr: str | None = None        # base URL, e.g. http://10.0.0.5:8000
+    peer_direct: tuple[str, ...] = ()   # base URLs dialled directly
+    model: str = DEFAULT_MODEL
+    port: int = DEFAULT_PORT            # 0 = any free port (tests)
+    bind_host: str = DEFAULT_BIND
+    advertise_addr: str | None = None   # base URL that overrides every other guess
+    public_ip: str | None = None        # vast.ai's PUBLIC_IPADDR
+    public_port: int | None = None      # vast.ai's VAST_TCP_PORT_<port>: the public port mapped to `port`
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    log_level: str = DEFAULT_LOG_LEVEL
+
+
+def loggable(config: NodeConfig) -> dict[str, object]:
+    """The config as JSON-friendly fields for a log line, without the fields hidden from repr (the token)."""
+    return {f.name: _plain(getattr(config, f.name)) for f in attrs.fields(NodeConfig) if f.repr}
+
+
+def _plain(value: object) -> object:
+    return str(value) if isinstance(value, Path) else value
+
+
+def advertised_url(config: NodeConfig, bound_port: int) -> str:
+    """The base URL other nodes should use to reach this one, once the listener is bound to `bound_port`."""
+    if config.advertise_addr:
+        return config.advertise_addr
+    if config.public_ip and config.public_port:
+        return f"http://{_url_host(config.public_ip)}:{config.public_port}"
+    # A wildcard bind is reachable on loopback; without better information that is the only safe guess.
+    host = LOOPBACK if config.bind_host in WILDCARD_HOSTS else config.bind_host
+    return f"http://{_url_host(host)}:{bound_port}"
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def normalise_url(raw: str, label: str) -> str:
+    """`host:port` -> `http://host:port`, no trailing slash; refuses anything but a plain http(s) base URL."""
+    text = raw.strip()
+    if "://" not in text:
+        text = "http://" + text
+    text = text.rstrip("/")
+    parts = urlsplit(text)
+    try:
+        parts.port  # noqa: B018 -- urlsplit checks the port only when asked
+    except ValueError:
+        raise ConfigError(f"{label}={raw!r}: the port is not a number in 0..65535") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{label}={raw!r} is not an http(s) address such as http://10.0.0.5:8000")
+    if parts.path or parts.query or parts.fragment:
+        raise ConfigError(f"{label}={raw!r}: give a base address without a path, e.g. http://10.0.0.5:8000")
+    return text
+
+
+# (variable, flag, meaning): the --help epilog, and the variable each flag stands for.
+ENV_TABLE = (
+    ("STAGE", "--stage", "this node's stage, 0 .. NUM_STAGES-1 (required)"),
+    ("NUM_STAGES", "--num-stages", "how many stages the pipeline has, at least 2 (required)"),
+    (TOKEN_ENV, "", "secret shared by the cluster's nodes (required; no flag: it would show in ps)"),
+    ("SEED_ADDR", "--seed-addr", "a node to join through, e.g. http://10.0.0.5:8000 or 10.0.0.5:8000"),
+    ("PEER_DIRECT", "--peer-direct", "comma-separated addresses of peers to dial directly"),
+    ("MODEL", "--model", f"tiny, stub, a .gguf file, a Hugging Face directory or e.g. llama3.2:1b ({DEFAULT_MODEL})"),
+    ("PP_PORT", "--port", f"port to listen on; 0 = any free port ({DEFAULT_PORT})"),
+    ("PP_BIND", "--bind", f"address to listen on ({DEFAULT_BIND})"),
+    ("PP_ADVERTISE_ADDR", "--advertise-addr", "address other nodes use to reach this one (default: guessed)"),
+    ("PUBLIC_IPADDR", "", "this machine's public IP (vast.ai sets it inside its containers)"),
+    ("VAST_TCP_PORT_<PP_PORT>", "", "public port mapped to PP_PORT (vast.ai sets it)"),
+    ("PP_NODE_ID", "--node-id", "unique name of this node (stage<STAGE>-<8 random hex digits>)"),
+    ("PP_MAX_BODY", "", f"largest request body accepted, in bytes ({DEFAULT_MAX_BODY_BYTES >> 20} MiB)"),
+    ("PP_LOG_LEVEL", "--log-level", f"{', '.join(LOG_LEVELS)} ({DEFAULT_LOG_LEVEL})"),
+    ("XDG_CACHE_HOME", "", "downloaded models go to $XDG_CACHE_HOME/pp (~/.cache/pp)"),
+    ("OLLAMA_MODELS", "", "ollama's model store, used before downloading (~/.ollama/models)"),
+)
+_ENV_OF_FLAG = {flag: env for env, flag, _ in ENV_TABLE if flag}
+
+DESCRIPTION = """\
+Run one stage of a pipeline-parallel Llama. The model's blocks are split over NUM_STAGES nodes, one
+process each, usually on different machines: stage 0 tokenizes the prompt and embeds it, every stage runs
+its own range of blocks and passes the activations on, and the last stage samples the next token and
+sends it back to stage 0. Nodes find each other through a seed node (SEED_ADDR) and keep track of each
+other by gossip.
+
+Every setting can be given as an environment variable (below); a flag wins over its variable. The cluster
+token is read only from the environment, so that it never shows in the process list."""
+
+EXAMPLE = """example, a two-stage pipeline on one machine (two shells):
+  PP_CLUSTER_TOKEN=s3cret STAGE=0 NUM_STAGES=2 PP_PORT=8000 {prog}
+  PP_CLUSTER_TOKEN=s3cret STAGE=1 NUM_STAGES=2 PP_PORT=8001 SEED_ADDR=127.0.0.1:8000 {prog}"""
+
+
+def build_parser(prog: str = "python ppnode.py") -> argparse.ArgumentParser:
+    epilog = "environment variables:\n" + "\n".join(
+        f"  {env:<24} {flag:<17} {meaning}" for env, flag, meaning in ENV_TABLE) + "\n\n" + EXAMPLE.format(prog=prog)
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, epilog=epilog, allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    # Flags are read as strings, so that one set of checks and messages covers flags and variables alike.
+    p.add_argument("--stage", metavar="I", help="this node's stage (STAGE)")
+    p.add_argument("--num-stages", metavar="N", help="number of stages (NUM_STAGES)")
+    p.add_argument("--seed-addr", metavar="URL", help="node to join through (SEED_ADDR)")
+    p.add_argument("--peer-direct", metavar="URL", action="append",
+                   help="peer to dial directly; repeat for several (PEER_DIRECT)")
+    p.add_argument("--model", help=f"model to serve (MODEL, default {DEFAULT_MODEL})")
+    p.add_argument("--port", help=f"listen port, 0 = any (PP_PORT, default {DEFAULT_PORT})")
+    p.add_argument("--bind", metavar="HOST", help=f"listen address (PP_BIND, default {DEFAULT_BIND})")
+    p.add_argument("--advertise-addr", metavar="URL", help="address others reach us at (PP_ADVERTISE_ADDR)")
+    p.add_argument("--node-id", metavar="ID", help="unique node name (PP_NODE_ID)")
+    p.add_argument("--log-level", metavar="LEVEL", help=f"{', '.join(LOG_LEVELS)} (PP_LOG_LEVEL)")
+    return p
+
+
+def parse_config(environ: Mapping[str, str], argv: list[str], *, home: Path,
+                 rng: random.Random | None = None) -> NodeConfig:
+    """Build the config from `environ` and `argv` (without the program name); exits 2 with a message on
+    any bad value. `rng` makes the default node id reproducible (tests); without it `secrets` is used."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _config_from(_Sources(vars(args), environ), home=home, rng=rng)
+    except ConfigError as exc:
+        parser.error(str(exc))
+
+
+@attrs.frozen
+class _Sources:
+    flags: Mapping[str, object]
+    environ: Mapping[str, str] = attrs.field(repr=False)  # it holds the cluster token
+
+    def get(self, flag: str) -> tuple[object | None, str]:
+        """The raw value for `flag` (flag first, then its variable) and the name to blame in errors."""
+        value = self.flags[flag.removeprefix("--").replace("-", "_")]
+        if value is not None:
+            return value, flag
+        env = _ENV_OF_FLAG[flag]
+        return self.environ.get(env), env
+
+
+def _config_from(src: _Sources, *, home: Path, rng: random.Random | None) -> NodeConfig:
+    stage, num_stages = _required_int(src, "--stage"), _required_int(src, "--num-stages")
+    try:
+        check_stage(stage, num_stages)
+    except ValueError as exc:  # its message already names STAGE / NUM_STAGES and the way out
+        raise ConfigError(str(exc)) from None
+    env, port = src.environ, _port(src)
+    return NodeConfig(
+        stage=stage, num_stages=num_stages, cluster_token=_token(env), node_id=_node_id(src, stage, rng),
+        cache_dir=default_cache_dir(home, env.get("XDG_CACHE_HOME")),
+        ollama_models_dir=default_ollama_dir(home, env.get("OLLAMA_MODELS")),
+        seed_addr=_optional_url(*src.get("--seed-addr")), peer_direct=_peer_direct(*src.get("--peer-direct")),
+        model=_text(src, "--model") or DEFAULT_MODEL, port=port, bind_host=_text(src, "--bind") or DEFAULT_BIND,
+        advertise_addr=_optional_url(*src.get("--advertise-addr")),
+        public_ip=(env.get("PUBLIC_IPADDR") or "").strip() or None, public_port=_public_port(env, port),
+        max_body_bytes=_max_body(env), log_level=_log_level(*src.get("--log-level")))
+
+
+def _int(raw: str, label: str) -> int:
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{label}={raw!r} is not a whole number") from None
+
+
+def _required_int(src: _Sources, flag: str) -> int:
+    raw, label = src.get(flag)
+    if raw is None or not raw.strip():
+        raise ConfigError(f"{_ENV_OF_FLAG[flag]} is not set (or pass {flag})")
+    return _int(raw, label)
+
+
+def _text(src: _Sources, flag: str) -> str:
+    raw, _ = src.get(flag)
+    return (raw or "").strip()
+
+
+def _port(src: _Sources) -> int:
+    raw, label = src.get("--port")
+    if raw is None or not raw.strip():
+        return DEFAULT_PORT
+    port = _int(raw, label)
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{label}={port} is outside 0..65535 (0 = any free port)")
+    return port
+
+
+def _public_port(environ: Mapping[str, str], port: int) -> int | None:
+    name = f"VAST_TCP_PORT_{port}"
+    raw = environ.get(name)
+    if raw is None or not raw.strip():
+        return None
+    public = _int(raw, name)
+    if not 1 <= public <= 65535:
+        raise ConfigError(f"{name}={public} is outside 1..65535")
+    return public
+
+
+def _optional_url(raw: str | None, label: str) -> str | None:
+    return normalise_url(raw, label) if raw and raw.strip() else None
+
+
+def _peer_direct(raw: str | list[str] | None, label: str) -> tuple[str, ...]:
+    texts = raw if isinstance(raw, list) else [raw or ""]  # a list when given as repeated flags
+    entries = [part for text in texts for part in text.split(",") if part.strip()]
+    return tuple(normalise_url(entry, label) for entry in entries)
+
+
+def _token(environ: Mapping[str, str]) -> str:
+    # Surrounding whitespace is stripped: `$(cat token-file)` and friends often leave a newline.
+    token = (environ.get(TOKEN_ENV) or "").strip()
+    if not token:
+        raise ConfigError(f"{TOKEN_ENV} is not set: every node of a cluster needs the same secret token, "
+                          "given in the environment only")
+    return token
+
+
+def _node_id(src: _Sources, stage: int, rng: random.Random | None) -> str:
+    raw, label = src.get("--node-id")
+    node_id = (raw or "").strip()
+    if not node_id:
+        suffix = f"{rng.getrandbits(32):08x}" if rng is not None else secrets.token_hex(4)
+        return f"stage{stage}-{suffix}"
+    if not node_id.isprintable() or " " in node_id:
+        raise ConfigError(f"{label}={raw!r}: a node id must be printable and without spaces")
+    return node_id
+
+
+def _max_body(environ: Mapping[str, str]) -> int:
+    raw = environ.get("PP_MAX_BODY")
+    if raw is None or not raw.strip():
+        return DEFAULT_MAX_BODY_BYTES
+    size = _int(raw, "PP_MAX_BODY")
+    if size < 1:
+        raise ConfigError(f"PP_MAX_BODY={size} must be a positive number of bytes")
+    return size
+
+
+def _log_level(raw: str | None, label: str) -> str:
+    level = (raw or DEFAULT_LOG_LEVEL).strip().upper()
+    if level not in LOG_LEVELS:
+        raise ConfigError(f"{label}={raw!r} is not one of {', '.join(LOG_LEVELS)}")
+    return level

@@ -1,0 +1,97 @@
+"""A node's life: the boot sequence of spec §5.1, then serving until cancelled.
+
+1-2 config and role come parsed; 3 listen, then join gossip through the seed and PEER_DIRECT;
+4 wait for a peer; 6 register pp-stage-{i}; 7 load the worker on the compute thread; 8-10 wait until
+the names this stage sends to resolve; 12 register pp-entry / pp-exit last; 13 pump messages.
+The first stage registers pp-entry only once every stage reports ready, so pp-entry means
+"the whole chain can take a prompt now".
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+from typing import Callable
+
+import trio
+
+from roles import topology
+from worker.models import open_model, open_worker
+from worker.partition import Role
+
+from .app import make_app, serve_app
+from .client import HttpTransport, PeerClient
+from .compute import ComputeThread, open_compute_thread
+from .config import NodeConfig, advertised_url
+from .gossip import Member, Meta, SwimConfig
+from .log import event
+from .stage_node import StageNode
+from .swim import Swim
+
+log = logging.getLogger("pp.node")
+
+
+def load_worker(config: NodeConfig):
+    """Runs on the compute thread: tinygrad state stays on the thread that made it."""
+    model = open_model(config.model, cache_dir=config.cache_dir, ollama_models_dir=config.ollama_models_dir,
+                       progress=False)
+    return open_worker(model, config.stage, config.num_stages)
+
+
+def _chain_ready(num_stages: int):
+    def ready(swim: Swim) -> bool:
+        members = [swim.resolve(topology.stage_name(i)) for i in range(num_stages)]
+        return all(m is not None and m.meta.ready for m in members)
+    return ready
+
+
+def _resolved(names: tuple[str, ...]):
+    return lambda swim: all(swim.resolve(n) is not None for n in names)
+
+
+async def run_node(config: NodeConfig, *, swim_config: SwimConfig = SwimConfig(),
+                   on_listening: Callable[[str], None] = lambda url: None, compute: ComputeThread | None = None,
+                   task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Run one stage until cancelled. `on_listening(url)` is called once the server is up; the task
+    reports started (with the advertised URL) once the stage is ready and its final names registered.
+
+    tinygrad keeps global state and is not thread-safe: several nodes in one process (tests) must
+    share one `compute` thread; a node process alone opens its own.
+    """
+    async with contextlib.AsyncExitStack() as stack:
+        if compute is None:
+            compute = await stack.enter_async_context(open_compute_thread())
+        await _serve(config, swim_config, on_listening, compute, task_status)
+
+
+async def _serve(config, swim_config, on_listening, compute, task_status) -> None:
+    stage, n = config.stage, config.num_stages
+    async with PeerClient(config.cluster_token) as client, trio.open_nursery() as nursery:
+        node = StageNode(stage, n, client, node_id=config.node_id)
+        app = make_app(node, token=config.cluster_token, max_body_bytes=config.max_body_bytes)
+        url = advertised_url(config, await nursery.start(serve_app, app, config.bind_host, config.port))
+        event(log, "listening", url=url, stage=stage, num_stages=n)
+        on_listening(url)
+
+        me = Member(config.node_id, url, incarnation=time.time_ns() // 1_000_000, meta=Meta(stage=stage))
+        seeds = [a for a in (config.seed_addr, *config.peer_direct) if a]
+        node.swim = swim = Swim(me, swim_config, HttpTransport(client), random.Random(), seeds)
+        await nursery.start(swim.run)
+        await swim.wait_until(lambda s: len(s.alive()) >= 2)
+        swim.update_meta(names=topology.first_names(stage, n))
+        event(log, "joined", members=len(swim.members()))
+
+        started = time.perf_counter()
+        worker = await compute.call(load_worker, config)
+        event(log, "worker_ready", seconds=round(time.perf_counter() - started, 3), layers=str(worker.info.layers),
+              weight_bytes=worker.info.weight_bytes)
+        node.worker = worker
+        swim.update_meta(ready=True)
+        await swim.wait_until(_resolved(topology.resolves(stage, n)))
+        if node.actor.role is Role.FIRST:
+            await swim.wait_until(_chain_ready(n))
+        swim.update_meta(names=topology.final_names(stage, n))
+        event(log, "serving", names=list(topology.final_names(stage, n)))
+        task_status.started(url)
+        await node.pump(compute)

@@ -1,0 +1,301 @@
+"""SWIM-lite driver: probe loop, suspicion timers, push/pull sync and inbound handlers, over a Transport.
+
+Decisions live in node.gossip; this file owns time (trio's clock only, so tests run under MockClock) and I/O.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import random
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Protocol, TypeVar
+
+import attrs
+import trio
+
+from node import gossip
+from node.gossip import Ack, Member, Nack, Ping, PingReq, State, SwimConfig, Sync
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class TransportError(Exception):
+    """A request to a member failed: connection error, timeout or non-2xx answer."""
+
+    def __init__(self, addr: str, problem: str):
+        super().__init__(f"{addr}: {problem}")
+        self.addr, self.problem = addr, problem
+
+
+class WrongTargetError(ValueError):
+    """A ping named another member: the address now belongs to someone else (vast.ai reuses IPs and ports)."""
+
+
+class Transport(Protocol):
+    async def ping(self, addr: str, msg: Ping) -> Ack: ...
+    async def ping_req(self, addr: str, msg: PingReq) -> Ack | Nack: ...
+    async def sync(self, addr: str, msg: Sync) -> Sync: ...
+
+
+class Swim:
+    """One member's membership protocol.
+
+    Serve on_ping / on_ping_req / on_sync from the HTTP server *before* starting run(), so that members
+    joining through us, and we through them, can sync while everyone is still starting.
+    """
+
+    def __init__(self, self_member: Member, config: SwimConfig, transport: Transport, rng: random.Random,
+                 seeds: Iterable[str]):
+        if self_member.state is not State.ALIVE:
+            raise ValueError(f"member {self_member.id!r} must start ALIVE, not {self_member.state.name}")
+        self.config = config
+        self._id = self_member.id
+        self._view: dict[str, Member] = {self_member.id: self_member}
+        self._transport, self._rng = transport, rng
+        self._seeds = tuple(addr for addr in seeds if addr != self_member.addr)
+        self._queue = gossip.Dissemination()
+        self._round = gossip.ProbeRound()
+        self._suspicions: dict[str, gossip.Suspicion] = {}
+        self._deaths: Counter[str] = Counter()
+        self._tombstones: dict[str, Member] = {}  # last DEAD/LEFT record of each member
+        self._seq = itertools.count(1)
+        self._changed = trio.Event()  # set and replaced on every view change
+
+    # --- queries ------------------------------------------------------------------------------------------
+
+    @property
+    def me(self) -> Member:
+        return self._view[self._id]
+
+    def members(self) -> dict[str, Member]:
+        """A snapshot of the view, self included, keyed by id."""
+        return dict(self._view)
+
+    def alive(self) -> tuple[Member, ...]:
+        """Non-observer ALIVE members, self included, by id."""
+        return tuple(m for _, m in sorted(self._view.items()) if m.state is State.ALIVE and not m.meta.observer)
+
+    def resolve(self, name: str) -> Member | None:
+        """A reachable (ALIVE or SUSPECT, non-observer) member registered under `name`. A suspect may be
+        just slow, so messages still go to it until it is declared dead. If several hold the name: ALIVE
+        before SUSPECT, then the highest incarnation (the latest (re)started), then the smallest id."""
+        found = [m for m in self._view.values() if name in m.meta.names and not m.meta.observer
+                 and m.state in (State.ALIVE, State.SUSPECT)]
+        return min(found, key=lambda m: (m.state is not State.ALIVE, -m.incarnation, m.id)) if found else None
+
+    async def wait_until(self, predicate: Callable[[Swim], T]) -> T:
+        """Evaluate predicate(self) now and after every view change; return its first truthy result."""
+        while True:
+            changed = self._changed
+            result = predicate(self)
+            if result:
+                return result
+            await changed.wait()
+
+    async def wait_for_dead(self, member_id: str) -> Member:
+        """Return the DEAD/LEFT record of `member_id` once it is (or already is) declared gone. A death
+        after the call is reported even if a restart has already replaced it in the view."""
+        deaths_before = self._deaths[member_id]
+
+        def gone(swim: Swim) -> Member | None:
+            record = swim._view.get(member_id)
+            if record is not None and record.state in gossip.TERMINAL:
+                return record
+            return swim._tombstones[member_id] if swim._deaths[member_id] > deaths_before else None
+        return await self.wait_until(gone)
+
+    # --- own metadata -------------------------------------------------------------------------------------
+
+    def update_meta(self, **changes: object) -> Member:
+        """Change own metadata (names, ready, progress...) and gossip it; each call bumps the incarnation, so
+        throttle progress reports to a few per minute."""
+        me = gossip.announce_meta(self.me, **changes)
+        self._commit({**self._view, self._id: me}, (me,))
+        return me
+
+    # --- inbound, called by the HTTP layer ----------------------------------------------------------------
+
+    async def on_ping(self, msg: Ping) -> Ack:
+        if msg.target_id != self._id:
+            raise WrongTargetError(f"ping for member {msg.target_id!r} reached member {self._id!r} "
+                                   f"at {self.me.addr}")
+        self._absorb((msg.sender, *msg.updates))
+        return Ack(sender_id=self._id, seq=msg.seq, updates=self._updates_for(msg.sender.id))
+
+    async def on_ping_req(self, msg: PingReq) -> Ack | Nack:
+        """Ping the target on the sender's behalf; Nack if it does not ack within our probe timeout."""
+        self._absorb((msg.sender, *msg.updates))
+        acked = False
+        with trio.move_on_after(self.config.probe_timeout_s):
+            acked = await self._ping(msg.target_id, msg.target_addr)
+        reply = Ack if acked else Nack
+        return reply(sender_id=self._id, seq=msg.seq, updates=self._updates_for(msg.sender.id))
+
+    def on_sync(self, msg: Sync) -> Sync:
+        self._absorb(map(gossip.as_synced, msg.members))
+        return Sync(members=tuple(self._view.values()))
+
+    # --- the protocol -------------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Join through the seeds, then run the protocol until cancelled.
+
+        Reports started only after the join, i.e. once a seed answered (or at once with no seeds, or when a
+        member already joined through us): an owner that awaits nursery.start(swim.run) then sees the
+        cluster's view rather than a view of one, and a member that reaches no seed never claims to be up.
+        """
+        await self._join()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._suspicion_loop)
+            nursery.start_soon(self._sync_loop)
+            nursery.start_soon(self._probe_loop)
+            task_status.started()
+
+    async def _join(self) -> None:
+        delay = self.config.join_backoff_s
+        while self._seeds and self._alone() and not await self._sync_any(self._seeds):
+            log.info("%s: no seed of %s answered; retrying in %.1f s", self._id, self._seeds, delay)
+            await trio.sleep(delay)
+            delay = min(2 * delay, self.config.join_backoff_max_s)
+
+    def _alone(self) -> bool:
+        return not any(gossip.is_probe_target(m, self._id) for m in self._view.values())
+
+    async def _probe_loop(self) -> None:
+        while True:
+            period_end = trio.current_time() + self.config.protocol_period_s
+            target = self._next_target()
+            if target is None:
+                await self._sync_any(self._seeds)  # alone: look for the cluster again
+            elif not await self._probe(target, period_end):
+                self._absorb((attrs.evolve(self._view[target.id], state=State.SUSPECT),))
+            await trio.sleep_until(period_end)
+
+    def _next_target(self) -> Member | None:
+        target_id, self._round = gossip.next_target(self._round, self._view, self._id, self._rng)
+        return None if target_id is None else self._view[target_id]
+
+    async def _probe(self, target: Member, period_end: float) -> bool:
+        """Direct ping; if no ack within the probe timeout, ping-req through k relays while the direct ping
+        keeps waiting (memberlist's fallback), all until the period ends. True if anything acked."""
+        acked, direct_done = trio.Event(), trio.Event()
+
+        async def direct() -> None:
+            if await self._ping(target.id, target.addr):
+                acked.set()
+            direct_done.set()
+
+        async def via(relay: Member) -> None:
+            if await self._ping_req(relay, target):
+                acked.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(direct)
+            with trio.move_on_after(self.config.probe_timeout_s):
+                await direct_done.wait()
+            if not acked.is_set():
+                for relay in gossip.choose_relays(self._view, self._id, target.id, self.config.indirect_checks,
+                                                  self._rng):
+                    nursery.start_soon(via, relay)
+                with trio.move_on_at(period_end):
+                    await acked.wait()
+            nursery.cancel_scope.cancel()
+        return acked.is_set()
+
+    async def _ping(self, target_id: str, addr: str) -> bool:
+        seq = next(self._seq)
+        msg = Ping(sender=self.me, target_id=target_id, seq=seq, updates=self._updates_for(target_id))
+        try:
+            ack = await self._transport.ping(addr, msg)
+        except TransportError as exc:  # a failed probe is an event for the protocol, not an error
+            log.debug("%s: ping %s failed: %s", self._id, target_id, exc)
+            return False
+        self._absorb(ack.updates)
+        return ack.seq == seq
+
+    async def _ping_req(self, relay: Member, target: Member) -> bool:
+        msg = PingReq(sender=self.me, target_id=target.id, target_addr=target.addr, seq=next(self._seq),
+                      updates=self._updates_for(relay.id))
+        try:
+            reply = await self._transport.ping_req(relay.addr, msg)
+        except TransportError as exc:
+            log.debug("%s: ping-req via %s failed: %s", self._id, relay.id, exc)
+            return False
+        self._absorb(reply.updates)
+        return isinstance(reply, Ack) and reply.seq == msg.seq
+
+    async def _suspicion_loop(self) -> None:
+        while True:
+            changed = self._changed
+            deadline = min((s.deadline_s for s in self._suspicions.values()), default=math.inf)
+            with trio.move_on_at(deadline):
+                await changed.wait()
+            now = trio.current_time()
+            verdicts = gossip.expired_suspects(self._view, self._suspicions, now)
+            self._suspicions = {i: s for i, s in self._suspicions.items() if s.deadline_s > now}
+            self._absorb(verdicts)
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await trio.sleep(self.config.sync_interval_s)
+            peer = gossip.pick_sync_peer(self._view, self._id, self._rng)
+            if peer is not None:
+                await self._sync(peer.addr)
+
+    async def _sync_any(self, addrs: Iterable[str]) -> bool:
+        answered: list[str] = []
+
+        async def one(addr: str) -> None:
+            if await self._sync(addr):
+                answered.append(addr)
+
+        async with trio.open_nursery() as nursery:
+            for addr in addrs:
+                nursery.start_soon(one, addr)
+        return bool(answered)
+
+    async def _sync(self, addr: str) -> bool:
+        with trio.move_on_after(self.config.sync_timeout_s):
+            try:
+                reply = await self._transport.sync(addr, Sync(members=tuple(self._view.values())))
+            except TransportError as exc:
+                log.debug("%s: sync with %s failed: %s", self._id, addr, exc)
+                return False
+            self._absorb(map(gossip.as_synced, reply.members))
+            return True
+        log.debug("%s: sync with %s timed out", self._id, addr)
+        return False
+
+    # --- state --------------------------------------------------------------------------------------------
+
+    def _updates_for(self, recipient_id: str) -> tuple[Member, ...]:
+        """Least-sent queued updates; plus, if we hold the recipient suspect or dead, that record, so it can
+        refute at once (memberlist's buddy system, used on acks as well as pings)."""
+        limit = gossip.retransmit_limit(len(self._view), self.config.retransmit_mult)
+        updates, self._queue = self._queue.take(self.config.max_piggyback, limit)
+        about = self._view.get(recipient_id)
+        if about is not None and about.state is not State.ALIVE and about not in updates:
+            updates = (about, *updates)
+        return updates
+
+    def _absorb(self, updates: Iterable[Member]) -> None:
+        view, changed = gossip.merge_all(self._view, updates, self._id)
+        if changed:
+            self._commit(view, changed)
+
+    def _commit(self, view: dict[str, Member], changed: tuple[Member, ...]) -> None:
+        self._view = view
+        for record in changed:
+            self._queue = self._queue.enqueue(record)
+            self._suspicions.pop(record.id, None)
+            if record.state is State.SUSPECT and record.id != self._id:
+                timeout = gossip.suspicion_timeout_s(gossip.live_count(view), self.config)
+                self._suspicions[record.id] = gossip.Suspicion(record.incarnation, trio.current_time() + timeout)
+            elif record.state in gossip.TERMINAL:
+                self._deaths[record.id] += 1
+                self._tombstones[record.id] = record
+        self._changed.set()
+        self._changed = trio.Event()

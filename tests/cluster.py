@@ -1,0 +1,57 @@
+"""Test helper: an in-process cluster — the orchestrator plus N stage nodes over real hypercorn HTTP/2
+on loopback, each node started as ppsmoke does: in order, each with its predecessor as PEER_DIRECT."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import trio
+
+from node.config import NodeConfig
+from node.gossip import SwimConfig
+from node.compute import open_compute_thread
+from node.main import run_node
+from node.orchestrator import Orchestrator, run_orchestrator
+
+TOKEN = "test-cluster-token"
+# fast enough for tests, slow enough that a busy 2-core machine doesn't look dead
+FAST_SWIM = SwimConfig(protocol_period_s=0.3, probe_timeout_s=0.15, suspicion_mult=4, sync_interval_s=2.0)
+
+
+def stage_config(stage: int, n: int, *, model: str, seed: str, peer: str | None, tmp: Path, **kw) -> NodeConfig:
+    return NodeConfig(stage=stage, num_stages=n, cluster_token=TOKEN, node_id=f"stage{stage}", cache_dir=tmp,
+                      ollama_models_dir=tmp / "ollama", seed_addr=seed, peer_direct=(peer,) if peer else (),
+                      model=model, port=0, bind_host="127.0.0.1", **kw)
+
+
+async def _node_until_listening(config: NodeConfig, compute, *, task_status=trio.TASK_STATUS_IGNORED):
+    await run_node(config, swim_config=FAST_SWIM, on_listening=task_status.started, compute=compute)
+
+
+async def start_cluster(nursery: trio.Nursery, n: int, tmp: Path, *, model: str = "stub",
+                        **kw) -> tuple[Orchestrator, list[str], list[trio.CancelScope]]:
+    """Start everything in `nursery`; returns once pp-entry resolves. Each node has its own cancel
+    scope, so a test can stop one."""
+    orch = await nursery.start(functools.partial(run_orchestrator, TOKEN, swim_config=FAST_SWIM))
+    compute = await nursery.start(_shared_compute)  # tinygrad is not thread-safe: one thread for all
+    urls, scopes, prev = [], [], None
+    for stage in range(n):
+        scope = trio.CancelScope()
+        config = stage_config(stage, n, model=model, seed=orch.url, peer=prev, tmp=tmp, **kw)
+        prev = await nursery.start(_scoped, scope, config, compute)
+        urls.append(prev)
+        scopes.append(scope)
+    with trio.fail_after(120):
+        await orch.converge(n)
+    return orch, urls, scopes
+
+
+async def _scoped(scope: trio.CancelScope, config: NodeConfig, compute, *, task_status=trio.TASK_STATUS_IGNORED):
+    with scope:
+        await _node_until_listening(config, compute, task_status=task_status)
+
+
+async def _shared_compute(*, task_status=trio.TASK_STATUS_IGNORED):
+    async with open_compute_thread(name="cluster-compute") as compute:
+        task_status.started(compute)
+        await trio.sleep_forever()

@@ -1,0 +1,79 @@
+"""Spec tiers 4 and 6: in-process clusters over real hypercorn HTTP/2 on loopback."""
+import collections
+
+import httpx
+import pytest
+import trio
+
+from cluster import TOKEN, start_cluster
+from node import wire
+from node.client import PeerClient
+from node.orchestrator import new_request
+from node.stage_node import StageNode
+from worker.models import stub_model, tinygrad_model
+from worker.reference import generate_full
+from worker.stub import StubTokenizer
+from worker.tiny import TinySource
+
+
+def expected(model, prompt, max_tokens):
+    ids = model.tokenizer().encode_chat(prompt)
+    return ids, generate_full(model, ids, max_tokens).token_ids
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+async def test_stub_cluster_answers_with_the_single_process_tokens(nursery, tmp_path, n):
+    orch, _, _ = await start_cluster(nursery, n, tmp_path)
+    with trio.fail_after(60):
+        response = await orch.submit(new_request("Say hello", reply_to=orch.url, max_tokens=16))
+    ids, want = expected(stub_model(), "Say hello", 16)
+    assert response.error is None
+    assert list(response.token_ids) == want and list(response.prompt_token_ids) == ids
+    assert response.text == StubTokenizer().decode([t for t in want if t not in StubTokenizer.stop_ids])
+    assert len(response.stage_compute_ms) == n and all(ms > 0 for ms in response.stage_compute_ms)
+    nursery.cancel_scope.cancel()
+
+
+async def test_tiny_model_cluster_of_3_equals_generate_full(nursery, tmp_path):
+    orch, _, _ = await start_cluster(nursery, 3, tmp_path, model="tiny")
+    with trio.fail_after(120):
+        response = await orch.submit(new_request("Say hello", reply_to=orch.url, max_tokens=12))
+    _, want = expected(tinygrad_model(TinySource()), "Say hello", 12)
+    assert list(response.token_ids) == want and response.text
+    nursery.cancel_scope.cancel()
+
+
+async def test_every_message_crosses_every_hop_intact_over_http2(nursery, tmp_path, monkeypatch):
+    sent, received, versions = [], [], collections.Counter()
+    real_send, real_deliver = PeerClient.send, StageNode.deliver
+    last_feedback = trio.Event()  # the final NextToken may still be in flight when the response lands
+
+    async def recording_send(self, base, message):
+        sent.append(message)
+        r = await real_send(self, base, message)
+        versions[r.http_version] += 1
+        return r
+
+    def recording_deliver(self, message):
+        real_deliver(self, message)
+        received.append(message)
+        if isinstance(message, wire.NextToken) and message.done:
+            last_feedback.set()
+
+    monkeypatch.setattr(PeerClient, "send", recording_send)
+    monkeypatch.setattr(StageNode, "deliver", recording_deliver)
+    orch, urls, _ = await start_cluster(nursery, 4, tmp_path)
+    with trio.fail_after(60):
+        await orch.submit(new_request("Say hello", reply_to=orch.url, max_tokens=5))
+        await last_feedback.wait()
+    kinds = collections.Counter(type(m).__name__ for m in sent)
+    # 1 request; prefill + 4 decode steps through 3 hops; 5 tokens fed back; 1 response
+    assert kinds == {"InferenceRequest": 1, "Activation": 15, "NextToken": 5, "InferenceResponse": 1}
+    stage_bound = [m for m in sent if not isinstance(m, wire.InferenceResponse)]
+    assert sorted(map(repr, stage_bound)) == sorted(map(repr, received))  # equal, field by field, bytes too
+    assert set(versions) == {"HTTP/2"}
+    async with httpx.AsyncClient() as c:
+        for url in urls:
+            health = (await c.get(url + "/health")).json()
+            assert set(health["http_versions"]) <= {"2", "1.1"} and health["http_versions"]["2"] > 0
+    nursery.cancel_scope.cancel()

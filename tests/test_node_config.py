@@ -1,0 +1,271 @@
+"""The node's configuration (environment, flags, errors, addresses) and its JSON log lines."""
+import datetime
+import io
+import json
+import logging
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+from node.config import NodeConfig, advertised_url, loggable, normalise_url, parse_config
+from node.log import as_extra, error_event, event, setup_logging, warn_event
+
+HOME = Path("/home/alice")
+TOKEN = "tok-3f9a1c77e2"
+BASE_ENV = {"STAGE": "1", "NUM_STAGES": "3", "PP_CLUSTER_TOKEN": TOKEN}
+
+
+def parse(env_overrides=None, argv=(), *, drop=(), rng=None) -> NodeConfig:
+    env = {k: v for k, v in {**BASE_ENV, **(env_overrides or {})}.items() if k not in drop}
+    return parse_config(env, list(argv), home=HOME, rng=rng)
+
+
+def config(**overrides) -> NodeConfig:
+    fields = dict(stage=0, num_stages=2, cluster_token=TOKEN, node_id="n0", cache_dir=HOME / ".cache" / "pp",
+                  ollama_models_dir=HOME / ".ollama" / "models")
+    return NodeConfig(**{**fields, **overrides})
+
+
+# --- parse_config: environment only -------------------------------------------------------------------------
+
+def test_a_minimal_environment_gives_the_documented_defaults():
+    cfg = parse({"PP_NODE_ID": "n1"})
+    assert cfg == NodeConfig(
+        stage=1, num_stages=3, cluster_token=TOKEN, node_id="n1", cache_dir=Path("/home/alice/.cache/pp"),
+        ollama_models_dir=Path("/home/alice/.ollama/models"), seed_addr=None, peer_direct=(), model="tiny",
+        port=8000, bind_host="0.0.0.0", advertise_addr=None, public_ip=None, public_port=None,
+        max_body_bytes=67108864, log_level="INFO")
+
+
+def test_every_variable_is_read_from_the_environment():
+    cfg = parse({
+        "SEED_ADDR": "10.0.0.5:7000", "PEER_DIRECT": "10.0.0.6:8000, http://10.0.0.7:8001/",
+        "MODEL": "llama3.2:1b", "PP_PORT": "9000", "PP_BIND": "10.0.0.9", "PP_ADVERTISE_ADDR": "node.example:80",
+        "PUBLIC_IPADDR": " 203.0.113.4\n", "VAST_TCP_PORT_9000": "41234", "VAST_TCP_PORT_8000": "1",
+        "PP_NODE_ID": "alpha", "PP_MAX_BODY": "1048576", "PP_LOG_LEVEL": "debug",
+        "XDG_CACHE_HOME": "/xdg", "OLLAMA_MODELS": "/models"})
+    assert cfg.seed_addr == "http://10.0.0.5:7000"
+    assert cfg.peer_direct == ("http://10.0.0.6:8000", "http://10.0.0.7:8001")
+    assert (cfg.model, cfg.port, cfg.bind_host, cfg.advertise_addr) == ("llama3.2:1b", 9000, "10.0.0.9",
+                                                                        "http://node.example:80")
+    assert (cfg.public_ip, cfg.public_port) == ("203.0.113.4", 41234)  # the mapping of PP_PORT, not of 8000
+    assert (cfg.node_id, cfg.max_body_bytes, cfg.log_level) == ("alpha", 1048576, "DEBUG")
+    assert (cfg.cache_dir, cfg.ollama_models_dir) == (Path("/xdg/pp"), Path("/models"))
+
+
+def test_empty_optional_variables_count_as_unset():
+    cfg = parse({"SEED_ADDR": "", "PEER_DIRECT": " , ", "PP_PORT": "", "PUBLIC_IPADDR": "  ", "MODEL": " "})
+    assert (cfg.seed_addr, cfg.peer_direct, cfg.port, cfg.public_ip, cfg.model) == (None, (), 8000, None, "tiny")
+
+
+def test_the_cluster_token_loses_surrounding_whitespace():
+    assert parse({"PP_CLUSTER_TOKEN": f"  {TOKEN}\n"}).cluster_token == TOKEN
+
+
+# --- parse_config: flags override the environment -------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, field, expected", [
+    (["--stage", "2"], "stage", 2),
+    (["--num-stages", "5"], "num_stages", 5),
+    (["--seed-addr", "10.1.1.1:9"], "seed_addr", "http://10.1.1.1:9"),
+    (["--peer-direct", "a:1", "--peer-direct", "b:2,c:3"], "peer_direct", ("http://a:1", "http://b:2", "http://c:3")),
+    (["--model", "/models/x.gguf"], "model", "/models/x.gguf"),
+    (["--port", "0"], "port", 0),
+    (["--bind", "127.0.0.2"], "bind_host", "127.0.0.2"),
+    (["--advertise-addr", "https://me.example:8443/"], "advertise_addr", "https://me.example:8443"),
+    (["--node-id", "beta"], "node_id", "beta"),
+    (["--log-level", "warning"], "log_level", "WARNING"),
+])
+def test_a_flag_wins_over_its_variable(argv, field, expected):
+    env = {"NUM_STAGES": "6", "SEED_ADDR": "s:1", "PEER_DIRECT": "p:1", "MODEL": "tiny", "PP_PORT": "8100",
+           "PP_BIND": "10.0.0.1", "PP_ADVERTISE_ADDR": "x:1", "PP_NODE_ID": "alpha", "PP_LOG_LEVEL": "ERROR"}
+    assert getattr(parse(env, argv), field) == expected
+
+
+def test_the_port_flag_also_selects_the_vast_port_mapping():
+    cfg = parse({"PP_PORT": "8000", "VAST_TCP_PORT_8000": "1111", "VAST_TCP_PORT_9100": "2222",
+                 "PUBLIC_IPADDR": "203.0.113.4"}, ["--port", "9100"])
+    assert (cfg.port, cfg.public_port) == (9100, 2222)
+
+
+# --- parse_config: bad values -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("env, argv, drop, message", [
+    ({"STAGE": "abc"}, [], (), "STAGE='abc' is not a whole number"),
+    ({}, ["--stage", "x"], (), "--stage='x' is not a whole number"),
+    ({}, [], ("STAGE",), "STAGE is not set"),
+    ({}, [], ("NUM_STAGES",), "NUM_STAGES is not set"),
+    ({"STAGE": "0", "NUM_STAGES": "1"}, [], (), "python -m worker"),
+    ({"STAGE": "3", "NUM_STAGES": "3"}, [], (), "STAGE=3 is outside 0..2"),
+    ({"STAGE": "-1"}, [], (), "STAGE=-1 is outside 0..2"),
+    ({}, [], ("PP_CLUSTER_TOKEN",), "PP_CLUSTER_TOKEN is not set"),
+    ({"PP_CLUSTER_TOKEN": " \n"}, [], (), "PP_CLUSTER_TOKEN is not set"),
+    ({"PP_PORT": "70000"}, [], (), "PP_PORT=70000 is outside 0..65535"),
+    ({"PP_PORT": "-1"}, [], (), "PP_PORT=-1 is outside 0..65535"),
+    ({}, ["--port", "65536"], (), "--port=65536 is outside 0..65535"),
+    ({"PP_PORT": "http"}, [], (), "PP_PORT='http' is not a whole number"),
+    ({"VAST_TCP_PORT_8000": "none"}, [], (), "VAST_TCP_PORT_8000='none' is not a whole number"),
+    ({"VAST_TCP_PORT_8000": "0"}, [], (), "VAST_TCP_PORT_8000=0 is outside 1..65535"),
+    ({"SEED_ADDR": "ftp://10.0.0.5:21"}, [], (), "SEED_ADDR='ftp://10.0.0.5:21' is not an http(s) address"),
+    ({"SEED_ADDR": "10.0.0.5:http"}, [], (), "SEED_ADDR='10.0.0.5:http': the port is not a number"),
+    ({"PEER_DIRECT": "a:1,b:2/ping"}, [], (), "PEER_DIRECT='b:2/ping': give a base address without a path"),
+    ({"PP_ADVERTISE_ADDR": "http://"}, [], (), "PP_ADVERTISE_ADDR='http://' is not an http(s) address"),
+    ({"PP_MAX_BODY": "0"}, [], (), "PP_MAX_BODY=0 must be a positive number of bytes"),
+    ({"PP_LOG_LEVEL": "LOUD"}, [], (), "PP_LOG_LEVEL='LOUD' is not one of DEBUG, INFO"),
+    ({"PP_NODE_ID": "my node"}, [], (), "PP_NODE_ID='my node': a node id must be printable and without spaces"),
+])
+def test_a_bad_value_exits_with_a_message_naming_its_source(capsys, env, argv, drop, message):
+    with pytest.raises(SystemExit) as exc_info:
+        parse(env, argv, drop=drop)
+    err = capsys.readouterr().err
+    assert exc_info.value.code == 2
+    assert message in err
+    assert TOKEN not in err
+
+
+def test_there_is_no_token_flag_and_help_says_why(capsys):
+    with pytest.raises(SystemExit) as exc_info:
+        parse(argv=["--cluster-token", "x"])
+    assert exc_info.value.code == 2
+    with pytest.raises(SystemExit) as exc_info:
+        parse(argv=["--help"])
+    out = capsys.readouterr().out
+    assert exc_info.value.code == 0
+    assert "PP_CLUSTER_TOKEN" in out and "ps" in out
+    assert all(name in out for name in ("STAGE", "NUM_STAGES", "SEED_ADDR", "PEER_DIRECT", "PUBLIC_IPADDR"))
+
+
+# --- node id ----------------------------------------------------------------------------------------------------
+
+def test_the_default_node_id_is_the_stage_and_8_hex_digits():
+    assert re.fullmatch(r"stage1-[0-9a-f]{8}", parse().node_id)
+
+
+def test_the_default_node_id_is_reproducible_with_an_injected_rng_and_differs_across_seeds():
+    ids = [parse(rng=random.Random(seed)).node_id for seed in (7, 7, 8)]
+    assert ids[0] == ids[1] != ids[2]
+    assert f"stage1-{random.Random(7).getrandbits(32):08x}" == ids[0]
+
+
+# --- addresses --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("raw, expected", [
+    ("10.0.0.5:7000", "http://10.0.0.5:7000"),
+    ("http://10.0.0.5:7000/", "http://10.0.0.5:7000"),
+    (" https://node.example:8443// ", "https://node.example:8443"),
+    ("node.example", "http://node.example"),
+    ("[::1]:7000", "http://[::1]:7000"),
+])
+def test_addresses_are_normalised_to_base_urls(raw, expected):
+    assert normalise_url(raw, "SEED_ADDR") == expected
+
+
+@pytest.mark.parametrize("overrides, bound_port, expected", [
+    ({"advertise_addr": "http://me.example:80", "public_ip": "203.0.113.4", "public_port": 41234}, 8000,
+     "http://me.example:80"),
+    ({"public_ip": "203.0.113.4", "public_port": 41234}, 8000, "http://203.0.113.4:41234"),
+    ({"public_ip": "2001:db8::4", "public_port": 41234}, 8000, "http://[2001:db8::4]:41234"),
+    ({"public_ip": "203.0.113.4"}, 8000, "http://127.0.0.1:8000"),   # no port mapping: not reachable there
+    ({"public_port": 41234}, 8000, "http://127.0.0.1:8000"),
+    ({}, 43111, "http://127.0.0.1:43111"),                            # 0.0.0.0 and an ephemeral port
+    ({"bind_host": "::"}, 8000, "http://127.0.0.1:8000"),
+    ({"bind_host": "10.0.0.9"}, 8000, "http://10.0.0.9:8000"),
+    ({"bind_host": "::1"}, 8000, "http://[::1]:8000"),
+])
+def test_the_advertised_url_prefers_explicit_then_public_then_bound_address(overrides, bound_port, expected):
+    assert advertised_url(config(**overrides), bound_port) == expected
+
+
+# --- secrets ----------------------------------------------------------------------------------------------------
+
+def test_the_token_never_shows_in_repr_str_or_loggable_fields():
+    cfg = parse({"PP_NODE_ID": "n1"})
+    assert cfg.cluster_token == TOKEN
+    for text in (repr(cfg), str(cfg), f"{cfg}", repr([cfg]), json.dumps(loggable(cfg))):
+        assert TOKEN not in text
+    assert "n1" in repr(cfg) and loggable(cfg)["node_id"] == "n1"
+
+
+# --- logging ----------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def log_lines():
+    """setup_logging into a buffer; gives a function returning the lines so far as dicts; restores the loggers."""
+    names = ("pp", "node", "worker")
+    saved = {n: (logging.getLogger(n).handlers[:], logging.getLogger(n).level, logging.getLogger(n).propagate)
+             for n in names}
+    buffer = io.StringIO()
+    setup_logging("INFO", node_id="stage0-abcdef12", stream=buffer)
+    yield lambda: [json.loads(line) for line in buffer.getvalue().splitlines()]
+    for n, (handlers, level, propagate) in saved.items():
+        logger = logging.getLogger(n)
+        logger.handlers[:], logger.level, logger.propagate = handlers, level, propagate
+
+
+def test_an_event_is_one_json_line_with_time_level_node_name_and_fields(log_lines):
+    before = datetime.datetime.now(datetime.timezone.utc)
+    event(logging.getLogger("pp.node"), "peer_joined", peer="stage1-x", port=8001)
+    [line] = log_lines()
+    assert {k: line[k] for k in ("level", "node", "logger", "event", "peer", "port")} == {
+        "level": "INFO", "node": "stage0-abcdef12", "logger": "pp.node", "event": "peer_joined",
+        "peer": "stage1-x", "port": 8001}
+    ts = datetime.datetime.fromisoformat(line["ts"])
+    assert ts.utcoffset() == datetime.timedelta(0)
+    assert abs(ts - before) < datetime.timedelta(seconds=60)
+
+
+def test_fields_named_like_logrecord_attributes_or_base_keys_do_not_crash(log_lines):
+    event(logging.getLogger("pp"), "odd", name="n", msg="m", args=(1, 2), exc_info="e", level="l", event="ev")
+    [line] = log_lines()
+    assert line["event"] == "odd" and line["level"] == "INFO"
+    assert (line["name"], line["msg"], line["args"], line["exc_info"]) == ("n", "m", [1, 2], "e")
+    assert (line["field_level"], line["field_event"]) == ("l", "ev")
+
+
+def test_values_json_cannot_carry_are_written_as_their_repr(log_lines):
+    event(logging.getLogger("pp"), "odd_values", path=Path("/m/x.gguf"), nan=float("nan"),
+          tuple_keys={(1, 2): "a"}, nested=[{1, 2}], pct="100%")
+    [line] = log_lines()
+    assert line["path"] == repr(Path("/m/x.gguf"))
+    assert line["nan"] == "nan"
+    assert line["tuple_keys"] == "{(1, 2): 'a'}"
+    assert line["nested"] == ["{1, 2}"]
+    assert line["pct"] == "100%"
+
+
+def test_the_level_filters_and_warn_and_error_events_carry_their_level(log_lines):
+    buffer = io.StringIO()
+    setup_logging("warning", node_id="n9", stream=buffer)  # replaces the fixture's handler, does not add one
+    log = logging.getLogger("pp")
+    event(log, "quiet")
+    warn_event(log, "slow_peer", rtt_ms=900)
+    error_event(log, "stage_failed", stage=2)
+    lines = [json.loads(text) for text in buffer.getvalue().splitlines()]
+    assert [(line["level"], line["event"], line["node"]) for line in lines] == [
+        ("WARNING", "slow_peer", "n9"), ("ERROR", "stage_failed", "n9")]
+    assert log_lines() == []
+
+
+def test_module_loggers_write_json_too_and_exceptions_keep_their_traceback(log_lines):
+    logging.getLogger("node.swim").warning("probe of %s failed", "n3")
+    try:
+        raise OSError("connection refused")
+    except OSError:
+        logging.getLogger("pp").exception("send_failed", extra=as_extra(peer="n3"))
+    first, second = log_lines()
+    assert (first["logger"], first["event"]) == ("node.swim", "probe of n3 failed")
+    assert (second["event"], second["peer"]) == ("send_failed", "n3")
+    assert "OSError: connection refused" in second["exc"]
+
+
+def test_a_logged_config_does_not_contain_the_token(log_lines):
+    cfg = parse({"PP_NODE_ID": "n1"})
+    log = logging.getLogger("pp")
+    event(log, "config", **loggable(cfg))
+    event(log, "config_object", config=cfg)
+    lines = log_lines()
+    assert lines[0]["node_id"] == "n1" and lines[0]["cache_dir"] == "/home/alice/.cache/pp"
+    assert "n1" in lines[1]["config"]
+    assert all(TOKEN not in json.dumps(line) for line in lines)

@@ -1,0 +1,119 @@
+"""Bad input at a node's HTTP edge is refused with a clear 4xx, and the node keeps serving."""
+import json
+import struct
+
+import httpx
+import pytest
+import trio
+
+from cluster import TOKEN, start_cluster
+from node import wire
+from node.orchestrator import new_request
+from worker.models import stub_model
+from worker.reference import generate_full
+from worker.stub import STUB_DIM
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+MAX_BODY = 64 * 1024
+
+
+@pytest.fixture
+async def cluster(nursery, tmp_path):
+    orch, urls, _ = await start_cluster(nursery, 2, tmp_path, max_body_bytes=MAX_BODY)
+    async with httpx.AsyncClient(http1=False, http2=True, timeout=10) as client:
+        yield orch, urls, client
+    nursery.cancel_scope.cancel()
+
+
+def activation(rid="r", position=0, seq_len=1, hidden_len=None, prefill=True):
+    meta = {"request_id": rid, "position": position, "seq_len": seq_len, "is_prefill": prefill, "reply_to": None,
+            "start": {"max_tokens": 4, "sampling": {"temperature": 0.0, "top_p": 1.0, "seed": 0},
+                      "prompt_token_ids": [1]} if prefill else None}
+    raw = json.dumps(meta).encode()
+    n = seq_len * STUB_DIM * 4 if hidden_len is None else hidden_len
+    return struct.pack(">I", len(raw)) + raw + b"\0" * n
+
+
+async def answer(client, url, path, body, headers=AUTH, content_type="application/json"):
+    r = await client.post(url + path, content=body, headers={**headers, "Content-Type": content_type})
+    return r.status_code, r.json().get("error", "")
+
+
+async def test_health_needs_no_token_but_everything_else_does(cluster):
+    _, urls, client = cluster
+    assert (await client.get(urls[0] + "/health")).status_code == 200
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+        status, error = await answer(client, urls[0], "/v1/inference", b"{}", headers)
+        assert status == 401 and "cluster token" in error and TOKEN not in error
+        assert (await client.get(urls[0] + "/v1/members", headers=headers)).status_code == 401
+
+
+@pytest.mark.parametrize("body,field", [
+    (b"not json", "not JSON"),
+    (b"[1, 2]", "expected a JSON object"),
+    (b'{"request_id": "r"}', "body.prompt"),
+    (b'{"request_id": "r", "prompt": "hi", "colour": "red"}', "colour"),
+    (b'{"request_id": "r", "prompt": "hi", "max_tokens": "5"}', "body.max_tokens"),
+    (b'{"request_id": "r", "prompt": "hi", "max_tokens": 0}', "max_tokens"),
+])
+async def test_malformed_requests_get_400_naming_the_problem(cluster, body, field):
+    _, urls, client = cluster
+    status, error = await answer(client, urls[0], "/v1/inference", body)
+    assert status == 400 and field in error
+
+
+@pytest.mark.parametrize("body,field", [
+    (activation(hidden_len=STUB_DIM * 2), "hidden: 32 bytes, expected seq_len 1 x hidden_dim 16"),  # float16-sized
+    (activation(hidden_len=7), "hidden: 7 bytes"),
+    (activation()[:2], "shorter than its 4-byte metadata length"),
+    (struct.pack(">I", 999) + b"{}", "runs past the body"),
+    (activation(seq_len=0), "seq_len"),
+])
+async def test_malformed_activations_get_400(cluster, body, field):
+    _, urls, client = cluster
+    status, error = await answer(client, urls[1], "/v1/activation", body, content_type="application/octet-stream")
+    assert status == 400 and field in error
+
+
+async def test_an_oversized_body_gets_413(cluster):
+    _, urls, client = cluster
+    status, error = await answer(client, urls[1], "/v1/activation", b"\0" * (MAX_BODY + 1),
+                                 content_type="application/octet-stream")
+    assert status == 413 and str(MAX_BODY) in error
+
+
+@pytest.mark.parametrize("stage,path,body,status,text", [
+    (0, "/v1/next-token", wire.encode(wire.NextToken("nope", 1, 3, False)), 404, "unknown request 'nope'"),
+    (1, "/v1/activation", activation(rid="nope", position=3, prefill=False), 404, "unknown request 'nope'"),
+    (1, "/v1/next-token", wire.encode(wire.NextToken("r", 1, 3, False)), 409, "does not accept NextToken"),
+    (1, "/v1/inference", wire.encode(wire.InferenceRequest("r", "hi")), 409, "does not accept InferenceRequest"),
+    (0, "/v1/activation", activation(), 409, "does not accept Activation"),
+    (0, "/v1/response", wire.encode(wire.InferenceResponse("r")), 409, "does not accept InferenceResponse"),
+])
+async def test_unknown_requests_and_wrong_role_messages_get_a_clear_4xx(cluster, stage, path, body, status, text):
+    _, urls, client = cluster
+    ctype = "application/octet-stream" if path == "/v1/activation" else "application/json"
+    got, error = await answer(client, urls[stage], path, body, content_type=ctype)
+    assert got == status and text in error
+
+
+async def test_the_node_still_serves_after_bad_input_and_speaks_http1_too(cluster):
+    orch, urls, client = cluster
+    await answer(client, urls[0], "/v1/inference", b"garbage")
+    await answer(client, urls[1], "/v1/activation", b"\0" * (MAX_BODY + 1), content_type="application/octet-stream")
+    async with httpx.AsyncClient(http1=True, http2=False) as h1:
+        r = await h1.get(urls[0] + "/v1/members", headers=AUTH)
+        assert r.status_code == 200 and r.http_version == "HTTP/1.1" and len(r.json()["members"]) == 3
+    with trio.fail_after(30):
+        response = await orch.submit(new_request("Say hello", reply_to=orch.url, max_tokens=8))
+    model = stub_model()
+    assert list(response.token_ids) == generate_full(model, model.tokenizer().encode_chat("Say hello"), 8).token_ids
+
+
+async def test_a_large_body_refused_before_it_is_read_does_not_take_the_node_down(cluster):
+    orch, urls, client = cluster
+    for headers in ({}, AUTH):  # 401 before reading, and 413 before reading
+        status, _ = await answer(client, urls[1], "/v1/activation", b"\0" * (4 * MAX_BODY), headers,
+                                 content_type="application/octet-stream")
+        assert status in (401, 413)
+    assert (await client.get(urls[1] + "/health")).status_code == 200

@@ -1,0 +1,248 @@
+"""The SWIM driver on an in-memory network, in virtual time: T = 100 ms, probe timeout 30 ms."""
+import random
+
+import pytest
+import trio
+import trio.testing
+
+from node.gossip import Member, Meta, Ping, State, Sync, suspicion_timeout_s
+from node.swim import Swim, WrongTargetError
+from tests.swimnet import (T_S, TEST_CONFIG, Node, SwimNet, Unplugged, addr_of, all_alive, kill, record_when,
+                           start_cluster, start_node, state_of, wait_everywhere)
+
+N = 5
+IDS = [f"n{i}" for i in range(N)]
+ROUND_S = (N - 1) * T_S  # each member probes every other once per round
+# A joiner learns everyone before it from its seed's sync, and its first round pings each of them with its
+# own record aboard, so all views hold all members one round after the last join (same for a restart).
+CONVERGE_S = ROUND_S
+# The announcer's pings carry its new record; members it already probed this round hear at the latest in the
+# next one: (n-2) + (n-1) periods. Gossip usually gets there in O(log n) periods.
+META_S = (2 * N - 3) * T_S
+# Kill detection: up to a round before someone probes the victim, the failing period, the suspicion timeout,
+# and 3 periods for the DEAD verdict to spread. (One prober may wait up to 2n-3 periods, since each round is
+# reshuffled; with n-1 probers the first probe comes sooner.)
+DETECTION_BOUND_S = (N - 1) * T_S + T_S + suspicion_timeout_s(N, TEST_CONFIG) + 3 * T_S
+
+
+async def converged_cluster(nursery: trio.Nursery, net: SwimNet) -> list[Node]:
+    nodes = await start_cluster(nursery, net, N)
+    with trio.fail_after(CONVERGE_S):
+        await wait_everywhere(nodes, all_alive(IDS))
+    return nodes
+
+
+async def test_five_members_converge_to_all_alive_in_every_view_within_a_round(nursery, autojump_clock):
+    net = SwimNet(nursery)
+    nodes = await converged_cluster(nursery, net)
+    assert [[m.id for m in node.swim.alive()] for node in nodes] == [IDS] * N
+
+
+async def test_killed_member_is_dead_in_every_survivor_within_the_detection_bound(nursery, autojump_clock):
+    net = SwimNet(nursery)
+    nodes = await converged_cluster(nursery, net)
+    await trio.sleep(7.3 * T_S)  # an arbitrary phase within the probe rounds
+    victim, survivors = nodes[3], nodes[:3] + nodes[4:]
+    kill(net, victim)
+    with trio.fail_after(DETECTION_BOUND_S):
+        async with trio.open_nursery() as waiters:
+            for node in survivors:
+                waiters.start_soon(node.swim.wait_for_dead, "n3")
+    assert [state_of("n3", node.swim) for node in survivors] == [State.DEAD] * 4
+    assert all(len(node.swim.alive()) == N - 1 for node in survivors)
+
+
+async def test_dropped_link_is_bridged_by_a_relay_and_never_suspected(nursery, autojump_clock):
+    net = SwimNet(nursery)
+    nodes = await converged_cluster(nursery, net)
+    a, b = nodes[0].addr, nodes[1].addr
+    net.dropped.add((a, b))  # only requests a -> b vanish
+    suspected = record_when(nursery, nodes, lambda s: state_of("n1", s) is not State.ALIVE)
+    await trio.sleep(60 * T_S)
+    assert suspected == []
+    assert net.sent[(a, b, "ping")] > 0
+    assert sum(net.answered[(a, relay.addr, "ping_req", "Ack")] for relay in nodes[2:]) > 0
+
+
+async def test_slow_but_alive_member_is_never_suspected(nursery, autojump_clock):
+    # Round trip 60 ms: past the 30 ms probe timeout, within the 100 ms period. Relays give up on it (their
+    # own timeout is 30 ms too), but the direct ping keeps waiting until the period ends.
+    net = SwimNet(nursery)
+    nodes = await converged_cluster(nursery, net)
+    slow = nodes[2]
+    for other in nodes:
+        net.latency_s[(other.addr, slow.addr)] = net.latency_s[(slow.addr, other.addr)] = 0.03
+    doubted = record_when(nursery, nodes, lambda s: state_of("n2", s) is not State.ALIVE)
+    await trio.sleep(200 * T_S)
+    assert doubted == []
+    assert sum(net.answered[(node.addr, relay.addr, "ping_req", "Nack")] for node in nodes for relay in nodes) > 0
+
+
+async def test_suspected_member_refutes_with_a_higher_incarnation(nursery, autojump_clock):
+    net = SwimNet(nursery)
+    nodes = await converged_cluster(nursery, net)
+    target = nodes[1]
+    dead = record_when(nursery, nodes, lambda s: state_of("n1", s) is State.DEAD)
+    net.dropped.update((other.addr, target.addr) for other in nodes)  # nobody reaches n1; n1 reaches all
+    with trio.fail_after(2 * ROUND_S):
+        suspect = await nodes[0].swim.wait_until(lambda s: state_of("n1", s) is State.SUSPECT
+                                                 and s.members()["n1"])
+    net.dropped.clear()
+    with trio.fail_after(suspicion_timeout_s(N, TEST_CONFIG)):
+        await wait_everywhere(nodes, lambda s: state_of("n1", s) is State.ALIVE
+                              and s.members()["n1"].incarnation > suspect.incarnation)
+    await trio.sleep(20 * T_S)
+    assert dead == []
+    assert target.swim.me.incarnation > suspect.incarnation
+
+
+async def test_restarted_member_with_higher_incarnation_is_alive_everywhere_within_a_round(nursery,
+                                                                                          autojump_clock):
+    net = SwimNet(nursery)
+    nodes = await converged_cluster(nursery, net)
+    kill(net, nodes[3])
+    survivors = nodes[:3] + nodes[4:]
+    with trio.fail_after(DETECTION_BOUND_S):
+        await wait_everywhere(survivors, lambda s: state_of("n3", s) is State.DEAD)
+    restarted = await start_node(nursery, net, "n3", seeds=[nodes[0].addr], incarnation=1000)
+    with trio.fail_after(CONVERGE_S):
+        await wait_everywhere(survivors + [restarted], all_alive(IDS))
+    assert all(node.swim.members()["n3"].incarnation == 1000 for node in survivors)
+
+
+async def test_metadata_update_reaches_everyone_and_resolve_finds_it(nursery, autojump_clock):
+    net = SwimNet(nursery)
+    nodes = await converged_cluster(nursery, net)
+    assert all(node.swim.resolve("pp-stage-1") is None for node in nodes)
+    announced = nodes[2].swim.update_meta(stage=1, names=("pp-stage-1",), ready=True)
+    with trio.fail_after(META_S):
+        await wait_everywhere(nodes, lambda s: s.resolve("pp-stage-1"))
+    assert [node.swim.resolve("pp-stage-1") for node in nodes] == [announced] * N
+    assert announced.meta == Meta(stage=1, names=("pp-stage-1",), ready=True) and announced.incarnation == 2
+
+
+async def test_member_cut_off_until_all_views_split_rejoins_once_the_network_heals(nursery, autojump_clock):
+    # While n4 is cut off, it and the others declare each other dead. Afterwards nobody probes anybody
+    # across the split; n4, alone, syncs with its seed every period, and dead verdicts in a sync count only
+    # as suspicion, so the accused refute instead of dying.
+    net = SwimNet(nursery)
+    nodes = await converged_cluster(nursery, net)
+    cut, rest = nodes[4], nodes[:4]
+    split = {(cut.addr, o.addr) for o in rest} | {(o.addr, cut.addr) for o in rest}
+    net.dropped.update(split)
+    with trio.fail_after(2 * DETECTION_BOUND_S):
+        await wait_everywhere(rest, lambda s: state_of("n4", s) is State.DEAD)
+        await cut.swim.wait_until(lambda s: all(state_of(i, s) is State.DEAD for i in IDS[:4]))
+    net.dropped.difference_update(split)
+    # Generous: a period until n4 syncs, a suspicion window for refutations, and two rounds for the
+    # refutations to reach members that had, meanwhile, taken n4's stale verdicts about each other.
+    with trio.fail_after(T_S + suspicion_timeout_s(N, TEST_CONFIG) + 2 * ROUND_S):
+        await wait_everywhere(nodes, all_alive(IDS))
+    assert net.sent[(cut.addr, nodes[0].addr, "sync")] > 0
+
+
+async def test_observer_learns_the_view_and_is_never_probed_or_suspected(nursery, autojump_clock):
+    net = SwimNet(nursery)
+    nodes = await converged_cluster(nursery, net)
+    runner = await start_node(nursery, net, "runner", seeds=[nodes[0].addr], meta=Meta(observer=True),
+                              reachable=False)
+    doubted = record_when(nursery, nodes, lambda s: state_of("runner", s) not in (None, State.ALIVE))
+    await trio.sleep(50 * T_S)
+    assert doubted == []
+    assert all(state_of("runner", node.swim) is State.ALIVE for node in nodes)
+    assert all(state_of(i, runner.swim) is State.ALIVE for i in IDS)
+    assert [m.id for m in runner.swim.alive()] == IDS  # observers are never counted, themselves included
+    assert all(len(node.swim.alive()) == N for node in nodes)
+    assert sum(count for (src, dst, kind), count in net.sent.items() if dst == runner.addr) == 0
+    assert sum(net.sent[(runner.addr, node.addr, "ping")] for node in nodes) >= 40
+
+
+async def test_join_retries_until_a_seed_answers_and_reports_started_after(nursery, autojump_clock):
+    net = SwimNet(nursery)
+    up = trio.Event()
+
+    async def bring_up_n1() -> None:
+        await start_node(nursery, net, "n1", seeds=[addr_of("n0")])
+        up.set()
+    nursery.start_soon(bring_up_n1)
+    await trio.sleep(2.0)
+    assert not up.is_set()
+    n0 = await start_node(nursery, net, "n0", seeds=[])
+    with trio.fail_after(TEST_CONFIG.join_backoff_max_s + TEST_CONFIG.sync_timeout_s):
+        await up.wait()
+    assert state_of("n1", n0.swim) is State.ALIVE
+    assert net.sent[(addr_of("n1"), addr_of("n0"), "sync")] >= 5  # it kept trying, with backoff
+
+
+async def test_member_whose_seeds_are_down_starts_once_someone_joins_through_it(nursery, autojump_clock):
+    net = SwimNet(nursery)
+    n0_up = trio.Event()
+
+    async def bring_up_n0() -> None:
+        await start_node(nursery, net, "n0", seeds=[addr_of("never-rented")])
+        n0_up.set()
+    nursery.start_soon(bring_up_n0)
+    await trio.sleep(1.0)
+    assert not n0_up.is_set()
+    with trio.fail_after(TEST_CONFIG.join_backoff_max_s + TEST_CONFIG.sync_timeout_s):
+        n1 = await start_node(nursery, net, "n1", seeds=[addr_of("n0")])
+        await n0_up.wait()
+    assert len(n1.swim.alive()) == 2
+
+
+def lone_swim(member_id: str = "a") -> Swim:
+    """A member that is not running: the tests below call its inbound handlers only."""
+    return Swim(Member(member_id, addr_of(member_id), 1), TEST_CONFIG, Unplugged(), random.Random(0), seeds=[])
+
+
+async def test_wait_until_wakes_on_each_view_change_without_polling(nursery, mock_clock):
+    swim = lone_swim()
+    calls, results = [], []
+
+    def entry(s: Swim) -> Member | None:
+        calls.append(trio.current_time())
+        return s.resolve("pp-entry")
+
+    async def waiter() -> None:
+        results.append(await swim.wait_until(entry))
+    nursery.start_soon(waiter)
+    await trio.testing.wait_all_tasks_blocked()
+    assert len(calls) == 1 and results == []
+    b = Member("b", addr_of("b"), 5)
+    swim.on_sync(Sync((b,)))
+    await trio.testing.wait_all_tasks_blocked()
+    assert len(calls) == 2 and results == []
+    swim.on_sync(Sync((b,)))  # no news: no wake-up
+    await trio.testing.wait_all_tasks_blocked()
+    assert len(calls) == 2
+    me = swim.update_meta(names=("pp-entry",))
+    await trio.testing.wait_all_tasks_blocked()
+    assert results == [me] and len(calls) == 3
+    assert calls == [0.0, 0.0, 0.0]  # the frozen clock never moved: nothing slept
+
+
+async def test_a_ping_introduces_its_sender(nursery):
+    swim = lone_swim("a")
+    b = Member("b", addr_of("b"), 3, meta=Meta(stage=0, names=("pp-entry",)))
+    ack = await swim.on_ping(Ping(sender=b, target_id="a", seq=41))
+    assert ack.sender_id == "a" and ack.seq == 41
+    assert swim.members()["b"] == b and swim.resolve("pp-entry") == b
+
+
+async def test_ack_tells_a_pinger_we_hold_dead_about_its_death_after_gossip_about_it_ran_out(nursery):
+    swim = lone_swim("a")
+    y = Member("y", addr_of("y"), 1)
+    await swim.on_ping(Ping(sender=y, target_id="a", seq=0, updates=(Member("x", addr_of("x"), 4, State.DEAD),)))
+    for seq in range(1, 20):  # drains the dissemination queue
+        await swim.on_ping(Ping(sender=y, target_id="a", seq=seq))
+    assert (await swim.on_ping(Ping(sender=y, target_id="a", seq=99))).updates == ()
+    ack = await swim.on_ping(Ping(sender=Member("x", addr_of("x"), 4), target_id="a", seq=100))
+    assert ack.updates == (Member("x", addr_of("x"), 4, State.DEAD),)  # so x refutes at once
+    assert swim.members()["x"].state is State.DEAD
+
+
+async def test_ping_for_another_member_is_refused_naming_both(nursery, autojump_clock):
+    swim = lone_swim("a")
+    with pytest.raises(WrongTargetError, match="'zz'.*'a'"):
+        await swim.on_ping(Ping(sender=Member("b", addr_of("b"), 1), target_id="zz", seq=1))
+    assert "b" not in swim.members()
