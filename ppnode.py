@@ -7,6 +7,7 @@ object per line. SIGTERM or Ctrl-C stops it.
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -15,8 +16,8 @@ from pathlib import Path
 import trio
 
 from node.config import parse_config
-from node.log import setup_logging
-from node.main import run_node
+from node.log import error_event, setup_logging
+from node.main import ModelLoadError, run_node
 
 
 def announce(url: str) -> None:
@@ -26,7 +27,18 @@ def announce(url: str) -> None:
 async def serve_until_signalled(config) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_cancel_on_signal, nursery.cancel_scope)
+        if config.exit_on_stdin_eof:
+            nursery.start_soon(_cancel_on_stdin_eof, nursery.cancel_scope)
         await run_node(config, on_listening=announce)
+
+
+async def _cancel_on_stdin_eof(scope: trio.CancelScope) -> None:
+    """The local runner holds the other end of our stdin; if it dies, even by SIGKILL, we read EOF."""
+    stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
+    async with stdin:
+        while await stdin.receive_some():
+            pass
+    scope.cancel()
 
 
 async def _cancel_on_signal(scope: trio.CancelScope) -> None:
@@ -39,7 +51,16 @@ async def _cancel_on_signal(scope: trio.CancelScope) -> None:
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(os.environ, sys.argv[1:] if argv is None else argv, home=Path.home())
     setup_logging(config.log_level, node_id=config.node_id)
-    trio.run(serve_until_signalled, config)
+    try:
+        trio.run(serve_until_signalled, config)
+    except BaseExceptionGroup as group:
+        matched, _ = group.split(ModelLoadError)
+        if matched is None:
+            raise
+        while isinstance(matched, BaseExceptionGroup):  # nested nurseries nest the groups
+            matched = matched.exceptions[0]
+        error_event(logging.getLogger("pp.node"), "model_load_failed", error=str(matched))
+        return 1
     return 0
 
 

@@ -51,6 +51,7 @@ class NodeConfig:
     public_ip: str | None = None        # vast.ai's PUBLIC_IPADDR
     public_port: int | None = None      # vast.ai's VAST_TCP_PORT_<port>: the public port mapped to `port`
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    exit_on_stdin_eof: bool = False     # PP_STDIN_LIFELINE=1: a local runner holds our stdin; EOF = it is gone
     log_level: str = DEFAULT_LOG_LEVEL
 
 
@@ -111,6 +112,7 @@ ENV_TABLE = (
     ("VAST_TCP_PORT_<PP_PORT>", "", "public port mapped to PP_PORT (vast.ai sets it)"),
     ("PP_NODE_ID", "--node-id", "unique name of this node (stage<STAGE>-<8 random hex digits>)"),
     ("PP_MAX_BODY", "", f"largest request body accepted, in bytes ({DEFAULT_MAX_BODY_BYTES >> 20} MiB)"),
+    ("PP_STDIN_LIFELINE", "", "1: exit when stdin closes (set by ppsmoke --seed, so no node outlives it)"),
     ("PP_LOG_LEVEL", "--log-level", f"{', '.join(LOG_LEVELS)} ({DEFAULT_LOG_LEVEL})"),
     ("XDG_CACHE_HOME", "", "downloaded models go to $XDG_CACHE_HOME/pp (~/.cache/pp)"),
     ("OLLAMA_MODELS", "", "ollama's model store, used before downloading (~/.ollama/models)"),
@@ -193,7 +195,8 @@ def _config_from(src: _Sources, *, home: Path, rng: random.Random | None) -> Nod
         model=_text(src, "--model") or DEFAULT_MODEL, port=port, bind_host=_text(src, "--bind") or DEFAULT_BIND,
         advertise_addr=_optional_url(*src.get("--advertise-addr")),
         public_ip=(env.get("PUBLIC_IPADDR") or "").strip() or None, public_port=_public_port(env, port),
-        max_body_bytes=_max_body(env), log_level=_log_level(*src.get("--log-level")))
+        max_body_bytes=_max_body(env), log_level=_log_level(*src.get("--log-level")),
+        exit_on_stdin_eof=_flag(env, "PP_STDIN_LIFELINE"))
 
 
 def _int(raw: str, label: str) -> int:
@@ -264,6 +267,13 @@ def _node_id(src: _Sources, stage: int, rng: random.Random | None) -> str:
     if not node_id.isprintable() or " " in node_id:
         raise ConfigError(f"{label}={raw!r}: a node id must be printable and without spaces")
     return node_id
+
+
+def _flag(environ: Mapping[str, str], name: str) -> bool:
+    raw = (environ.get(name) or "0").strip()
+    if raw not in ("0", "1"):
+        raise ConfigError(f"{name}={raw!r}: use 1 or 0")
+    return raw == "1"
 
 
 def _max_body(environ: Mapping[str, str]) -> int:

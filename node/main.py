@@ -17,6 +17,7 @@ from typing import Callable
 import trio
 
 from roles import topology
+from worker.errors import ModelFileError
 from worker.models import open_model, open_worker
 from worker.partition import Role
 
@@ -32,11 +33,18 @@ from .swim import Swim
 log = logging.getLogger("pp.node")
 
 
+class ModelLoadError(RuntimeError):
+    """The model argument could not be resolved or its files could not be loaded."""
+
+
 def load_worker(config: NodeConfig):
     """Runs on the compute thread: tinygrad state stays on the thread that made it."""
-    model = open_model(config.model, cache_dir=config.cache_dir, ollama_models_dir=config.ollama_models_dir,
-                       progress=False)
-    return open_worker(model, config.stage, config.num_stages)
+    try:
+        model = open_model(config.model, cache_dir=config.cache_dir, ollama_models_dir=config.ollama_models_dir,
+                           progress=False)
+        return open_worker(model, config.stage, config.num_stages)
+    except (ModelFileError, ValueError) as exc:  # a bad path, file or name: the user's to fix, not a crash
+        raise ModelLoadError(f"stage {config.stage} cannot load model {config.model!r}: {exc}") from exc
 
 
 def _chain_ready(num_stages: int):

@@ -86,6 +86,7 @@ class InferenceResponse:
     token_ids: tuple[int, ...] = ()
     prompt_token_ids: tuple[int, ...] = ()
     stage_compute_ms: tuple[float, ...] = ()  # total compute per stage over the request
+    decode_s: float = 0.0  # first token sampled to last, on the last stage's clock
     error: str | None = None
     failed_stage: int | None = None
 

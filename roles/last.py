@@ -2,6 +2,8 @@
 and when the request ends detokenizes and replies to whoever asked (spec §3.3, row Last)."""
 from __future__ import annotations
 
+import time
+
 import attrs
 
 from node.wire import Activation, InferenceResponse, NextToken, RequestStart
@@ -18,6 +20,7 @@ class _Progress:
     start: RequestStart
     tokens: list[int]
     stage_ms: list[float]  # compute per stage, summed over the request's steps
+    first_token_at: float = 0.0  # time.monotonic() when the first token was sampled
 
 
 class LastActor:
@@ -54,6 +57,8 @@ class LastActor:
         for i, t in enumerate((*m.stage_ms, *ms)):
             prog.stage_ms[i] += t
         prog.tokens.append(sampled.token_id)
+        if len(prog.tokens) == 1:
+            prog.first_token_at = time.monotonic()
         position = m.position + m.seq_len
         done = generation_done(sampled.token_id, generated=len(prog.tokens), max_tokens=prog.start.max_tokens,
                                next_position=position, max_context=worker.info.max_context,
@@ -68,4 +73,4 @@ class LastActor:
         worker.release(request_id)
         del self._progress[request_id]
         return Reply(reply_to, InferenceResponse(request_id, text, tuple(prog.tokens), prog.start.prompt_token_ids,
-                                                 tuple(prog.stage_ms)))
+                                                 tuple(prog.stage_ms), time.monotonic() - prog.first_token_at))

@@ -43,7 +43,8 @@ async def test_tiny_model_cluster_of_3_equals_generate_full(nursery, tmp_path):
     nursery.cancel_scope.cancel()
 
 
-async def test_every_message_crosses_every_hop_intact_over_http2(nursery, tmp_path, monkeypatch):
+@pytest.mark.parametrize("n", [2, 3, 4])
+async def test_every_message_crosses_every_hop_intact_over_http2(nursery, tmp_path, monkeypatch, n):
     sent, received, versions = [], [], collections.Counter()
     real_send, real_deliver = PeerClient.send, StageNode.deliver
     last_feedback = trio.Event()  # the final NextToken may still be in flight when the response lands
@@ -62,13 +63,13 @@ async def test_every_message_crosses_every_hop_intact_over_http2(nursery, tmp_pa
 
     monkeypatch.setattr(PeerClient, "send", recording_send)
     monkeypatch.setattr(StageNode, "deliver", recording_deliver)
-    orch, urls, _ = await start_cluster(nursery, 4, tmp_path)
+    orch, urls, _ = await start_cluster(nursery, n, tmp_path)
     with trio.fail_after(60):
         await orch.submit(new_request("Say hello", reply_to=orch.url, max_tokens=5))
         await last_feedback.wait()
     kinds = collections.Counter(type(m).__name__ for m in sent)
-    # 1 request; prefill + 4 decode steps through 3 hops; 5 tokens fed back; 1 response
-    assert kinds == {"InferenceRequest": 1, "Activation": 15, "NextToken": 5, "InferenceResponse": 1}
+    # 1 request; prefill + 4 decode steps through n - 1 hops; 5 tokens fed back; 1 response
+    assert kinds == {"InferenceRequest": 1, "Activation": 5 * (n - 1), "NextToken": 5, "InferenceResponse": 1}
     stage_bound = [m for m in sent if not isinstance(m, wire.InferenceResponse)]
     assert sorted(map(repr, stage_bound)) == sorted(map(repr, received))  # equal, field by field, bytes too
     assert set(versions) == {"HTTP/2"}

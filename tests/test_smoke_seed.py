@@ -1,0 +1,120 @@
+"""Spec tier 8: the real ppsmoke.py --seed with real ppnode.py processes — the pre-deploy gate."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from worker.models import tinygrad_model
+from worker.reference import generate_full
+from worker.tiny import TinySource
+
+ROOT = Path(__file__).resolve().parent.parent
+MARK = "PPSMOKE_TEST_MARK"
+
+
+def processes_marked(mark: str) -> list[int]:
+    """Pids whose environment carries our mark: the runner and every node it started."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and f"{MARK}={mark}".encode() in (proc / "environ").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def start(args, mark, **kw):
+    env = {**os.environ, MARK: mark, "DEV": "CPU"}
+    return subprocess.Popen([sys.executable, str(ROOT / "ppsmoke.py"), "--seed", *args], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def wait_for_line(stream, needle, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    lines = []
+    while time.monotonic() < deadline:
+        line = stream.readline()
+        lines.append(line)
+        if needle in line:
+            return lines
+        if not line:
+            break
+    raise AssertionError(f"{needle!r} not seen; got:\n{''.join(lines)}")
+
+
+def assert_all_gone(mark, timeout_s=10):
+    deadline = time.monotonic() + timeout_s
+    while processes_marked(mark) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_marked(mark) == []
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_ppsmoke_seed_prints_the_single_process_tokens_and_leaves_nothing_behind(n):
+    mark = uuid.uuid4().hex
+    proc = start(["-n", str(n), "--max-tokens", "8", "--json"], mark)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    result = json.loads(out)
+    model = tinygrad_model(TinySource())
+    assert result["prompt_token_ids"] == model.tokenizer().encode_chat("Say hello")
+    assert result["token_ids"] == generate_full(model, result["prompt_token_ids"], 8).token_ids
+    assert result["text"] and result["num_stages"] == n
+    assert set(result["timings"]) >= {"converge_s", "first_token_s", "tokens_per_s", "stage_compute_ms_per_token"}
+    assert_all_gone(mark)
+
+
+def test_a_stage_that_fails_at_boot_ends_the_run_in_seconds_naming_it(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf file")
+    mark = uuid.uuid4().hex
+    started = time.monotonic()
+    proc = start(["-n", "3", "--model", str(bad)], mark)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert time.monotonic() - started < 60
+    assert "FAILED: stage " in err and "not a GGUF file" in err
+    assert_all_gone(mark)
+
+
+def test_a_node_killed_mid_generation_fails_the_run_long_before_the_timeout():
+    mark = uuid.uuid4().hex
+    proc = start(["-n", "3", "--max-tokens", "2000", "--timeout", "600"], mark)
+    wait_for_line(proc.stderr, "converged in", 240)
+    time.sleep(2)  # generating now
+    victim = next(pid for pid in processes_marked(mark)
+                  if b"STAGE=1\0" in Path(f"/proc/{pid}/environ").read_bytes() and pid != proc.pid)
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert time.monotonic() - killed < 30, "noticed through gossip or a failed hop, not the response timeout"
+    assert "stage 1" in err.split("FAILED:", 1)[1]
+    assert_all_gone(mark)
+
+
+def test_sigint_to_the_runner_stops_every_child():
+    mark = uuid.uuid4().hex
+    proc = start(["-n", "3", "--max-tokens", "2000"], mark)
+    wait_for_line(proc.stderr, "converged in", 240)
+    assert len(processes_marked(mark)) == 4  # the runner and 3 nodes
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "interrupted" in err
+    assert_all_gone(mark)
+
+
+def test_sigkill_to_the_runner_still_stops_every_child():
+    mark = uuid.uuid4().hex
+    proc = start(["-n", "2", "--max-tokens", "2000"], mark)
+    wait_for_line(proc.stderr, "converged in", 240)
+    proc.kill()  # no cleanup can run: the nodes notice their stdin lifeline close
+    proc.communicate(timeout=30)
+    assert_all_gone(mark, timeout_s=20)
