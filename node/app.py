@@ -24,6 +24,7 @@ from . import gossip, h2_guard, wire
 from .swim import Swim, WrongTargetError
 
 log = logging.getLogger("pp.http")
+MAX_WAIT_S = 30.0  # longest long poll; proxies drop idle requests not much later
 
 
 class Dispatcher(Protocol):
@@ -33,6 +34,8 @@ class Dispatcher(Protocol):
     hidden_dim: int | None  # None until the worker is loaded: activations are refused until then
 
     def deliver(self, message) -> None: ...  # admit and enqueue, or raise Refused
+
+    async def wait_response(self, request_id: str, wait_s: float): ...  # a kept response or None
 
     def health(self) -> dict: ...
 
@@ -79,6 +82,18 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int) -> Quar
         act = wire.decode_activation(await request.get_data(), dispatcher.hidden_dim)
         dispatcher.deliver(act)
         return jsonify({"accepted": act.meta.request_id}), 202
+
+    @app.get("/v1/response/<request_id>")
+    async def kept_response(request_id: str):
+        """Long poll for a response kept here because its asker cannot be reached (behind NAT)."""
+        try:
+            wait_s = min(max(float(request.args.get("wait", "0")), 0.0), MAX_WAIT_S)
+        except ValueError:
+            raise wire.WireError("wait: expected a number of seconds") from None
+        response = await dispatcher.wait_response(request_id, wait_s)
+        if response is None:
+            return Response(status=204)
+        return Response(wire.encode(response), content_type="application/json")
 
     _gossip_routes(app, dispatcher)
 

@@ -73,6 +73,14 @@ class _AckOrNack:
     nack: gossip.Nack | None = None
 
 
+def gossip_client(token: str) -> PeerClient:
+    """HTTP/1.1 for gossip. Its probes are cancelled by design when they time out, and httpcore's
+    HTTP/2 loses count of a connection's streams when a request is cancelled mid-flight
+    (encode/httpcore#943, #1022: "semaphore released too many times", then a wedged connection).
+    A cancelled HTTP/1.1 request just closes its connection. Pipeline messages stay on HTTP/2."""
+    return PeerClient(token, timeout_s=10.0, http2=False)
+
+
 class HttpTransport:
     """SWIM's transport over the node's HTTP endpoints."""
 

@@ -22,7 +22,7 @@ from worker.models import open_model, open_worker
 from worker.partition import Role
 
 from .app import make_app, serve_app
-from .client import HttpTransport, PeerClient
+from .client import HttpTransport, PeerClient, gossip_client
 from .compute import ComputeThread, open_compute_thread
 from .config import NodeConfig, advertised_url
 from .gossip import Member, Meta, SwimConfig
@@ -75,7 +75,8 @@ async def run_node(config: NodeConfig, *, swim_config: SwimConfig = SwimConfig()
 
 async def _serve(config, swim_config, on_listening, compute, task_status) -> None:
     stage, n = config.stage, config.num_stages
-    async with PeerClient(config.cluster_token) as client, trio.open_nursery() as nursery:
+    async with PeerClient(config.cluster_token) as client, gossip_client(config.cluster_token) as gossip, \
+            trio.open_nursery() as nursery:
         node = StageNode(stage, n, client, node_id=config.node_id)
         app = make_app(node, token=config.cluster_token, max_body_bytes=config.max_body_bytes)
         url = advertised_url(config, await nursery.start(serve_app, app, config.bind_host, config.port))
@@ -84,7 +85,7 @@ async def _serve(config, swim_config, on_listening, compute, task_status) -> Non
 
         me = Member(config.node_id, url, incarnation=time.time_ns() // 1_000_000, meta=Meta(stage=stage))
         seeds = [a for a in (config.seed_addr, *config.peer_direct) if a]
-        node.swim = swim = Swim(me, swim_config, HttpTransport(client), random.Random(), seeds)
+        node.swim = swim = Swim(me, swim_config, HttpTransport(gossip), random.Random(), seeds)
         await nursery.start(swim.run)
         await swim.wait_until(lambda s: len(s.alive()) >= 2)
         swim.update_meta(names=topology.first_names(stage, n))

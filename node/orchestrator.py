@@ -1,12 +1,17 @@
 """The runner's side of a cluster: a gossip member registered as pp-orchestrator that waits for the
 stages to converge, submits prompts to pp-entry and receives the responses. A stage that dies while
-a request is in flight ends the wait at once instead of at the response timeout."""
+a request is in flight ends the wait at once instead of at the response timeout.
+
+Two shapes: reachable (local runs: it serves HTTP, is the gossip seed, and stages POST the response
+to it), or an observer behind NAT (vast.ai from a laptop: it only opens connections — it introduces
+the members to each other and long-polls the stages for the response)."""
 from __future__ import annotations
 
 import random
 import time
 import uuid
 
+import attrs
 import trio
 
 from roles import topology
@@ -14,9 +19,11 @@ from roles.actions import Refused
 
 from . import wire
 from .app import make_app, serve_app
-from .client import HttpTransport, PeerClient
+from .client import HttpTransport, PeerClient, PeerError, gossip_client
 from .gossip import TERMINAL, Member, Meta, SwimConfig
 from .swim import Swim
+
+POLL_WAIT_S = 20.0
 
 
 class StageDied(RuntimeError):
@@ -28,10 +35,10 @@ class StageDied(RuntimeError):
 class Orchestrator:
     hidden_dim = None  # takes no activations
 
-    def __init__(self, client: PeerClient, node_id: str):
-        self.client, self.node_id = client, node_id
+    def __init__(self, client: PeerClient, poll_client: PeerClient, node_id: str, *, url: str | None):
+        self.client, self.poll_client, self.node_id = client, poll_client, node_id
+        self.url = url  # None: nobody can reach us
         self.swim: Swim | None = None
-        self.url: str | None = None
         self._pending: dict[str, trio.MemorySendChannel] = {}
 
     def deliver(self, message) -> None:
@@ -45,11 +52,19 @@ class Orchestrator:
         except trio.WouldBlock:  # a retried delivery of an answer already taken
             pass
 
+    async def wait_response(self, request_id: str, wait_s: float):
+        return None  # responses come to us; we keep none for others
+
     def health(self) -> dict:
         return {"ok": True, "node": self.node_id, "role": "orchestrator"}
 
     def stages(self) -> list[Member]:
         return [m for m in self.swim.members().values() if m.meta.stage is not None]
+
+    async def introduce(self, addr: str, *, retry_s: float = 1.0) -> None:
+        """Sync with a member until it answers (it may still be starting)."""
+        while not await self.swim.join(addr):
+            await trio.sleep(retry_s)
 
     async def converge(self, num_stages: int) -> Member:
         """Wait until gossip reports num_stages alive stages and pp-entry resolves; returns the entry."""
@@ -58,17 +73,21 @@ class Orchestrator:
             return len(alive) >= num_stages and swim.resolve(topology.ENTRY)
         return await self.swim.wait_until(done)
 
-    async def submit(self, request: wire.InferenceRequest) -> wire.InferenceResponse:
+    async def submit(self, prompt: str, **request_fields) -> wire.InferenceResponse:
         """Send to pp-entry and wait for the response; raises StageDied if a stage dies meanwhile."""
         entry = self.swim.resolve(topology.ENTRY)
         if entry is None:
             raise RuntimeError("no alive member holds pp-entry")
-        watched = {m.id for m in self.stages()}
+        request = wire.InferenceRequest(uuid.uuid4().hex, prompt, reply_to=self.url, **request_fields)
+        stages = self.stages()
         send, receive = trio.open_memory_channel(1)
         self._pending[request.request_id] = send
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._watch, watched)
+                nursery.start_soon(self._watch, {m.id for m in stages})
+                if self.url is None:
+                    for member in stages:  # any stage may hold it: the exit, or one that failed
+                        nursery.start_soon(self._poll, member.addr, request.request_id, send)
                 await self.client.send(entry.addr, request)
                 response = await receive.receive()
                 nursery.cancel_scope.cancel()
@@ -81,21 +100,43 @@ class Orchestrator:
             return next((m for m in swim.members().values() if m.id in member_ids and m.state in TERMINAL), None)
         raise StageDied(await self.swim.wait_until(dead))
 
+    async def _poll(self, addr: str, request_id: str, send: trio.MemorySendChannel) -> None:
+        # long polls are cancelled when another answers first: HTTP/1.1 (see client.gossip_client)
+        while True:
+            try:
+                r = await self.poll_client.get(addr, f"/v1/response/{request_id}?wait={POLL_WAIT_S:g}")
+            except PeerError as exc:
+                if not exc.retryable:
+                    raise
+                await trio.sleep(1.0)  # a dead stage is the watcher's to report
+                continue
+            if r.status_code == 200:
+                try:
+                    send.send_nowait(wire.decode(wire.InferenceResponse, r.content))
+                except trio.WouldBlock:
+                    pass
+                return
 
-def new_request(prompt: str, *, reply_to: str | None, **kw) -> wire.InferenceRequest:
-    return wire.InferenceRequest(uuid.uuid4().hex, prompt, reply_to=reply_to, **kw)
+
+@attrs.frozen
+class Reach:
+    """Where the orchestrator listens, or None for an observer behind NAT."""
+    host: str = "127.0.0.1"
+    port: int = 0
 
 
-async def run_orchestrator(token: str, *, host: str = "127.0.0.1", port: int = 0, seeds: tuple[str, ...] = (),
+async def run_orchestrator(token: str, *, reach: Reach | None = Reach(), seeds: tuple[str, ...] = (),
                            swim_config: SwimConfig = SwimConfig(), max_body_bytes: int = 1 << 20,
                            task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Serve the orchestrator (gossip seed, response endpoint) until cancelled; reports it when up."""
-    async with PeerClient(token) as client, trio.open_nursery() as nursery:
-        orch = Orchestrator(client, node_id=f"orchestrator-{uuid.uuid4().hex[:8]}")
-        app = make_app(orch, token=token, max_body_bytes=max_body_bytes)
-        port = await nursery.start(serve_app, app, host, port)
-        orch.url = f"http://{host}:{port}"
-        me = Member(orch.node_id, orch.url, time.time_ns() // 1_000_000, meta=Meta(names=(topology.ORCHESTRATOR,)))
-        orch.swim = Swim(me, swim_config, HttpTransport(client), random.Random(), seeds)
+    """Run the orchestrator until cancelled; reports it once up."""
+    async with PeerClient(token) as client, gossip_client(token) as gossip, trio.open_nursery() as nursery:
+        orch = Orchestrator(client, gossip, f"orchestrator-{uuid.uuid4().hex[:8]}", url=None)
+        if reach is not None:
+            port = await nursery.start(serve_app, make_app(orch, token=token, max_body_bytes=max_body_bytes),
+                                       reach.host, reach.port)
+            orch.url = f"http://{reach.host}:{port}"
+        meta = Meta(names=(topology.ORCHESTRATOR,), observer=reach is None)
+        me = Member(orch.node_id, orch.url or "http://unreachable.invalid", time.time_ns() // 1_000_000, meta=meta)
+        orch.swim = Swim(me, swim_config, HttpTransport(gossip), random.Random(), seeds)
         await nursery.start(orch.swim.run)
         task_status.started(orch)

@@ -19,6 +19,7 @@ log = logging.getLogger("pp.node")
 INBOX_SIZE = 256
 SEND_ATTEMPTS = 4
 FIRST_RETRY_S = 0.1
+KEPT_RESPONSES = 64
 
 
 class StageNode:
@@ -28,7 +29,9 @@ class StageNode:
         self.client = client
         self.swim: Swim | None = None
         self.worker = None
-        self.kept: dict[str, wire.InferenceResponse] = {}  # replies nobody asked to be sent
+        # replies with nowhere to go (the asker is behind NAT): kept for GET /v1/response/<id>
+        self.kept: dict[str, wire.InferenceResponse] = {}
+        self._kept_changed = trio.Event()
         self._inbox, self._outbox = trio.open_memory_channel(INBOX_SIZE)
 
     @property
@@ -88,10 +91,24 @@ class StageNode:
     async def _reply(self, reply: Reply) -> None:
         response = reply.response
         if reply.reply_to is None:
-            self.kept[response.request_id] = response
+            self._keep(response)
             return
         try:
             await self.client.send(reply.reply_to, response)
         except PeerError as exc:
-            self.kept[response.request_id] = response
+            self._keep(response)
             error_event(log, "reply_failed", request_id=response.request_id, error=str(exc))
+
+    def _keep(self, response: wire.InferenceResponse) -> None:
+        self.kept[response.request_id] = response
+        while len(self.kept) > KEPT_RESPONSES:
+            del self.kept[next(iter(self.kept))]
+        self._kept_changed.set()
+        self._kept_changed = trio.Event()
+
+    async def wait_response(self, request_id: str, wait_s: float) -> wire.InferenceResponse | None:
+        """A kept response, waiting up to wait_s for it to arrive (a long poll)."""
+        with trio.move_on_after(wait_s):
+            while request_id not in self.kept:
+                await self._kept_changed.wait()
+        return self.kept.get(request_id)

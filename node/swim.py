@@ -245,6 +245,11 @@ class Swim:
             if peer is not None:
                 await self._sync(peer.addr)
 
+    async def join(self, addr: str) -> bool:
+        """Push/pull with `addr` now. A runner that nobody can dial (behind NAT) introduces the members to
+        each other this way: each sync hands the next member the view so far."""
+        return await self._sync(addr)
+
     async def _sync_any(self, addrs: Iterable[str]) -> bool:
         answered: list[str] = []
 

@@ -15,7 +15,7 @@ import attrs
 import trio
 
 from node import wire
-from node.orchestrator import Orchestrator, StageDied, new_request, run_orchestrator
+from node.orchestrator import Orchestrator, StageDied, run_orchestrator
 from worker.sampling import Sampling
 
 from .children import Child, StageExited, child_env, log_tail, run_child
@@ -98,11 +98,10 @@ async def _converge(orch: Orchestrator, opts, children, started, progress) -> fl
 
 
 async def _ask(orch: Orchestrator, opts, children):
-    request = new_request(opts.prompt, reply_to=orch.url, max_tokens=opts.max_tokens, sampling=opts.sampling)
     submitted = time.monotonic()
     try:
         with trio.fail_after(opts.timeout_s):
-            response = await orch.submit(request)
+            response = await orch.submit(opts.prompt, max_tokens=opts.max_tokens, sampling=opts.sampling)
     except StageDied as exc:
         raise RunFailed(f"{exc}\n{_tail_of(children, exc.member.meta.stage)}") from None
     except trio.TooSlowError:

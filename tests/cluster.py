@@ -55,3 +55,20 @@ async def _shared_compute(*, task_status=trio.TASK_STATUS_IGNORED):
     async with open_compute_thread(name="cluster-compute") as compute:
         task_status.started(compute)
         await trio.sleep_forever()
+
+
+async def start_cluster_behind_nat(nursery: trio.Nursery, n: int, tmp: Path, *, model: str = "stub",
+                                   **kw) -> tuple[Orchestrator, list[str]]:
+    """As on vast.ai with a runner on a laptop: the nodes know no seed and nobody can reach the
+    orchestrator; it introduces the nodes to each other and long-polls for the answer."""
+    orch = await nursery.start(functools.partial(run_orchestrator, TOKEN, reach=None, swim_config=FAST_SWIM))
+    compute = await nursery.start(_shared_compute)
+    urls = []
+    for stage in range(n):
+        config = stage_config(stage, n, model=model, seed=None, peer=None, tmp=tmp, **kw)
+        urls.append(await nursery.start(_scoped, trio.CancelScope(), config, compute))
+    with trio.fail_after(120):
+        for url in urls:
+            await orch.introduce(url)
+        await orch.converge(n)
+    return orch, urls

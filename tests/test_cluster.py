@@ -5,10 +5,9 @@ import httpx
 import pytest
 import trio
 
-from cluster import TOKEN, start_cluster
+from cluster import TOKEN, start_cluster, start_cluster_behind_nat
 from node import wire
 from node.client import PeerClient
-from node.orchestrator import new_request
 from node.stage_node import StageNode
 from worker.models import stub_model, tinygrad_model
 from worker.reference import generate_full
@@ -25,7 +24,7 @@ def expected(model, prompt, max_tokens):
 async def test_stub_cluster_answers_with_the_single_process_tokens(nursery, tmp_path, n):
     orch, _, _ = await start_cluster(nursery, n, tmp_path)
     with trio.fail_after(60):
-        response = await orch.submit(new_request("Say hello", reply_to=orch.url, max_tokens=16))
+        response = await orch.submit("Say hello", max_tokens=16)
     ids, want = expected(stub_model(), "Say hello", 16)
     assert response.error is None
     assert list(response.token_ids) == want and list(response.prompt_token_ids) == ids
@@ -37,7 +36,7 @@ async def test_stub_cluster_answers_with_the_single_process_tokens(nursery, tmp_
 async def test_tiny_model_cluster_of_3_equals_generate_full(nursery, tmp_path):
     orch, _, _ = await start_cluster(nursery, 3, tmp_path, model="tiny")
     with trio.fail_after(120):
-        response = await orch.submit(new_request("Say hello", reply_to=orch.url, max_tokens=12))
+        response = await orch.submit("Say hello", max_tokens=12)
     _, want = expected(tinygrad_model(TinySource()), "Say hello", 12)
     assert list(response.token_ids) == want and response.text
     nursery.cancel_scope.cancel()
@@ -65,7 +64,7 @@ async def test_every_message_crosses_every_hop_intact_over_http2(nursery, tmp_pa
     monkeypatch.setattr(StageNode, "deliver", recording_deliver)
     orch, urls, _ = await start_cluster(nursery, n, tmp_path)
     with trio.fail_after(60):
-        await orch.submit(new_request("Say hello", reply_to=orch.url, max_tokens=5))
+        await orch.submit("Say hello", max_tokens=5)
         await last_feedback.wait()
     kinds = collections.Counter(type(m).__name__ for m in sent)
     # 1 request; prefill + 4 decode steps through n - 1 hops; 5 tokens fed back; 1 response
@@ -77,4 +76,14 @@ async def test_every_message_crosses_every_hop_intact_over_http2(nursery, tmp_pa
         for url in urls:
             health = (await c.get(url + "/health")).json()
             assert set(health["http_versions"]) <= {"2", "1.1"} and health["http_versions"]["2"] > 0
+    nursery.cancel_scope.cancel()
+
+
+async def test_an_orchestrator_nobody_can_reach_introduces_the_nodes_and_polls_for_the_answer(nursery, tmp_path):
+    orch, _ = await start_cluster_behind_nat(nursery, 3, tmp_path)
+    assert orch.url is None and orch.swim.me.meta.observer
+    with trio.fail_after(60):
+        response = await orch.submit("Say hello", max_tokens=10)
+    _, want = expected(stub_model(), "Say hello", 10)
+    assert list(response.token_ids) == want
     nursery.cancel_scope.cancel()

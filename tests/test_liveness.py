@@ -6,7 +6,7 @@ import trio
 
 from cluster import FAST_SWIM, start_cluster
 from node.gossip import State
-from node.orchestrator import StageDied, new_request
+from node.orchestrator import StageDied
 from worker.stub import StubSlice
 
 
@@ -34,7 +34,7 @@ async def test_a_stage_computing_for_several_protocol_periods_is_never_suspected
     async with trio.open_nursery() as inner:
         inner.start_soon(watch)
         with trio.fail_after(60):
-            response = await orch.submit(new_request("Say hello", reply_to=orch.url, max_tokens=3))
+            response = await orch.submit("Say hello", max_tokens=3)
         inner.cancel_scope.cancel()
     assert response.error is None and len(response.token_ids) == 3  # 3 steps x 3 stages of blocking compute
     assert seen == set()
@@ -59,7 +59,7 @@ async def test_a_stage_stopped_mid_generation_is_reported_dead_within_the_gossip
     # Either gossip declares it dead first, or stage 0 gives up sending to it and says so: both name it.
     with trio.fail_after(30):
         try:
-            response = await orch.submit(new_request("Say hello", reply_to=orch.url, max_tokens=400))
+            response = await orch.submit("Say hello", max_tokens=400)
         except StageDied as exc:
             assert exc.member.meta.stage == 1
         else:

@@ -8,7 +8,6 @@ import trio
 
 from cluster import TOKEN, start_cluster
 from node import wire
-from node.orchestrator import new_request
 from worker.models import stub_model
 from worker.reference import generate_full
 from worker.stub import STUB_DIM
@@ -105,7 +104,7 @@ async def test_the_node_still_serves_after_bad_input_and_speaks_http1_too(cluste
         r = await h1.get(urls[0] + "/v1/members", headers=AUTH)
         assert r.status_code == 200 and r.http_version == "HTTP/1.1" and len(r.json()["members"]) == 3
     with trio.fail_after(30):
-        response = await orch.submit(new_request("Say hello", reply_to=orch.url, max_tokens=8))
+        response = await orch.submit("Say hello", max_tokens=8)
     model = stub_model()
     assert list(response.token_ids) == generate_full(model, model.tokenizer().encode_chat("Say hello"), 8).token_ids
 
@@ -117,3 +116,11 @@ async def test_a_large_body_refused_before_it_is_read_does_not_take_the_node_dow
                                  content_type="application/octet-stream")
         assert status in (401, 413)
     assert (await client.get(urls[1] + "/health")).status_code == 200
+
+
+async def test_one_http2_connection_carries_more_than_a_thousand_requests(cluster):
+    # hypercorn's default would end the connection after 1000 requests, and httpx does not retry that
+    _, urls, client = cluster
+    for _ in range(1100):
+        r = await client.get(urls[0] + "/health")
+        assert r.status_code == 200 and r.http_version == "HTTP/2"
