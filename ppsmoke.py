@@ -4,6 +4,8 @@ answer, tear everything down. Any failure stops every node and exits 1, naming t
 
   python ppsmoke.py --seed -n 5                                  # 5 local node processes, the tiny model
   python ppsmoke.py --seed -n 5 --model llama3.2:1b --prompt "Say hello"
+  VAST_API_KEY=... python ppsmoke.py --vastai -n 5 --image you/pp-node:1 --model llama3.2:1b
+  VAST_API_KEY=... python ppsmoke.py --vastai --destroy-leftovers
 """
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ from pathlib import Path
 import trio
 
 from runner.report import as_json, stats_line
-from runner.seed import RunFailed, SeedOptions, run_seed
+from runner.common import RunFailed
+from runner.seed import SeedOptions, run_seed
+from runner.vastai import VastOptions, destroy_leftovers, run_vastai
 from worker.fetch import REGISTRY, default_cache_dir, default_ollama_dir, resolve_model
 from worker.sampling import Sampling
 
@@ -24,7 +28,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="ppsmoke.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--seed", action="store_true", help="spawn the N nodes as local processes")
-    mode.add_argument("--vastai", action="store_true", help="rent N GPU instances on vast.ai (not available yet)")
+    mode.add_argument("--vastai", action="store_true", help="rent N GPU instances on vast.ai")
     p.add_argument("-n", "--num-stages", type=int, default=5, help="number of stages, at least 2 (default 5)")
     p.add_argument("--model", default="tiny", help="tiny (built-in, random weights: its output is random text), "
                    "stub, a .gguf file, a Hugging Face directory, or a name such as llama3.2:1b (default tiny)")
@@ -36,12 +40,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--converge-timeout", type=float, default=180.0,
                    help="seconds for all stages to load and join (default 180)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of text")
+    v = p.add_argument_group("vast.ai (--vastai)")
+    v.add_argument("--api-key", help="vast.ai API key (default: $VAST_API_KEY)")
+    v.add_argument("--vastai-url", help="API base URL (default: $VAST_URL, else https://console.vast.ai)")
+    v.add_argument("--image", help="the node image to run: build and push this repo's Dockerfile")
+    v.add_argument("--max-dph", type=float, help="most $/hour per instance")
+    v.add_argument("--min-gpu-ram", type=float, default=8.0, help="GB of GPU memory per instance (default 8)")
+    v.add_argument("--min-reliability", type=float, default=0.98, help="vast.ai host reliability (default 0.98)")
+    v.add_argument("--disk", type=float, default=20.0, help="GB of disk per instance (default 20)")
+    v.add_argument("--running-timeout", type=float, default=600.0,
+                   help="seconds for each instance to reach running (default 600)")
+    v.add_argument("--status-poll", type=float, default=5.0, help="seconds between instance status checks (default 5)")
+    v.add_argument("--ledger", type=Path, help="where live instance ids are recorded "
+                   "(default: $XDG_CACHE_HOME/pp/vastai-live.json)")
+    v.add_argument("--destroy-leftovers", action="store_true",
+                   help="destroy every instance a killed run left in the ledger, then exit")
     args = p.parse_args(argv)
     if args.num_stages < 2:
         p.error(f"-n {args.num_stages}: a pipeline needs at least 2 stages; for one process run "
                 "`python -m worker --model ...`")
-    if args.vastai:
-        p.error("--vastai is not available yet; use --seed")
+    if args.vastai and not args.destroy_leftovers and not args.image:
+        p.error("--vastai needs --image: build this repo's Dockerfile, push it, and name it here")
     return args
 
 
@@ -59,16 +78,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     env = dict(os.environ)
     progress = lambda line: print(f"ppsmoke: {line}", file=sys.stderr, flush=True)  # noqa: E731
-    opts = SeedOptions(num_stages=args.num_stages, model=local_model(args.model, env), prompt=args.prompt,
-                       max_tokens=args.max_tokens, sampling=Sampling(args.temperature, args.top_p),
-                       timeout_s=args.timeout, converge_timeout_s=args.converge_timeout, base_env=env)
     try:
-        result = trio.run(run_seed, opts, progress)
+        if args.vastai:
+            if args.destroy_leftovers:
+                trio.run(destroy_leftovers, _api_key(args, env), _vast_url(args, env), _ledger(args, env), progress)
+                return 0
+            result = trio.run(run_vastai, _vast_options(args, env), progress)
+        else:
+            result = trio.run(run_seed, _seed_options(args, env), progress)
     except RunFailed as exc:
         progress(f"FAILED: {exc}")
         return 1
     except KeyboardInterrupt:
-        progress("interrupted; every node was stopped")
+        progress("interrupted; everything was stopped")
         return 1
     if args.json:
         print(as_json(result, args.model))
@@ -76,6 +98,38 @@ def main(argv: list[str] | None = None) -> int:
         print(result.response.text)
         progress(stats_line(result))
     return 0
+
+
+def _seed_options(args, env) -> SeedOptions:
+    return SeedOptions(num_stages=args.num_stages, model=local_model(args.model, env), prompt=args.prompt,
+                       max_tokens=args.max_tokens, sampling=Sampling(args.temperature, args.top_p),
+                       timeout_s=args.timeout, converge_timeout_s=args.converge_timeout, base_env=env)
+
+
+def _vast_options(args, env) -> VastOptions:
+    # the model goes to the nodes as given: each stage range-fetches its own slice of a named model
+    return VastOptions(num_stages=args.num_stages, model=args.model, prompt=args.prompt, max_tokens=args.max_tokens,
+                       sampling=Sampling(args.temperature, args.top_p), timeout_s=args.timeout,
+                       converge_timeout_s=args.converge_timeout, api_key=_api_key(args, env),
+                       base_url=_vast_url(args, env), image=args.image, ledger_path=_ledger(args, env),
+                       disk_gb=args.disk, min_gpu_ram_gb=args.min_gpu_ram, min_reliability=args.min_reliability,
+                       max_dph=args.max_dph, running_timeout_s=args.running_timeout,
+                       poll_status_s=args.status_poll)
+
+
+def _api_key(args, env) -> str:
+    key = args.api_key or env.get("VAST_API_KEY")
+    if not key:
+        raise SystemExit("ppsmoke.py: --vastai needs an API key: --api-key or VAST_API_KEY")
+    return key
+
+
+def _vast_url(args, env) -> str:
+    return (args.vastai_url or env.get("VAST_URL") or "https://console.vast.ai").rstrip("/")
+
+
+def _ledger(args, env) -> Path:
+    return args.ledger or default_cache_dir(Path.home(), env.get("XDG_CACHE_HOME")) / "vastai-live.json"
 
 
 if __name__ == "__main__":

@@ -14,12 +14,15 @@ import random
 import time
 from typing import Callable
 
+import httpx
 import trio
 
 from roles import topology
 from worker.errors import ModelFileError
+from worker.fetch import REGISTRY
 from worker.models import open_model, open_worker
 from worker.partition import Role
+from worker.rangefetch import fetch_stage_slice
 
 from .app import make_app, serve_app
 from .client import HttpTransport, PeerClient, gossip_client
@@ -31,20 +34,53 @@ from .stage_node import StageNode
 from .swim import Swim
 
 log = logging.getLogger("pp.node")
+PROGRESS_EVERY_S = 5.0
 
 
 class ModelLoadError(RuntimeError):
     """The model argument could not be resolved or its files could not be loaded."""
 
 
-def load_worker(config: NodeConfig):
+def load_worker(config: NodeConfig, model_spec: str):
     """Runs on the compute thread: tinygrad state stays on the thread that made it."""
     try:
-        model = open_model(config.model, cache_dir=config.cache_dir, ollama_models_dir=config.ollama_models_dir,
+        model = open_model(model_spec, cache_dir=config.cache_dir, ollama_models_dir=config.ollama_models_dir,
                            progress=False)
         return open_worker(model, config.stage, config.num_stages)
     except (ModelFileError, ValueError) as exc:  # a bad path, file or name: the user's to fix, not a crash
         raise ModelLoadError(f"stage {config.stage} cannot load model {config.model!r}: {exc}") from exc
+
+
+def slice_url(model: str) -> str | None:
+    """The GGUF URL a stage range-fetches its slice from: a URL, or a known name's URL."""
+    if model.startswith(("http://", "https://")):
+        return model
+    return REGISTRY.get(model.strip().lower())
+
+
+async def fetch_own_slice(config: NodeConfig, swim: Swim) -> str:
+    """For a remote GGUF, fetch only this stage's tensors (reporting progress through gossip) and
+    return the local file; anything else is returned as given."""
+    url = slice_url(config.model)
+    if url is None:
+        return config.model
+    last_report = -PROGRESS_EVERY_S
+
+    def report(fraction: float) -> None:
+        nonlocal last_report
+        now = time.monotonic()
+        if fraction >= 1.0 or now - last_report >= PROGRESS_EVERY_S:  # each report is gossiped
+            last_report = now
+            swim.update_meta(progress=round(fraction, 3))
+
+    async with httpx.AsyncClient(follow_redirects=True, timeout=60) as client:
+        try:
+            path = await fetch_stage_slice(url, config.cache_dir, stage=config.stage, num_stages=config.num_stages,
+                                           client=client, progress=report)
+        except ModelFileError as exc:
+            raise ModelLoadError(f"stage {config.stage} cannot fetch its slice of {url}: {exc}") from exc
+    event(log, "slice_fetched", url=url, path=str(path))
+    return str(path)
 
 
 def _chain_ready(num_stages: int):
@@ -92,7 +128,8 @@ async def _serve(config, swim_config, on_listening, compute, task_status) -> Non
         event(log, "joined", members=len(swim.members()))
 
         started = time.perf_counter()
-        worker = await compute.call(load_worker, config)
+        model_spec = await fetch_own_slice(config, swim)
+        worker = await compute.call(load_worker, config, model_spec)
         event(log, "worker_ready", seconds=round(time.perf_counter() - started, 3), layers=str(worker.info.layers),
               weight_bytes=worker.info.weight_bytes)
         node.worker = worker

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from .seed import RunResult
+from .common import RunResult
 
 
 def as_json(result: RunResult, model: str) -> str:

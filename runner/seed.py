@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import secrets
-import signal
 import tempfile
 import time
 from pathlib import Path
@@ -14,11 +13,11 @@ from typing import Callable
 import attrs
 import trio
 
-from node import wire
 from node.orchestrator import Orchestrator, StageDied, run_orchestrator
 from worker.sampling import Sampling
 
-from .children import Child, StageExited, child_env, log_tail, run_child
+from .children import Child, child_env, log_tail, run_child
+from .common import RunFailed, RunResult, fail_on_sigterm, first_failure, timings_of
 
 
 @attrs.frozen
@@ -35,18 +34,6 @@ class SeedOptions:
     grace_s: float = 5.0
 
 
-@attrs.frozen
-class RunResult:
-    response: wire.InferenceResponse
-    num_stages: int
-    timings: dict[str, object]
-    run_dir: Path
-
-
-class RunFailed(RuntimeError):
-    """The run failed; the message says where and shows the end of the failing stage's log."""
-
-
 async def run_seed(opts: SeedOptions, progress: Callable[[str], None]) -> RunResult:
     run_dir = opts.run_dir or Path(tempfile.mkdtemp(prefix="ppsmoke-"))
     token = secrets.token_urlsafe(24)  # fresh per run: only this run's nodes can talk to each other
@@ -54,7 +41,7 @@ async def run_seed(opts: SeedOptions, progress: Callable[[str], None]) -> RunRes
     started = time.monotonic()
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_fail_on_sigterm)
+            nursery.start_soon(fail_on_sigterm)
             orch = await nursery.start(functools.partial(run_orchestrator, token))
             progress(f"runner is the gossip seed at {orch.url}; logs in {run_dir}")
             await _start_children(nursery, opts, token, orch.url, run_dir, children, progress)
@@ -66,7 +53,7 @@ async def run_seed(opts: SeedOptions, progress: Callable[[str], None]) -> RunRes
     if response.error:
         raise RunFailed(f"stage {response.failed_stage} failed: {response.error}\n"
                         f"{_tail_of(children, response.failed_stage)}")
-    timings = _timings(response, converged - started, answered - submitted, answered - started)
+    timings = timings_of(response, converged - started, answered - submitted, answered - started)
     return RunResult(response, opts.num_stages, timings, run_dir)
 
 
@@ -109,44 +96,6 @@ async def _ask(orch: Orchestrator, opts, children):
     return response, submitted, time.monotonic()
 
 
-async def _fail_on_sigterm() -> None:
-    with trio.open_signal_receiver(signal.SIGTERM) as signals:
-        async for _ in signals:
-            raise RunFailed("stopped by SIGTERM")
-
-
-def first_failure(group: BaseExceptionGroup) -> BaseException:
-    """The exception to report from a nursery's group: Ctrl-C first, then the stage that ended on its
-    own (its log is the most telling), then any other run failure; anything else is a bug: re-raise all."""
-    leaves = list(_leaves(group))
-    for kind in (KeyboardInterrupt, StageExited, RunFailed):
-        found = next((e for e in leaves if isinstance(e, kind)), None)
-        if found is not None:
-            return found if kind is KeyboardInterrupt else RunFailed(str(found))
-    return group
-
-
-def _leaves(exc: BaseException):
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            yield from _leaves(inner)
-    else:
-        yield exc
-
-
 def _tail_of(children: list[Child], stage: int | None) -> str:
     child = next((c for c in children if c.stage == stage), None)
     return log_tail(child.log_path) if child else "    (no log)"
-
-
-def _timings(response: wire.InferenceResponse, converge_s: float, answer_s: float, total_s: float) -> dict:
-    n = len(response.token_ids)
-    decode_s = response.decode_s
-    return {
-        "converge_s": round(converge_s, 3),
-        "first_token_s": round(answer_s - decode_s, 3),  # prefill through the chain, measured at the runner
-        "decode_s": round(decode_s, 3),
-        "tokens_per_s": round((n - 1) / decode_s, 2) if n > 1 and decode_s > 0 else None,
-        "stage_compute_ms_per_token": [round(ms / max(n, 1), 2) for ms in response.stage_compute_ms],
-        "total_s": round(total_s, 3),
-    }

@@ -5,7 +5,7 @@ import httpx
 import pytest
 import trio
 
-from cluster import TOKEN, start_cluster, start_cluster_behind_nat
+from cluster import start_cluster, start_cluster_behind_nat
 from node import wire
 from node.client import PeerClient
 from node.stage_node import StageNode

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from worker.chain import run_chain
-from worker.models import Model, open_worker, stub_model
+from worker.models import open_worker, stub_model
 from worker.reference import generate_full
 from worker.stage import StageWorker
 from worker.stub import STUB_BLOCKS, StubSlice, StubTokenizer

@@ -1,0 +1,259 @@
+"""`ppsmoke.py --vastai`: rent N GPU instances (spec §4.2-4.3, failure table §6), converge, ask, destroy.
+
+The runner is assumed to sit behind NAT: it opens every connection itself. It introduces the nodes to
+each other by gossip push/pull and long-polls for the answer. Every instance created is destroyed on
+every path — errors, timeouts, Ctrl-C, a bug in the runner — in cleanup shielded from cancellation,
+and each live id is on disk (the ledger) from the moment it exists, for `--destroy-leftovers`.
+"""
+from __future__ import annotations
+
+import functools
+import secrets
+import time
+from pathlib import Path
+from typing import Callable
+
+import attrs
+import trio
+
+from node.orchestrator import Orchestrator, StageDied, run_orchestrator
+from worker.sampling import Sampling
+
+from .ledger import Ledger
+from .common import RunFailed, RunResult, fail_on_sigterm, first_failure, show_weight_progress, timings_of
+from .vastai_api import Instance, Offer, OfferUnavailable, VastClient, VastError, mapped_port, offer_query
+
+NODE_PORT = 8000
+CREATE_ATTEMPTS_PER_STAGE = 4
+POLL_STATUS_S = 5.0  # vast.ai has no push notifications: instance status is polled
+
+
+@attrs.frozen
+class VastOptions:
+    num_stages: int
+    model: str
+    prompt: str
+    max_tokens: int
+    sampling: Sampling
+    timeout_s: float
+    converge_timeout_s: float
+    api_key: str = attrs.field(repr=False)
+    base_url: str
+    image: str
+    ledger_path: Path
+    disk_gb: float = 20.0
+    min_gpu_ram_gb: float = 8.0
+    min_reliability: float = 0.98
+    max_dph: float | None = None
+    min_direct_ports: int = 2
+    running_timeout_s: float = 600.0
+    poll_status_s: float = POLL_STATUS_S
+
+
+async def run_vastai(opts: VastOptions, progress: Callable[[str], None], *, transport=None) -> RunResult:
+    """`transport` replaces httpx's network transport (tests)."""
+    ledger = Ledger(opts.ledger_path)
+    created: list[int] = []
+    async with VastClient(opts.api_key, base_url=opts.base_url, transport=transport) as vast:
+        try:
+            return await _run_guarded(vast, opts, ledger, created, progress)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await _show_logs(vast, created, progress)
+            raise
+        finally:
+            with trio.CancelScope(shield=True):
+                await destroy_all(vast, created, ledger, progress)
+
+
+async def _run_guarded(vast, opts, ledger, created, progress) -> RunResult:
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fail_on_sigterm)
+            result = await _run(nursery, vast, opts, ledger, created, progress)
+            nursery.cancel_scope.cancel()
+        return result
+    except BaseExceptionGroup as group:
+        raise first_failure(group, VastError) from None
+
+
+async def _run(nursery, vast: VastClient, opts: VastOptions, ledger: Ledger, created: list[int], progress):
+    started = time.monotonic()
+    token = secrets.token_urlsafe(24)
+    await _create_all(vast, opts, token, ledger, created, progress)
+    urls = [await _wait_running(vast, opts, stage, contract, progress) for stage, contract in enumerate(created)]
+    orch: Orchestrator = await nursery.start(functools.partial(run_orchestrator, token, reach=None))
+    nursery.start_soon(_watch_instances, vast, opts, created)
+    converged = await _converge(orch, opts, urls, started, progress)
+    submitted = time.monotonic()
+    try:
+        with trio.fail_after(opts.timeout_s):
+            response = await orch.submit(opts.prompt, max_tokens=opts.max_tokens, sampling=opts.sampling)
+    except StageDied as exc:
+        raise RunFailed(str(exc)) from None
+    except trio.TooSlowError:
+        raise RunFailed(f"no response within {opts.timeout_s:.0f} s") from None
+    answered = time.monotonic()
+    if response.error:
+        raise RunFailed(f"stage {response.failed_stage} failed: {response.error}")
+    return RunResult(response, opts.num_stages, timings_of(response, converged - started, answered - submitted,
+                                                           answered - started), opts.ledger_path.parent)
+
+
+# -- renting -----------------------------------------------------------------------------------------
+
+async def _create_all(vast, opts, token, ledger, created, progress) -> None:
+    offers = await _choose_offers(vast, opts, exclude=set())
+    total = sum(o.dph_total or 0.0 for o in offers)
+    progress(f"renting {opts.num_stages} instances at ${total:.3f}/hour in total: "
+             + ", ".join(f"{o.gpu_name} ${o.dph_total:.3f}/h (offer {o.id})" for o in offers))
+    tried = {o.id for o in offers}
+    for stage in range(opts.num_stages):
+        offer = offers[stage]
+        for _ in range(CREATE_ATTEMPTS_PER_STAGE):
+            try:
+                contract = await vast.create_instance(offer.id, image=opts.image, env=node_env(opts, stage, token),
+                                                      disk_gb=opts.disk_gb, label=f"pp-stage-{stage}",
+                                                      ports=(NODE_PORT,))
+                break
+            except OfferUnavailable:
+                progress(f"offer {offer.id} was taken meanwhile; searching again")
+                [offer] = await _choose_offers(vast, opts, exclude=tried, count=1)
+                tried.add(offer.id)
+        else:
+            raise RunFailed(f"stage {stage}: {CREATE_ATTEMPTS_PER_STAGE} offers in a row were gone before renting")
+        created.append(contract)
+        ledger.add(contract)  # on disk before anything else can fail
+        progress(f"stage {stage}: instance {contract} created")
+
+
+async def _choose_offers(vast, opts, *, exclude: set[int], count: int | None = None) -> list[Offer]:
+    count = count or opts.num_stages
+    query = offer_query(min_gpu_ram_gb=opts.min_gpu_ram_gb, min_reliability=opts.min_reliability,
+                        max_dph=opts.max_dph, min_direct_ports=opts.min_direct_ports, exclude_ids=exclude,
+                        limit=64, disk_gb=opts.disk_gb)
+    offers = pick_offers(await vast.search_offers(query), count)
+    if len(offers) < count:
+        raise RunFailed(f"only {len(offers)} suitable offers on distinct machines, need {count} "
+                        "(loosen --min-gpu-ram, --min-reliability or --max-dph)")
+    return offers
+
+
+def pick_offers(offers: list[Offer], count: int) -> list[Offer]:
+    """The cheapest offers, one per machine: two stages on one host would share its GPU and network."""
+    chosen, machines = [], set()
+    for offer in sorted(offers, key=lambda o: (o.dph_total is None, o.dph_total or 0.0, o.id)):
+        if offer.machine_id is not None and offer.machine_id in machines:
+            continue
+        chosen.append(offer)
+        machines.add(offer.machine_id)
+        if len(chosen) == count:
+            break
+    return chosen
+
+
+def node_env(opts: VastOptions, stage: int, token: str) -> dict[str, str]:
+    return {"STAGE": str(stage), "NUM_STAGES": str(opts.num_stages), "MODEL": opts.model,
+            "PP_CLUSTER_TOKEN": token, "PP_PORT": str(NODE_PORT)}
+
+
+async def _wait_running(vast, opts, stage: int, contract: int, progress) -> str:
+    """Poll until the instance runs with its port mapped; returns the node's public URL."""
+    with trio.move_on_after(opts.running_timeout_s):
+        while True:
+            inst = await vast.show_instance(contract)
+            if inst is None:
+                raise RunFailed(f"stage {stage}: instance {contract} disappeared")
+            failure = instance_failure(inst)
+            if failure:
+                raise RunFailed(f"stage {stage}: instance {contract} {failure}")
+            port = mapped_port(inst, NODE_PORT)
+            if inst.actual_status == "running" and inst.public_ipaddr and port:
+                url = f"http://{inst.public_ipaddr}:{port}"
+                progress(f"stage {stage}: instance {contract} running at {url}")
+                return url
+            await trio.sleep(opts.poll_status_s)
+    raise RunFailed(f"stage {stage}: instance {contract} not running after {opts.running_timeout_s:.0f} s "
+                    f"(last status: {inst.actual_status}, {inst.status_msg!r})")
+
+
+async def _watch_instances(vast, opts, created: list[int]) -> None:
+    """Fail the run as soon as vast.ai reports an instance gone: a node that dies before it ever joined
+    gossip would otherwise be noticed only at the convergence timeout."""
+    while True:
+        await trio.sleep(opts.poll_status_s)
+        for stage, contract in enumerate(created):
+            inst = await vast.show_instance(contract)
+            failure = "disappeared" if inst is None else instance_failure(inst)
+            if failure:
+                raise RunFailed(f"stage {stage}: instance {contract} {failure}")
+
+
+def instance_failure(inst: Instance) -> str | None:
+    """Why an instance will never run, as the CLI and dstack judge it; None while it still may."""
+    if inst.actual_status in ("exited", "offline"):
+        return f"is {inst.actual_status} ({inst.status_msg or 'no message'})"
+    if inst.status_msg and "error" in inst.status_msg.lower():
+        return f"failed to start: {inst.status_msg}"
+    return None
+
+
+# -- converging ---------------------------------------------------------------------------------------
+
+async def _converge(orch: Orchestrator, opts, urls: list[str], started: float, progress) -> float:
+    progress(f"introducing {len(urls)} nodes and waiting for them to load ...")
+    with trio.move_on_after(opts.converge_timeout_s) as scope:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(show_weight_progress, orch.swim, progress)
+            for url in urls:
+                await orch.introduce(url)
+            await orch.converge(opts.num_stages)
+            nursery.cancel_scope.cancel()
+    if scope.cancelled_caught:
+        alive = sorted(m.meta.stage for m in orch.swim.alive() if m.meta.stage is not None)
+        raise RunFailed(f"the cluster did not converge within {opts.converge_timeout_s:.0f} s "
+                        f"(alive stages: {alive})")
+    now = time.monotonic()
+    progress(f"converged in {now - started:.1f} s; pp-entry is ready")
+    return now
+
+
+# -- teardown -----------------------------------------------------------------------------------------
+
+async def destroy_all(vast: VastClient, instances: list[int], ledger: Ledger, progress) -> None:
+    """Destroy every instance; those that could not be are left in the ledger and named."""
+    failed = []
+    for contract in instances:
+        try:
+            await vast.destroy_instance(contract)
+            ledger.remove(contract)
+        except VastError as exc:
+            failed.append(contract)
+            progress(f"could not destroy instance {contract}: {exc}")
+    if instances:
+        progress(f"destroyed {len(instances) - len(failed)} of {len(instances)} instances")
+    if failed:
+        raise RunFailed(f"instances {failed} may still be running (and billing): run "
+                        "`ppsmoke.py --vastai --destroy-leftovers`")
+
+
+async def _show_logs(vast: VastClient, instances: list[int], progress) -> None:
+    for stage, contract in enumerate(instances):
+        with trio.move_on_after(20):
+            try:
+                text = await vast.instance_logs(contract, tail=200)
+            except VastError as exc:
+                text = f"(no logs: {exc})"
+            lines = text.splitlines()[-15:]
+            progress(f"stage {stage} (instance {contract}) log tail:\n" + "\n".join("    " + ln for ln in lines))
+
+
+async def destroy_leftovers(api_key: str, base_url: str, ledger_path: Path, progress) -> int:
+    ledger = Ledger(ledger_path)
+    leftover = ledger.ids()
+    if not leftover:
+        progress(f"no leftover instances recorded in {ledger_path}")
+        return 0
+    async with VastClient(api_key, base_url=base_url) as vast:
+        await destroy_all(vast, leftover, ledger, progress)
+    return len(leftover)
