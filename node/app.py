@@ -15,7 +15,7 @@ from typing import Protocol
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
-from quart import Response, jsonify, request
+from quart import Response, current_app, jsonify, request
 from quart_trio import QuartTrio
 
 from roles.actions import Refused
@@ -46,6 +46,7 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int) -> Quar
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     app.config["BODY_TIMEOUT"] = 120
     app.http_versions = collections.Counter()  # requests served per HTTP version, for tests and /health
+    app.body_bytes = collections.Counter()  # request body bytes received per path: bytes on the wire
     expected = f"Bearer {token}".encode()
 
     @app.before_request
@@ -64,7 +65,8 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int) -> Quar
 
     @app.get("/health")
     async def health():
-        return jsonify({**dispatcher.health(), "http_versions": dict(app.http_versions)})
+        return jsonify({**dispatcher.health(), "http_versions": dict(app.http_versions),
+                        "body_bytes": dict(app.body_bytes)})
 
     @app.get("/v1/members")
     async def members():
@@ -79,7 +81,9 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int) -> Quar
     async def activation():
         if dispatcher.hidden_dim is None:
             raise Refused(503, "this stage is still loading its weights")
-        act = wire.decode_activation(await request.get_data(), dispatcher.hidden_dim)
+        body = await request.get_data()
+        app.body_bytes[request.path] += len(body)
+        act = wire.decode_activation(body, dispatcher.hidden_dim)
         dispatcher.deliver(act)
         return jsonify({"accepted": act.meta.request_id}), 202
 
@@ -111,7 +115,9 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int) -> Quar
 
 def _json_endpoint(dispatcher: Dispatcher, kind: type):
     async def endpoint():
-        message = wire.decode(kind, await request.get_data())
+        body = await request.get_data()
+        current_app.body_bytes[request.path] += len(body)
+        message = wire.decode(kind, body)
         dispatcher.deliver(message)
         return jsonify({"accepted": message.request_id}), 202
     return endpoint

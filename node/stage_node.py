@@ -3,6 +3,7 @@ and delivers what the actor returns — sends to the next name in the chain, rep
 from __future__ import annotations
 
 import logging
+import resource
 
 import trio
 
@@ -49,8 +50,12 @@ class StageNode:
             raise Refused(503, f"stage {self.stage} inbox is full ({INBOX_SIZE} messages)") from None
 
     def health(self) -> dict:
+        info = self.worker.info if self.worker is not None else None
         return {"ok": True, "node": self.node_id, "stage": self.stage, "role": self.actor.role.value,
-                "ready": self.worker is not None}
+                "ready": info is not None, "layers": [info.layers.start, info.layers.stop] if info else None,
+                "weight_bytes": info.weight_bytes if info else None,
+                # ru_maxrss is KiB on Linux
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
     async def pump(self, compute) -> None:
         """Process messages one at a time, in arrival order, until cancelled."""

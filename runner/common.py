@@ -24,10 +24,14 @@ class RunFailed(RuntimeError):
     """The run failed; the message says where and shows the end of the failing stage's log."""
 
 
-async def fail_on_sigterm() -> None:
-    with trio.open_signal_receiver(signal.SIGTERM) as signals:
-        async for _ in signals:
-            raise RunFailed("stopped by SIGTERM")
+async def fail_on_signals() -> None:
+    """Turn Ctrl-C and SIGTERM into an ordinary failure of the run. Left to trio, Ctrl-C raises
+    KeyboardInterrupt in whatever task runs at that moment — inside hypercorn's request handling it
+    was logged as an ASGI error and lost."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            name = "SIGINT (Ctrl-C)" if signum == signal.SIGINT else "SIGTERM"
+            raise RunFailed(f"interrupted by {name}; stopping everything")
 
 
 def first_failure(group: BaseExceptionGroup, *expected: type[BaseException]) -> BaseException:

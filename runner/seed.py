@@ -17,7 +17,7 @@ from node.orchestrator import Orchestrator, StageDied, run_orchestrator
 from worker.sampling import Sampling
 
 from .children import Child, child_env, log_tail, run_child
-from .common import RunFailed, RunResult, fail_on_sigterm, first_failure, timings_of
+from .common import RunFailed, RunResult, fail_on_signals, first_failure, timings_of
 
 
 @attrs.frozen
@@ -41,7 +41,7 @@ async def run_seed(opts: SeedOptions, progress: Callable[[str], None]) -> RunRes
     started = time.monotonic()
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(fail_on_sigterm)
+            nursery.start_soon(fail_on_signals)
             orch = await nursery.start(functools.partial(run_orchestrator, token))
             progress(f"runner is the gossip seed at {orch.url}; logs in {run_dir}")
             await _start_children(nursery, opts, token, orch.url, run_dir, children, progress)

@@ -20,7 +20,7 @@ from node.orchestrator import Orchestrator, StageDied, run_orchestrator
 from worker.sampling import Sampling
 
 from .ledger import Ledger
-from .common import RunFailed, RunResult, fail_on_sigterm, first_failure, show_weight_progress, timings_of
+from .common import RunFailed, RunResult, fail_on_signals, first_failure, show_weight_progress, timings_of
 from .vastai_api import Instance, Offer, OfferUnavailable, VastClient, VastError, mapped_port, offer_query
 
 NODE_PORT = 8000
@@ -69,7 +69,7 @@ async def run_vastai(opts: VastOptions, progress: Callable[[str], None], *, tran
 async def _run_guarded(vast, opts, ledger, created, progress) -> RunResult:
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(fail_on_sigterm)
+            nursery.start_soon(fail_on_signals)
             result = await _run(nursery, vast, opts, ledger, created, progress)
             nursery.cancel_scope.cancel()
         return result

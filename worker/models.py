@@ -11,7 +11,7 @@ from .partition import Role, layer_range, role_of
 from .slice import Slice, TinygradSlice
 from .stage import StageWorker
 from .stub import STUB_BLOCKS, StubSlice, StubTokenizer
-from .tiny import TinySource
+from .tiny import BUILT_IN, TinySource
 from .weights import WeightSource
 
 
@@ -42,9 +42,12 @@ def open_worker(model: Model, stage: int, num_stages: int) -> StageWorker:
 
 
 def open_model(spec: str, *, cache_dir: Path, ollama_models_dir: Path | None, progress: bool = True) -> Model:
-    """The one model argument: `stub`, `tiny`, a .gguf file, a Hugging Face directory or a known name."""
-    if spec.strip().lower() == "stub":
+    """The one model argument: `stub`, `tiny`, `small`, a .gguf file, a Hugging Face directory or a known name."""
+    name = spec.strip().lower()
+    if name == "stub":
         return stub_model()
+    if name in BUILT_IN:
+        return tinygrad_model(TinySource(BUILT_IN[name], path=name))
     ref = resolve_model(spec, cache_dir=cache_dir, ollama_models_dir=ollama_models_dir, progress=progress)
     if ref.kind is ModelKind.TINY:
         return tinygrad_model(TinySource())

@@ -23,6 +23,16 @@ TINY_CONFIG = ModelConfig(
 )
 
 
+# `small`: the same recipe at a size where compute per token clearly dominates a hop (~250M parameters,
+# 1 GB in float32, fits five ways on a 24 GiB machine); for benchmarks. Its output is random text too.
+SMALL_CONFIG = ModelConfig(
+    dim=1024, n_layers=16, n_heads=16, n_kv_heads=8, ffn_dim=4096, vocab_size=261,
+    norm_eps=1e-5, rope_theta=500000.0, max_context=512, tie_embeddings=True,
+    rope_freq_factors=llama3_freq_factors(TINY_ROPE_SCALING, 500000.0, 64),
+)
+BUILT_IN = {"tiny": TINY_CONFIG, "small": SMALL_CONFIG}
+
+
 def _shape(config: ModelConfig, name: str) -> tuple[int, ...]:
     c, kv = config, config.n_kv_heads * config.head_dim
     kind = name.split(".")[-2]

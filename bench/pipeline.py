@@ -1,0 +1,148 @@
+"""Pipeline vs one process, same weights, one machine: time to converge, time to first token, decode
+tokens/s (median of repeats, with spread), cost per hop, bytes on the wire per token, and each stage's
+peak RSS and weight bytes. Writes a markdown table (and JSON) for docs/; `bench.report` draws the plot.
+
+  python -m bench.pipeline --models tiny small --stages 2 3 5 --repeats 3 --json docs/pipeline.json
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import trio
+
+from node.orchestrator import run_orchestrator
+from runner.children import child_env, run_child
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def single_process(model: str, prompt: str, max_tokens: int, repeats: int) -> dict:
+    """Runs in a child process (`--single`), so its RSS is its own: whole-model decode, warm JIT."""
+    import resource
+
+    from worker.models import open_model
+    from worker.sampling import GREEDY, sample
+    model_ = open_model(model, cache_dir=Path(tempfile.gettempdir()), ollama_models_dir=None)
+    full = model_.open_slice(range(model_.total_blocks), embed=True, head=True)
+    ids = model_.tokenizer().encode_chat(prompt)
+    runs = []
+    for _ in range(repeats + 1):  # the first run compiles and captures the JIT
+        start = time.perf_counter()
+        logits = full.forward(full.embed(ids), 0)
+        first = time.perf_counter()
+        pos, tok = len(ids), sample(logits, GREEDY, None)
+        for _ in range(max_tokens - 1):
+            tok = sample(full.forward(full.embed([tok]), pos), GREEDY, None)
+            pos += 1
+        end = time.perf_counter()
+        runs.append({"first_token_s": first - start, "decode_ms_per_token": 1000 * (end - first) / (max_tokens - 1)})
+    return {"runs": runs[1:], "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "weight_bytes": full.weight_bytes}
+
+
+async def pipeline(model: str, n: int, prompt: str, max_tokens: int, repeats: int) -> dict:
+    token, run_dir = secrets.token_urlsafe(16), Path(tempfile.mkdtemp(prefix="bench-"))
+    started = time.monotonic()
+    async with trio.open_nursery() as nursery:
+        orch = await nursery.start(functools.partial(run_orchestrator, token))
+        urls, prev = [], None
+        for stage in range(n):
+            env = child_env(dict(os.environ), stage=stage, num_stages=n, token=token, model=model, seed=orch.url,
+                            peer=prev)
+            child = await nursery.start(functools.partial(run_child, stage, env, run_dir / f"stage{stage}.log"))
+            urls.append(prev := child.url)
+        await orch.converge(n)
+        converge_s = time.monotonic() - started
+        runs = []
+        for _ in range(repeats + 1):  # the first request compiles and captures each stage's JIT
+            sent = time.monotonic()
+            r = await orch.submit(prompt, max_tokens=max_tokens)
+            assert r.error is None and len(r.token_ids) == max_tokens, r.error or "stopped early: raise --max-tokens?"
+            runs.append({"first_token_s": time.monotonic() - sent - r.decode_s,
+                         "decode_ms_per_token": 1000 * r.decode_s / (max_tokens - 1)})
+        async with httpx.AsyncClient() as client:
+            health = [(await client.get(u + "/health")).json() for u in urls]
+        nursery.cancel_scope.cancel()
+    wire = sum(b for h in health for path, b in h["body_bytes"].items() if path != "/v1/inference")
+    return {"converge_s": converge_s, "runs": runs[1:], "stages": [
+        {k: h[k] for k in ("stage", "layers", "weight_bytes", "peak_rss_bytes")} for h in health],
+        "wire_bytes_per_token": wire / ((repeats + 1) * max_tokens)}
+
+
+def summarize(model: str, n: int, result: dict, single_ms: float | None) -> dict:
+    decode = [r["decode_ms_per_token"] for r in result["runs"]]
+    ms = statistics.median(decode)
+    row = {"model": model, "stages": n, "decode_ms_per_token": ms, "spread_ms": [min(decode), max(decode)],
+           "tokens_per_s": 1000 / ms, "first_token_s": statistics.median(r["first_token_s"] for r in result["runs"]),
+           "converge_s": result.get("converge_s"), "peak_rss_mb": [], "weight_mb": []}
+    if n:
+        row["cost_per_hop_ms"] = (ms - single_ms) / n  # a token crosses n - 1 activation hops and the feedback
+        row["wire_bytes_per_token"] = result["wire_bytes_per_token"]
+        row["peak_rss_mb"] = [s["peak_rss_bytes"] / 2**20 for s in result["stages"]]
+        row["weight_mb"] = [s["weight_bytes"] / 2**20 for s in result["stages"]]
+    else:
+        row["peak_rss_mb"], row["weight_mb"] = [result["peak_rss_bytes"] / 2**20], [result["weight_bytes"] / 2**20]
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| model | stages | decode ms/token (min–max) | tok/s | first token s | converge s | cost/hop ms | "
+           "wire B/token | peak RSS MB per stage | weights MB per stage |", "|" + "---|" * 10]
+    for r in rows:
+        f = lambda v, p=1: "—" if v is None else f"{v:.{p}f}"  # noqa: E731
+        out.append(f"| {r['model']} | {r['stages'] or '1 process'} | {f(r['decode_ms_per_token'])} "
+                   f"({f(r['spread_ms'][0])}–{f(r['spread_ms'][1])}) | {f(r['tokens_per_s'])} | "
+                   f"{f(r['first_token_s'], 2)} | {f(r['converge_s'])} | {f(r.get('cost_per_hop_ms'), 2)} | "
+                   f"{f(r.get('wire_bytes_per_token'), 0)} | {' / '.join(f'{v:.0f}' for v in r['peak_rss_mb'])} | "
+                   f"{' / '.join(f'{v:.1f}' for v in r['weight_mb'])} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.pipeline", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["tiny", "small"])
+    p.add_argument("--stages", nargs="+", type=int, default=[2, 3, 5])
+    p.add_argument("--prompt", default="Say hello")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3, help="timed requests per configuration, after one warm-up")
+    p.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    p.add_argument("--single", help=argparse.SUPPRESS)  # internal: run the one-process baseline for this model
+    args = p.parse_args(argv)
+    if args.single:
+        print(json.dumps(single_process(args.single, args.prompt, args.max_tokens, args.repeats)))
+        return 0
+    rows = []
+    for model in args.models:
+        out = subprocess.run([sys.executable, "-m", "bench.pipeline", "--single", model, "--max-tokens",
+                              str(args.max_tokens), "--repeats", str(args.repeats), "--prompt", args.prompt],
+                             cwd=ROOT, check=True, capture_output=True, text=True).stdout
+        rows.append(summarize(model, 0, json.loads(out), None))
+        single_ms = rows[-1]["decode_ms_per_token"]
+        for n in args.stages:
+            result = trio.run(pipeline, model, n, args.prompt, args.max_tokens, args.repeats)
+            rows.append(summarize(model, n, result, single_ms))
+            print(f"done: {model} x {n}", file=sys.stderr, flush=True)
+    command = "python -m bench.pipeline " + " ".join(argv if argv is not None else sys.argv[1:])
+    header = (f"Command: `{command}`  \nMachine: {platform.platform()}, {os.cpu_count()} CPUs, Python "
+              f"{platform.python_version()}, DEV={os.environ.get('DEV', '(tinygrad default)')}\n")
+    print(header + "\n" + table(rows))
+    if args.json:
+        args.json.write_text(json.dumps({"command": command, "machine": header, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
