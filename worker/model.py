@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 from tinygrad import Tensor, TinyJit, UOp
+from tinygrad.device import Buffer
 
 from .config import ModelConfig
 from .weights import OUTPUT_NORM
@@ -80,6 +81,7 @@ class StageModel:
         cos, sin = rope_tables(config)
         self.cos, self.sin = Tensor(cos).realize(), Tensor(sin).realize()
         self._decode = TinyJit(self._forward)
+        self._decode_in: Tensor | None = None
 
     def _forward(self, x: Tensor, start_pos: int | UOp) -> Tensor:
         t = x.shape[1]
@@ -95,16 +97,26 @@ class StageModel:
             x = _rms_norm(x[:, -1, :], norm, self.config.norm_eps) @ out.T
         return x.realize()
 
+    def _decode_input(self, data: np.ndarray) -> Tensor:
+        """One token's hidden state in a buffer reused every step: a buffer copy costs ~0.3 ms where
+        building and realizing a new Tensor from numpy costs ~2.4 ms (tiny model, 2-core CPU)."""
+        if self._decode_in is None:
+            self._decode_in = Tensor.zeros(1, 1, data.shape[-1]).contiguous().realize()
+        buffer = self._decode_in.uop.buffer
+        buffer.copy_from(Buffer("PYTHON", buffer.size, buffer.dtype,
+                                opaque=memoryview(data.reshape(-1)).cast("B")).ensure_allocated())
+        return self._decode_in
+
     def forward(self, hidden: np.ndarray, start_pos: int) -> np.ndarray:
         """hidden (seq_len, dim) float32 → next hidden (seq_len, dim), or logits (vocab,) with a head."""
         seq_len = hidden.shape[0]
         if start_pos + seq_len > self.config.max_context:
             raise ValueError(f"position {start_pos + seq_len} exceeds the context of {self.config.max_context}")
-        x = Tensor(np.ascontiguousarray(hidden, dtype=np.float32).reshape(1, seq_len, -1)).realize()
+        data = np.ascontiguousarray(hidden, dtype=np.float32)
         if seq_len == 1 and start_pos > 0:
             # symbolic position: one compiled decode graph for every position (stack-facts §2)
             pos = UOp.variable("start_pos", 1, self.config.max_context - 1).bind(start_pos)
-            out = self._decode(x, pos)
+            out = self._decode(self._decode_input(data), pos)
         else:
-            out = self._forward(x, start_pos)
+            out = self._forward(Tensor(data.reshape(1, seq_len, -1)).realize(), start_pos)
         return out.numpy().reshape(-1) if self.head is not None else out.numpy().reshape(seq_len, -1)
