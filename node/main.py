@@ -46,9 +46,11 @@ def load_worker(config: NodeConfig, model_spec: str):
     try:
         model = open_model(model_spec, cache_dir=config.cache_dir, ollama_models_dir=config.ollama_models_dir,
                            progress=False)
-        return open_worker(model, config.stage, config.num_stages)
+        worker = open_worker(model, config.stage, config.num_stages)
     except (ModelFileError, ValueError) as exc:  # a bad path, file or name: the user's to fix, not a crash
         raise ModelLoadError(f"stage {config.stage} cannot load model {config.model!r}: {exc}") from exc
+    worker.warm_up()
+    return worker
 
 
 def slice_url(model: str) -> str | None:

@@ -83,6 +83,11 @@ class RangeServer:
         status = 206 if m and fault != "ignore_range" else 200
         last = min(int(m[2]), len(body) - 1) if status == 206 else len(body) - 1
         payload = body[first:last + 1]
+        if fault in ("truncate", "unframed"):
+            payload = payload[:len(payload) // 2]
+        # logged before anything is sent: the client may have the headers (and the test go on) before
+        # this thread runs another line
+        self.log.append(Served(h.command, h.path, status, first, 0 if head else len(payload)))
         h.send_response(status)
         h.send_header("Accept-Ranges", "bytes")
         h.send_header("ETag", '"v2"' if fault == "retag" else '"v1"')
@@ -92,12 +97,10 @@ class RangeServer:
         if fault == "unframed":
             h.send_header("Connection", "close")
         else:
-            h.send_header("Content-Length", str(len(payload)))
+            h.send_header("Content-Length", str(len(body[first:last + 1])))
         h.end_headers()
         if fault in ("truncate", "unframed"):
-            payload, h.close_connection = payload[:len(payload) // 2], True
-        # logged before the body is sent: the client may have it (and the test go on) before write returns
-        self.log.append(Served(h.command, h.path, status, first, 0 if head else len(payload)))
+            h.close_connection = True
         if not head:
             try:
                 h.wfile.write(payload)

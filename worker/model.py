@@ -15,6 +15,8 @@ from .weights import OUTPUT_NORM
 
 # HF rotate-half RoPE: the first and second halves of each head form the rotary pairs.
 
+STEPWISE_PREFILL_MAX = 256  # longer prompts take the batched prefill (a compile per length, fewer steps)
+
 
 def rope_tables(config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin of every position × frequency, (max_context, head_dim // 2) float32."""
@@ -108,15 +110,29 @@ class StageModel:
         return self._decode_in
 
     def forward(self, hidden: np.ndarray, start_pos: int) -> np.ndarray:
-        """hidden (seq_len, dim) float32 → next hidden (seq_len, dim), or logits (vocab,) with a head."""
+        """hidden (seq_len, dim) float32 → next hidden (seq_len, dim), or logits (vocab,) with a head.
+
+        Prompts up to STEPWISE_PREFILL_MAX tokens go through the one-token JIT a row at a time: a batched
+        prefill compiles new kernels for every prompt length (seconds per stage on a CPU, on the first
+        token's critical path), while the step graph is compiled once, at boot (warm_up)."""
         seq_len = hidden.shape[0]
         if start_pos + seq_len > self.config.max_context:
             raise ValueError(f"position {start_pos + seq_len} exceeds the context of {self.config.max_context}")
         data = np.ascontiguousarray(hidden, dtype=np.float32)
-        if seq_len == 1 and start_pos > 0:
-            # symbolic position: one compiled decode graph for every position (stack-facts §2)
-            pos = UOp.variable("start_pos", 1, self.config.max_context - 1).bind(start_pos)
-            out = self._decode(self._decode_input(data), pos)
-        else:
-            out = self._forward(Tensor(data.reshape(1, seq_len, -1)).realize(), start_pos)
-        return out.numpy().reshape(-1) if self.head is not None else out.numpy().reshape(seq_len, -1)
+        if seq_len > STEPWISE_PREFILL_MAX:
+            out = self._forward(Tensor(data.reshape(1, seq_len, -1)).realize(), start_pos).numpy()
+            return out.reshape(-1) if self.head is not None else out.reshape(seq_len, -1)
+        rows = [self._step(data[i:i + 1], start_pos + i) for i in range(seq_len)]
+        return rows[-1].reshape(-1) if self.head is not None else np.concatenate(rows).reshape(seq_len, -1)
+
+    def _step(self, row: np.ndarray, position: int) -> np.ndarray:
+        # symbolic position: one compiled graph for every position (stack-facts §2)
+        pos = UOp.variable("start_pos", 0, self.config.max_context - 1).bind(position)
+        return self._decode(self._decode_input(row), pos).numpy()
+
+    def warm_up(self) -> None:
+        """Compile and capture the step graph now (TinyJit captures on its second call), so that the
+        first request pays no compile. Positions 0..2 get overwritten by any request's prefill."""
+        zeros = np.zeros((1, self.config.dim), dtype=np.float32)
+        for position in range(3):
+            self._step(zeros, position)

@@ -24,6 +24,8 @@ class Slice(Protocol):
 
     def forward(self, hidden: np.ndarray, position: int) -> np.ndarray: ...  # hidden, or logits (vocab,) with a head
 
+    def warm_up(self) -> None: ...  # compile what the first request would, before it arrives
+
 
 class TinygradSlice:
     def __init__(self, source: WeightSource, layers: range, *, embed: bool, head: bool):
@@ -41,3 +43,6 @@ class TinygradSlice:
 
     def forward(self, hidden: np.ndarray, position: int) -> np.ndarray:
         return self.model.forward(hidden, position)
+
+    def warm_up(self) -> None:
+        self.model.warm_up()

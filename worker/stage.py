@@ -100,6 +100,10 @@ class StageWorker:
         return self.tokenizer.decode(tokens)
 
     # -- any stage ---------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Compile before the first request (a node calls this before it reports ready)."""
+        self.compute.warm_up()
+
     def release(self, request_id: str) -> None:
         """Forget a request; releasing an unknown one is a no-op so teardown can be repeated."""
         self._requests.pop(request_id, None)
