@@ -100,8 +100,8 @@ class StageModel:
         return x.realize()
 
     def _decode_input(self, data: np.ndarray) -> Tensor:
-        """One token's hidden state in a buffer reused every step: a buffer copy costs ~0.3 ms where
-        building and realizing a new Tensor from numpy costs ~2.4 ms (tiny model, 2-core CPU)."""
+        """One token's hidden state in a buffer reused every step: copying into it is far cheaper than
+        building and realizing a new Tensor from numpy each step (docs/benchmarks.md, change 1)."""
         if self._decode_in is None:
             self._decode_in = Tensor.zeros(1, 1, data.shape[-1]).contiguous().realize()
         buffer = self._decode_in.uop.buffer
