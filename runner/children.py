@@ -36,7 +36,8 @@ def log_tail(path: Path, lines: int = 15) -> str:
     return "\n".join("    " + line for line in text.splitlines()[-lines:]) or "    (empty)"
 
 
-def _terminate_then_kill(grace_s: float):
+def terminate_then_kill(grace_s: float):
+    """trio.run_process's deliver_cancel: SIGTERM, then SIGKILL if still there after grace_s."""
     async def deliver(process: trio.Process) -> None:
         process.terminate()
         with trio.move_on_after(grace_s):
@@ -57,7 +58,7 @@ async def run_child(stage: int, env: dict[str, str], log_path: Path, *, grace_s:
                 trio.run_process, command, env=env, stdout=subprocess.PIPE, stderr=log, check=False,
                 # our end of its stdin is a lifeline: if the runner dies, even by SIGKILL, the node reads EOF
                 stdin=subprocess.PIPE, start_new_session=True,  # and Ctrl-C in a terminal reaches only us
-                deliver_cancel=_terminate_then_kill(grace_s)))
+                deliver_cancel=terminate_then_kill(grace_s)))
             url = await _read_address(process)
             if url is not None:
                 task_status.started(Child(stage, process, url, log_path))

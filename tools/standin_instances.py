@@ -14,6 +14,7 @@ from pathlib import Path
 import attrs
 import trio
 
+from runner.children import terminate_then_kill
 from tools.standin_offers import LOOPBACK
 
 log = logging.getLogger("pp.vastai_standin")
@@ -112,7 +113,7 @@ async def run_container(inst: Instance, node_command: Sequence[str], *, grace_s:
         process = await nursery.start(functools.partial(
             trio.run_process, list(node_command), env=env, cwd=str(REPO), check=False,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True, deliver_cancel=_terminate_then_kill(grace_s)))
+            start_new_session=True, deliver_cancel=terminate_then_kill(grace_s)))
         inst.pid, inst.node_port, inst.ports = process.pid, node_port, _port_json(public)
         inst.actual_status, inst.status_msg = "running", "success, running"
         if die_after_s is not None:
@@ -135,16 +136,6 @@ def mark_running_without_process(inst: Instance) -> None:
 
 def _port_json(public: Mapping[int, int]) -> dict:
     return {f"{p}/tcp": [{"HostIp": "0.0.0.0", "HostPort": str(f)}] for p, f in public.items()}
-
-
-def _terminate_then_kill(grace_s: float):
-    async def deliver(process: trio.Process) -> None:
-        process.terminate()
-        with trio.move_on_after(grace_s):
-            await process.wait()
-            return
-        process.kill()
-    return deliver
 
 
 async def _kill_after(process: trio.Process, delay_s: float) -> None:
