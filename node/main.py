@@ -1,8 +1,9 @@
 """A node's life: the boot sequence of spec §5.1, then serving until cancelled.
 
 1-2 config and role come parsed; 3 listen, then join gossip through the seed and PEER_DIRECT;
-4 wait for a peer; 6 register pp-stage-{i}; 7 load the worker on the compute thread; 8-10 wait until
-the names this stage sends to resolve; 12 register pp-entry / pp-exit last; 13 pump messages.
+6 register pp-stage-{i}; 7 fetch and load the worker on the compute thread; 4 wait for a peer;
+8-10 wait until the names this stage sends to resolve; 12 register pp-entry / pp-exit last;
+13 pump messages.
 The first stage registers pp-entry only once every stage reports ready, so pp-entry means
 "the whole chain can take a prompt now".
 """
@@ -125,10 +126,11 @@ async def _serve(config, swim_config, on_listening, compute, task_status) -> Non
         seeds = [a for a in (config.seed_addr, *config.peer_direct) if a]
         node.swim = swim = Swim(me, swim_config, HttpTransport(gossip), random.Random(), seeds)
         await nursery.start(swim.run)
-        await swim.wait_until(lambda s: len(s.alive()) >= 2)
         swim.update_meta(names=topology.first_names(stage, n))
-        event(log, "joined", members=len(swim.members()))
 
+        # Weights are fetched and loaded before waiting for a peer (spec §5.1 has steps 4 and 7 the
+        # other way round): on vast.ai the runner introduces the nodes only once every instance runs,
+        # and a node that came up early would otherwise sit idle until then.
         started = time.perf_counter()
         model_spec = await fetch_own_slice(config, swim)
         worker = await compute.call(load_worker, config, model_spec)
@@ -136,6 +138,8 @@ async def _serve(config, swim_config, on_listening, compute, task_status) -> Non
               weight_bytes=worker.info.weight_bytes)
         node.worker = worker
         swim.update_meta(ready=True)
+        await swim.wait_until(lambda s: len(s.alive()) >= 2)
+        event(log, "joined", members=len(swim.members()))
         await swim.wait_until(_resolved(topology.resolves(stage, n)))
         if node.actor.role is Role.FIRST:
             await swim.wait_until(_chain_ready(n))
