@@ -222,10 +222,7 @@ def _port(src: _Sources) -> int:
     raw, label = src.get("--port")
     if raw is None or not raw.strip():
         return DEFAULT_PORT
-    port = _int(raw, label)
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"{label}={port} is outside 0..65535 (0 = any free port)")
-    return port
+    return _port_number(raw, label, lowest=0, note=" (0 = any free port)")
 
 
 def _public_port(environ: Mapping[str, str], port: int) -> int | None:
@@ -233,10 +230,14 @@ def _public_port(environ: Mapping[str, str], port: int) -> int | None:
     raw = environ.get(name)
     if raw is None or not raw.strip():
         return None
-    public = _int(raw, name)
-    if not 1 <= public <= 65535:
-        raise ConfigError(f"{name}={public} is outside 1..65535")
-    return public
+    return _port_number(raw, name, lowest=1)
+
+
+def _port_number(raw: str, label: str, *, lowest: int, note: str = "") -> int:
+    port = _int(raw, label)
+    if not lowest <= port <= 65535:
+        raise ConfigError(f"{label}={port} is outside {lowest}..65535{note}")
+    return port
 
 
 def _optional_url(raw: str | None, label: str) -> str | None:

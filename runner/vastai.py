@@ -248,12 +248,12 @@ async def _show_logs(vast: VastClient, instances: list[int], progress) -> None:
             progress(f"stage {stage} (instance {contract}) log tail:\n" + "\n".join("    " + ln for ln in lines))
 
 
-async def destroy_leftovers(api_key: str, base_url: str, ledger_path: Path, progress) -> int:
+async def destroy_leftovers(api_key: str, base_url: str, ledger_path: Path, progress, *, transport=None) -> int:
     ledger = Ledger(ledger_path)
     leftover = ledger.ids()
     if not leftover:
         progress(f"no leftover instances recorded in {ledger_path}")
         return 0
-    async with VastClient(api_key, base_url=base_url) as vast:
+    async with VastClient(api_key, base_url=base_url, transport=transport) as vast:
         await destroy_all(vast, leftover, ledger, progress)
     return len(leftover)

@@ -90,13 +90,8 @@ async def test_leftovers_recorded_by_a_killed_runner_are_destroyed(tmp_path):
     for i in (7, 8):
         ledger.add(i)
     fake = FakeVast()
-    import runner.vastai as rv
-    real = rv.VastClient
-    rv.VastClient = lambda key, base_url: real(key, base_url=base_url, transport=httpx.MockTransport(fake.handler))
-    try:
-        assert await destroy_leftovers("k", "http://vast.test", tmp_path / "live.json", lambda line: None) == 2
-    finally:
-        rv.VastClient = real
+    assert await destroy_leftovers("k", "http://vast.test", tmp_path / "live.json", lambda line: None,
+                                   transport=httpx.MockTransport(fake.handler)) == 2
     assert sorted(fake.destroyed) == [7, 8] and ledger.ids() == []
 
 

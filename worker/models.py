@@ -49,8 +49,6 @@ def open_model(spec: str, *, cache_dir: Path, ollama_models_dir: Path | None, pr
     if name in BUILT_IN:
         return tinygrad_model(TinySource(BUILT_IN[name], path=name))
     ref = resolve_model(spec, cache_dir=cache_dir, ollama_models_dir=ollama_models_dir, progress=progress)
-    if ref.kind is ModelKind.TINY:
-        return tinygrad_model(TinySource())
     if ref.kind is ModelKind.GGUF:
         from .gguf import GGUFSource
         return tinygrad_model(GGUFSource(ref.path))
