@@ -5,6 +5,7 @@ import pytest
 from worker.errors import WorkerError
 from worker.models import open_worker, stub_model, tinygrad_model
 from worker.partition import Role
+from worker.stage import StepItem
 from worker.tiny import TinySource
 
 
@@ -77,13 +78,51 @@ def test_steps_must_continue_a_known_request_at_its_next_position(chain3):
     first.decode_step("r", 1, 3)  # still usable after the refusals
 
 
-def test_a_new_prefill_supersedes_the_previous_request(chain3):
+def test_requests_hold_their_own_slots_and_none_supersedes_another(chain3):
     first = chain3[0]
     first.embed_and_forward("old", [5, 6], 0)
-    first.embed_and_forward("new", [5, 6], 0)
-    with pytest.raises(WorkerError, match="unknown request 'old'"):
-        first.decode_step("old", 1, 2)
-    first.decode_step("new", 1, 2)
+    first.embed_and_forward("new", [7, 8, 9], 0)
+    assert first.active == {"old", "new"}
+    first.decode_step("old", 1, 2)
+    first.decode_step("new", 1, 3)
+
+
+def test_a_request_id_cannot_start_twice(chain3):
+    first = chain3[0]
+    first.embed_and_forward("r", [5, 6], 0)
+    with pytest.raises(WorkerError, match="got position 0, expected 2"):
+        first.embed_and_forward("r", [5, 6], 0)
+
+
+def test_a_request_past_the_last_free_slot_is_refused_until_one_is_released(model):
+    first = open_worker(model, 0, 2, max_seqs=2)
+    first.embed_and_forward("a", [5], 0)
+    first.embed_and_forward("b", [5], 0)
+    with pytest.raises(WorkerError, match="all 2 sequence slots of stage 0 are taken"):
+        first.embed_and_forward("c", [5], 0)
+    first.release("a")
+    first.embed_and_forward("c", [5], 0)
+    assert first.active == {"b", "c"}
+
+
+def test_one_refused_step_does_not_fail_the_rest_of_its_batch(chain3):
+    first = chain3[0]
+    first.embed_and_forward("r", [5, 6], 0)
+    out = first.run([StepItem("r", 5, tokens=(1,)), StepItem("s", 0, tokens=(3, 4)), StepItem("r", 2, tokens=(1,))])
+    assert isinstance(out[0], WorkerError) and "expected 2" in str(out[0])
+    assert [len(o) for o in out[1:]] == [2 * first.info.hidden_dim * 4, first.info.hidden_dim * 4]
+    assert first.active == {"r", "s"}
+
+
+def test_a_batch_gives_each_request_what_it_gets_alone(model):
+    # the stub's hash and tinygrad's float rows: each row of a batch is computed as it would be alone
+    alone, batched = open_worker(model, 0, 2), open_worker(model, 0, 2)
+    prompts = {"a": [5, 6, 7], "b": [9], "c": [4, 4, 4, 4, 4]}
+    want = {rid: alone.embed_and_forward(rid, ids, 0) for rid, ids in prompts.items()}
+    got = batched.run([StepItem(rid, 0, tokens=tuple(ids)) for rid, ids in prompts.items()])
+    assert got == list(want.values())
+    want = [alone.decode_step(rid, 1, len(ids)) for rid, ids in prompts.items()]
+    assert batched.run([StepItem(rid, len(ids), tokens=(1,)) for rid, ids in prompts.items()]) == want
 
 
 def test_token_ids_outside_the_vocabulary_are_refused(chain3):
@@ -109,9 +148,9 @@ def test_a_failed_step_forgets_the_request_instead_of_continuing_on_a_half_writt
 
     def broken(hidden, position):
         raise RuntimeError("device lost")
-    real, first.compute.forward = first.compute.forward, broken
+    real, first.compute.forward_batch = first.compute.forward_batch, broken
     with pytest.raises(RuntimeError, match="device lost"):
         first.decode_step("r", 1, 2)
-    first.compute.forward = real
+    first.compute.forward_batch = real
     with pytest.raises(WorkerError, match="unknown request 'r'"):
         first.decode_step("r", 1, 2)

@@ -1,22 +1,44 @@
 """A contiguous slice of a Llama transformer in tinygrad: blocks [lo, hi) with their KV caches,
 plus the final norm and output head when the slice is the last one.
 
-The embedding lookup is not here: it is a row gather the first stage does in numpy, so every
-slice takes a hidden state in and all slices compile the same kernels whatever their role.
+Batched steps over sequence slots. The KV cache of every block holds `max_seqs` sequences (slots)
+plus one scratch slot that padding rows write to. One step runs B rows at once, each row one token
+of some slot at some position: one pass over the weights for B tokens. A decode step of k requests
+is k rows; a prompt chunk of one request is consecutive rows of the same slot; both mix in one step.
+
+Why it is built this way (tinygrad 0.14, measured in docs/benchmarks.md):
+- Graphs are captured per bucket size B (1, 2, 4, ...; a batch is padded up to its bucket) at boot,
+  so no request waits on a compile, and one graph serves every position: the key length is the
+  symbolic `kv_len` = 1 + the largest position in the step, and each row masks the keys past its own
+  position, so rows at different positions share one attention kernel.
+- Per-row data (slot, position, RoPE rows) comes in as input buffers written from the host, not as
+  per-row symbolic variables: the kernel count of a step then does not grow with B (32 kernels for
+  two blocks at B = 1 and at B = 16), and neither does the capture time.
+- New keys and values are written by one small scatter kernel per block (`_kv_store`): tinygrad's
+  indexed setitem rewrites the whole cache, which at 1B scale would move ~1 GB per step.
+- Reads gather each row's slot with an index tensor, which tinygrad folds into direct loads.
+- Each row's arithmetic is the same whatever the bucket and whatever else is in the batch (row-wise
+  matmuls, a row's masked keys add exact zeros): the same request gives bit-identical logits alone
+  or batched (tests/test_batching.py), and so prompts chunked through the step graph equal stepping
+  them one token at a time.
+
+The embedding lookup is not here: it is a row gather the first stage does in numpy, so every slice
+takes a hidden state in and all slices compile the same kernels whatever their role.
 """
 from __future__ import annotations
 
+import attrs
 import numpy as np
-from tinygrad import Tensor, TinyJit, UOp
+from tinygrad import Tensor, TinyJit, UOp, dtypes
 from tinygrad.device import Buffer
+from tinygrad.uop.ops import KernelInfo
 
+from . import kernel_cache
+from .batching import DEFAULT_MAX_SEQS, Segment, bucket_sizes, default_max_batch
 from .config import ModelConfig
 from .weights import OUTPUT_NORM
 
 # HF rotate-half RoPE: the first and second halves of each head form the rotary pairs.
-
-STEPWISE_PREFILL_MAX = 256  # longer prompts take the batched prefill (a compile per length, fewer steps)
-
 
 def rope_tables(config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin of every position × frequency, (max_context, head_dim // 2) float32."""
@@ -38,101 +60,191 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x1 * cos - x2 * sin).cat(x2 * cos + x1 * sin, dim=-1)
 
 
+def _kv_store(cache: UOp, rows: UOp, index: UOp) -> UOp:
+    """cache[index[b], :] = rows[b, :] for every row b: a scatter, one kernel whatever B."""
+    b, j = UOp.range(rows.shape[0], 0), UOp.range(rows.shape[1], 1)
+    store = cache.index(index[b].cast(dtypes.weakint), j).store(rows[b, j])
+    return store.end(b, j).sink(arg=KernelInfo(name="kv_store", opts_to_apply=()))
+
+
 class Block:
-    """One transformer block and its KV cache (batch 1)."""
+    """One transformer block and the KV cache of every slot: (slots × max_context, 2 × kv_heads × head_dim)."""
 
-    def __init__(self, config: ModelConfig, w: dict[str, Tensor]):
-        self.config, self.w = config, w
+    def __init__(self, config: ModelConfig, w: dict[str, Tensor], slots: int):
+        self.config, self.w, self.slots = config, w, slots
         c = config
-        self.cache_kv = Tensor.zeros(2, 1, c.n_kv_heads, c.max_context, c.head_dim).contiguous().realize()
+        self.cache = Tensor.zeros(slots * c.max_context, 2 * c.n_kv_heads * c.head_dim).contiguous().realize()
 
-    def __call__(self, x: Tensor, start_pos: int | UOp, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
+    def __call__(self, x: Tensor, rows: _Rows, kv_len: UOp) -> Tensor:
         c, w = self.config, self.w
-        h = x + self._attention(_rms_norm(x, w["attn_norm"], c.norm_eps), start_pos, cos, sin, mask)
+        h = x + self._attention(_rms_norm(x, w["attn_norm"], c.norm_eps), rows, kv_len)
         ffn_in = _rms_norm(h, w["ffn_norm"], c.norm_eps)
         ffn = (ffn_in @ w["ffn_gate"].T).silu() * (ffn_in @ w["ffn_up"].T)
         # contiguous: the block output is a buffer in every slicing, so kernels never fuse across blocks
         return (h + ffn @ w["ffn_down"].T).contiguous()
 
-    def _attention(self, x, start_pos, cos, sin, mask):
+    def _attention(self, x: Tensor, rows: _Rows, kv_len: UOp) -> Tensor:
         c, w = self.config, self.w
-        _, t, _ = x.shape
-        q = (x @ w["attn_q"].T).reshape(1, t, c.n_heads, c.head_dim).transpose(1, 2)
-        k = (x @ w["attn_k"].T).reshape(1, t, c.n_kv_heads, c.head_dim).transpose(1, 2)
-        v = (x @ w["attn_v"].T).reshape(1, t, c.n_kv_heads, c.head_dim).transpose(1, 2)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        self.cache_kv[:, :, :, start_pos:start_pos + t, :].assign(Tensor.stack(k, v)).realize()
-        keys = self.cache_kv[0, :, :, 0:start_pos + t, :]
-        values = self.cache_kv[1, :, :, 0:start_pos + t, :]
-        out = q.scaled_dot_product_attention(keys, values, attn_mask=mask, enable_gqa=True)
-        return out.transpose(1, 2).reshape(1, t, c.dim) @ w["attn_output"].T
+        b, kvh, hd = x.shape[0], c.n_kv_heads, c.head_dim
+        q = (x @ w["attn_q"].T).reshape(b, c.n_heads, 1, hd)
+        k = (x @ w["attn_k"].T).reshape(b, kvh, 1, hd)
+        v = (x @ w["attn_v"].T).reshape(b, kvh, 1, hd)
+        q, k = _rotate(q, rows.cos, rows.sin), _rotate(k, rows.cos, rows.sin)
+        new = k.reshape(b, kvh * hd).cat(v.reshape(b, kvh * hd), dim=1).contiguous()
+        cache = self.cache.custom_kernel(new, rows.cache_row, fxn=_kv_store)[0]
+        seen = cache.reshape(self.slots, c.max_context, 2, kvh, hd)[rows.slot, 0:kv_len]  # (b, kv_len, 2, kvh, hd)
+        keys, values = seen[:, :, 0].permute(0, 2, 1, 3), seen[:, :, 1].permute(0, 2, 1, 3)
+        out = q.scaled_dot_product_attention(keys, values, attn_mask=rows.mask, enable_gqa=True)
+        return out.reshape(b, c.dim) @ w["attn_output"].T
+
+
+@attrs.frozen
+class _Rows:
+    """Per-row inputs of a step, as tensors inside the graph."""
+
+    cos: Tensor  # (b, 1, 1, head_dim // 2)
+    sin: Tensor
+    slot: Tensor  # (b,) int
+    cache_row: Tensor  # (b,) int: slot * max_context + position, where the row's key/value go
+    mask: Tensor  # (b, 1, 1, kv_len) bool: key l is visible to the row when l <= its position
+
+
+class _StepInputs:
+    """The host-written input buffers of one bucket: floats (b, dim + head_dim) = hidden | cos | sin,
+    ints (3, b) = position | slot | cache row. On the CPU they are written in place through a
+    zero-copy view; copying a fresh numpy array in costs more than a small step (docs/benchmarks.md)."""
+
+    def __init__(self, rows: int, dim: int, head_dim: int):
+        self.floats = Tensor.zeros(rows, dim + head_dim).contiguous().realize()
+        self.ints = Tensor.zeros(3, rows, dtype=dtypes.int32).contiguous().realize()
+
+    def write(self, floats: np.ndarray, ints: np.ndarray) -> None:
+        _write(self.floats, floats)
+        _write(self.ints, ints)
+
+
+def _zero_copy(buffer: Buffer) -> bool:
+    return buffer.device.startswith("CPU") and hasattr(buffer.allocator, "_as_buffer")
+
+
+def _write(t: Tensor, data: np.ndarray) -> None:
+    buffer = t.uop.buffer
+    if _zero_copy(buffer):
+        np.frombuffer(buffer.as_memoryview(force_zero_copy=True), dtype=data.dtype)[:] = data.reshape(-1)
+        return
+    data = np.ascontiguousarray(data)
+    buffer.copy_from(Buffer("PYTHON", buffer.size, buffer.dtype, opaque=memoryview(data.reshape(-1)).cast("B"))
+                     .ensure_allocated())
+
+
+def _read(t: Tensor) -> np.ndarray:
+    buffer = t.uop.buffer
+    if _zero_copy(buffer):  # the output buffer is reused by the next step: copy it out
+        return np.frombuffer(buffer.as_memoryview(force_zero_copy=True), dtype=np.float32).reshape(t.shape).copy()
+    return t.numpy()
 
 
 class StageModel:
     """Blocks `layers` of a model; with `head`, also final norm + output head (returns logits)."""
 
-    def __init__(self, config: ModelConfig, layers: range, tensors: dict[str, np.ndarray], *, head_weight: str | None):
-        self.config, self.layers = config, layers
+    def __init__(self, config: ModelConfig, layers: range, tensors: dict[str, np.ndarray], *, head_weight: str | None,
+                 max_seqs: int = DEFAULT_MAX_SEQS, max_batch: int | None = None):
+        if max_seqs < 1:
+            raise ValueError(f"max_seqs must be at least 1, got {max_seqs}")
+        self.config, self.layers, self.max_seqs = config, layers, max_seqs
+        self.scratch_slot = max_seqs  # padding rows write here; no sequence ever reads it
+        self.buckets = bucket_sizes(max_batch or default_max_batch(max_seqs))
         dev = {name: Tensor(arr).realize() for name, arr in tensors.items() if name != "token_embd.weight"}
-        self.blocks = [Block(config, {k.split(".")[2]: v for k, v in dev.items() if k.startswith(f"blk.{i}.")})
-                       for i in layers]
+        self.blocks = [Block(config, {k.split(".")[2]: v for k, v in dev.items() if k.startswith(f"blk.{i}.")},
+                             max_seqs + 1) for i in layers]
         self.head = None
         if head_weight is not None:
             head = dev[head_weight] if head_weight in dev else Tensor(tensors[head_weight]).realize()
             self.head = (dev[OUTPUT_NORM], head)
-        cos, sin = rope_tables(config)
-        self.cos, self.sin = Tensor(cos).realize(), Tensor(sin).realize()
-        self._decode = TinyJit(self._forward)
-        self._decode_in: Tensor | None = None
+        self.cos, self.sin = rope_tables(config)
+        kernel_cache.install()
+        self._graphs = {b: _capture_on_first_call(TinyJit(self._step)) for b in self.buckets}
+        self._inputs = {b: _StepInputs(b, config.dim, config.head_dim) for b in self.buckets}
 
-    def _forward(self, x: Tensor, start_pos: int | UOp) -> Tensor:
-        t = x.shape[1]
-        cos = self.cos[start_pos:start_pos + t].reshape(1, 1, t, -1)
-        sin = self.sin[start_pos:start_pos + t].reshape(1, 1, t, -1)
-        mask = None
-        if t > 1:  # causal, lower-right aligned: query i sees keys up to start_pos + i
-            mask = Tensor.ones(t, start_pos + t).tril(start_pos).cast("bool").reshape(1, 1, t, start_pos + t)
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def _step(self, floats: Tensor, ints: Tensor, kv_len: UOp) -> Tensor:
+        c, b = self.config, floats.shape[0]
+        half = c.head_dim // 2
+        x = floats[:, :c.dim]
+        position, slot, cache_row = ints[0], ints[1], ints[2]
+        mask = (Tensor.arange(kv_len).reshape(1, kv_len) <= position.reshape(b, 1)).reshape(b, 1, 1, kv_len)
+        rows = _Rows(floats[:, c.dim:c.dim + half].reshape(b, 1, 1, half),
+                     floats[:, c.dim + half:].reshape(b, 1, 1, half), slot, cache_row, mask)
         for block in self.blocks:
-            x = block(x, start_pos, cos, sin, mask)
+            x = block(x, rows, kv_len)
         if self.head is not None:
             norm, out = self.head
-            x = _rms_norm(x[:, -1, :], norm, self.config.norm_eps) @ out.T
+            x = _rms_norm(x, norm, c.norm_eps) @ out.T
         return x.realize()
 
-    def _decode_input(self, data: np.ndarray) -> Tensor:
-        """One token's hidden state in a buffer reused every step: copying into it is far cheaper than
-        building and realizing a new Tensor from numpy each step (docs/benchmarks.md, change 1)."""
-        if self._decode_in is None:
-            self._decode_in = Tensor.zeros(1, 1, data.shape[-1]).contiguous().realize()
-        buffer = self._decode_in.uop.buffer
-        buffer.copy_from(Buffer("PYTHON", buffer.size, buffer.dtype,
-                                opaque=memoryview(data.reshape(-1)).cast("B")).ensure_allocated())
-        return self._decode_in
+    def forward_batch(self, hidden: np.ndarray, segments: list[Segment]) -> np.ndarray:
+        """hidden (rows, dim) float32, the rows of `segments` in order → next hidden (rows, dim); with a
+        head, the logits of each segment's last row (len(segments), vocab). Rows past the largest bucket
+        run as several steps, in order, so a segment may be any length."""
+        self._check(hidden, segments)
+        slots = np.concatenate([np.full(s.length, s.slot) for s in segments])
+        positions = np.concatenate([np.arange(s.position, s.position + s.length) for s in segments])
+        data = np.ascontiguousarray(hidden, dtype=np.float32)
+        outs = [self._run(data[i:i + self.max_batch], slots[i:i + self.max_batch], positions[i:i + self.max_batch])
+                for i in range(0, len(data), self.max_batch)]
+        out = np.concatenate(outs)
+        if self.head is None:
+            return out
+        last_rows = np.cumsum([s.length for s in segments]) - 1
+        return out[last_rows]
 
     def forward(self, hidden: np.ndarray, start_pos: int) -> np.ndarray:
-        """hidden (seq_len, dim) float32 → next hidden (seq_len, dim), or logits (vocab,) with a head.
+        """One sequence in slot 0: hidden (seq_len, dim) → next hidden, or logits (vocab,) with a head."""
+        out = self.forward_batch(hidden, [Segment(0, start_pos, hidden.shape[0])])
+        return out[0] if self.head is not None else out
 
-        Prompts up to STEPWISE_PREFILL_MAX tokens go through the one-token JIT a row at a time: a batched
-        prefill compiles new kernels for every prompt length (seconds per stage on a CPU, on the first
-        token's critical path), while the step graph is compiled once, at boot (warm_up)."""
-        seq_len = hidden.shape[0]
-        if start_pos + seq_len > self.config.max_context:
-            raise ValueError(f"position {start_pos + seq_len} exceeds the context of {self.config.max_context}")
-        data = np.ascontiguousarray(hidden, dtype=np.float32)
-        if seq_len > STEPWISE_PREFILL_MAX:
-            out = self._forward(Tensor(data.reshape(1, seq_len, -1)).realize(), start_pos).numpy()
-            return out.reshape(-1) if self.head is not None else out.reshape(seq_len, -1)
-        rows = [self._step(data[i:i + 1], start_pos + i) for i in range(seq_len)]
-        return rows[-1].reshape(-1) if self.head is not None else np.concatenate(rows).reshape(seq_len, -1)
+    def _check(self, hidden: np.ndarray, segments: list[Segment]) -> None:
+        rows = sum(s.length for s in segments)
+        if not segments or hidden.shape != (rows, self.config.dim):
+            raise ValueError(f"hidden {hidden.shape} does not match {rows} rows of {len(segments)} segments "
+                             f"× dim {self.config.dim}")
+        for s in segments:
+            if not 0 <= s.slot < self.max_seqs or s.length < 1 or s.position < 0:
+                raise ValueError(f"{s}: need slot in 0..{self.max_seqs - 1}, position >= 0, length >= 1")
+            if s.position + s.length > self.config.max_context:
+                raise ValueError(f"position {s.position + s.length} exceeds the context of {self.config.max_context}")
 
-    def _step(self, row: np.ndarray, position: int) -> np.ndarray:
-        # symbolic position: one compiled graph for every position (stack-facts §2)
-        pos = UOp.variable("start_pos", 0, self.config.max_context - 1).bind(position)
-        return self._decode(self._decode_input(row), pos).numpy()
+    def _run(self, hidden: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """One graph call: pad the rows up to their bucket with scratch-slot rows at position 0."""
+        n = len(hidden)
+        bucket = next(b for b in self.buckets if b >= n)
+        pad = bucket - n
+        c = self.config
+        positions = np.concatenate([positions, np.zeros(pad, dtype=positions.dtype)])
+        slots = np.concatenate([slots, np.full(pad, self.scratch_slot)])
+        floats = np.zeros((bucket, c.dim + c.head_dim), dtype=np.float32)
+        floats[:n, :c.dim] = hidden
+        floats[:, c.dim:] = np.concatenate([self.cos[positions], self.sin[positions]], axis=1)
+        ints = np.stack([positions, slots, slots * c.max_context + positions]).astype(np.int32)
+        inputs = self._inputs[bucket]
+        inputs.write(floats, ints)
+        kv_len = UOp.variable("kv_len", 1, c.max_context).bind(int(positions.max()) + 1)
+        return _read(self._graphs[bucket](inputs.floats, inputs.ints, kv_len))[:n]
 
     def warm_up(self) -> None:
-        """Compile and capture the step graph now (TinyJit captures on its second call), so that the
-        first request pays no compile. Positions 0..2 get overwritten by any request's prefill."""
-        zeros = np.zeros((1, self.config.dim), dtype=np.float32)
-        for position in range(3):
-            self._step(zeros, position)
+        """Compile and capture every bucket's graph now, so that no request pays a compile. The calls
+        write only the scratch slot."""
+        for bucket in self.buckets:
+            zeros = np.zeros((bucket, self.config.dim), dtype=np.float32)
+            self._run(zeros, np.full(bucket, self.scratch_slot), np.arange(bucket) % self.config.max_context)
+
+
+def _capture_on_first_call(jit: TinyJit) -> TinyJit:
+    """TinyJit runs its first call eagerly and captures on the second; that first run only matters for
+    state made lazily on first use, and every weight, cache and input here is realized before the first
+    step. Capturing at once halves the work of a node's boot."""
+    jit.cnt = 1
+    return jit

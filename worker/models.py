@@ -6,6 +6,7 @@ from typing import Callable
 
 import attrs
 
+from .batching import DEFAULT_MAX_SEQS
 from .fetch import ModelKind, resolve_model
 from .partition import Role, layer_range, role_of
 from .slice import Slice, TinygradSlice
@@ -19,13 +20,13 @@ from .weights import WeightSource
 class Model:
     name: str
     total_blocks: int
-    open_slice: Callable[..., Slice]  # (layers: range, *, embed: bool, head: bool) -> Slice
+    open_slice: Callable[..., Slice]  # (layers: range, *, embed: bool, head: bool, max_seqs: int) -> Slice
     tokenizer: Callable[[], object]
 
 
 def tinygrad_model(source: WeightSource) -> Model:
-    def open_slice(layers: range, *, embed: bool, head: bool) -> Slice:
-        return TinygradSlice(source, layers, embed=embed, head=head)
+    def open_slice(layers: range, *, embed: bool, head: bool, max_seqs: int = DEFAULT_MAX_SEQS) -> Slice:
+        return TinygradSlice(source, layers, embed=embed, head=head, max_seqs=max_seqs)
     return Model(source.path, source.config.n_layers, open_slice, source.tokenizer)
 
 
@@ -33,11 +34,12 @@ def stub_model() -> Model:
     return Model("stub", STUB_BLOCKS, StubSlice, StubTokenizer)
 
 
-def open_worker(model: Model, stage: int, num_stages: int) -> StageWorker:
-    """Load exactly stage `stage`'s slice: its blocks, plus embedding (first) or head (last)."""
+def open_worker(model: Model, stage: int, num_stages: int, *, max_seqs: int = DEFAULT_MAX_SEQS) -> StageWorker:
+    """Load exactly stage `stage`'s slice: its blocks, plus embedding (first) or head (last), with KV
+    caches for `max_seqs` requests at once."""
     role = role_of(stage, num_stages)
     layers = layer_range(model.total_blocks, stage, num_stages)
-    compute = model.open_slice(layers, embed=role is Role.FIRST, head=role is Role.LAST)
+    compute = model.open_slice(layers, embed=role is Role.FIRST, head=role is Role.LAST, max_seqs=max_seqs)
     return StageWorker(compute, model.tokenizer(), stage=stage, num_stages=num_stages, total_blocks=model.total_blocks)
 
 

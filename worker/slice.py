@@ -10,6 +10,7 @@ from typing import Protocol
 import numpy as np
 
 from .config import ModelConfig
+from .batching import DEFAULT_MAX_SEQS, Segment
 from .model import StageModel
 from .weights import EMBEDDING, OUTPUT, WeightSource, stage_tensor_names
 
@@ -19,16 +20,23 @@ class Slice(Protocol):
     vocab_size: int
     max_context: int
     weight_bytes: int
+    max_seqs: int  # sequence slots: 0 .. max_seqs - 1
+    max_batch: int  # rows one step computes at once; longer batches run as several steps
 
     def embed(self, token_ids: list[int]) -> np.ndarray: ...  # (seq_len, hidden_dim); first slice only
 
-    def forward(self, hidden: np.ndarray, position: int) -> np.ndarray: ...  # hidden, or logits (vocab,) with a head
+    # hidden (rows, hidden_dim), the segments' rows in order -> hidden (rows, hidden_dim), or with a head
+    # the logits of each segment's last row (len(segments), vocab)
+    def forward_batch(self, hidden: np.ndarray, segments: list[Segment]) -> np.ndarray: ...
+
+    def forward(self, hidden: np.ndarray, position: int) -> np.ndarray: ...  # one sequence in slot 0
 
     def warm_up(self) -> None: ...  # compile what the first request would, before it arrives
 
 
 class TinygradSlice:
-    def __init__(self, source: WeightSource, layers: range, *, embed: bool, head: bool):
+    def __init__(self, source: WeightSource, layers: range, *, embed: bool, head: bool,
+                 max_seqs: int = DEFAULT_MAX_SEQS):
         config: ModelConfig = source.config
         names = stage_tensor_names(config, layers, embed=embed, head=head)
         tensors = {name: source.load(name) for name in names}
@@ -36,10 +44,14 @@ class TinygradSlice:
         self.weight_bytes = sum(t.nbytes for t in tensors.values())
         self._table = tensors[EMBEDDING] if embed else None
         head_weight = (EMBEDDING if config.tie_embeddings else OUTPUT) if head else None
-        self.model = StageModel(config, layers, tensors, head_weight=head_weight)
+        self.model = StageModel(config, layers, tensors, head_weight=head_weight, max_seqs=max_seqs)
+        self.max_seqs, self.max_batch = max_seqs, self.model.max_batch
 
     def embed(self, token_ids: list[int]) -> np.ndarray:
         return self._table[np.asarray(token_ids, dtype=np.int64)]
+
+    def forward_batch(self, hidden: np.ndarray, segments: list[Segment]) -> np.ndarray:
+        return self.model.forward_batch(hidden, segments)
 
     def forward(self, hidden: np.ndarray, position: int) -> np.ndarray:
         return self.model.forward(hidden, position)

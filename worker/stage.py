@@ -2,8 +2,12 @@
 
 Hidden states cross stage boundaries as float32 bytes of shape (seq_len, hidden_dim): f16 would
 flip near-ties between the pipeline and single-process generation.
-One request holds the KV caches at a time; a new prefill supersedes any other request, whose
-later steps are then refused as unknown.
+
+Many requests at once: each holds one of the slice's `max_seqs` sequence slots (its KV caches) from its
+first step, at position 0, until `release`. `run` computes the steps of several requests as one batch;
+the single-request ops (embed_and_forward, decode_step, forward_range, forward_and_sample) are a batch of
+one. A step that is refused (unknown request, wrong position, bad input) fails alone; a batch whose
+compute raises forgets every request in it, since their KV caches may be half-written.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import attrs
 import numpy as np
 
 from .errors import WorkerError
+from .batching import Segment
 from .partition import Role, layer_range, role_of
 from .sampling import GREEDY, Sampling, sample
 from .slice import Slice
@@ -30,6 +35,8 @@ class WorkerInfo:
     max_context: int
     stop_ids: frozenset[int]
     weight_bytes: int
+    max_seqs: int = 1
+    max_batch: int = 1
 
 
 @attrs.frozen
@@ -38,8 +45,25 @@ class Sampled:
     logits: np.ndarray  # (vocab,) float32, what token_id was drawn from
 
 
+@attrs.frozen
+class StepItem:
+    """One request's part of a batched step: `tokens` on the first stage, `hidden` bytes elsewhere."""
+
+    request_id: str
+    position: int
+    tokens: tuple[int, ...] = ()
+    hidden: bytes = b""
+    seq_len: int = 0  # rows of `hidden`; the first stage takes len(tokens)
+    sampling: Sampling = GREEDY  # kept when the request starts (position 0), for the last stage's sampler
+
+    @property
+    def rows(self) -> int:
+        return len(self.tokens) if self.tokens else self.seq_len
+
+
 @attrs.define
 class _Request:
+    slot: int
     next_position: int
     sampling: Sampling
     rng: np.random.Generator
@@ -53,7 +77,8 @@ class StageWorker:
             stage=stage, num_stages=num_stages, role=self.role,
             layers=layer_range(total_blocks, stage, num_stages), total_blocks=total_blocks,
             hidden_dim=compute.hidden_dim, vocab_size=compute.vocab_size, max_context=compute.max_context,
-            stop_ids=frozenset(tokenizer.stop_ids), weight_bytes=compute.weight_bytes)
+            stop_ids=frozenset(tokenizer.stop_ids), weight_bytes=compute.weight_bytes,
+            max_seqs=compute.max_seqs, max_batch=compute.max_batch)
         self._requests: dict[str, _Request] = {}
 
     # -- first stage -------------------------------------------------------------------------
@@ -66,20 +91,17 @@ class StageWorker:
         self._require(Role.FIRST, "embed_and_forward")
         if not tokens:
             raise WorkerError("embed_and_forward: no tokens")
-        self._check_tokens(tokens)
-        return self._step(request_id, position, len(tokens), GREEDY, lambda: self.compute.embed(tokens)).tobytes()
+        return self._one(StepItem(request_id, position, tokens=tuple(tokens)))
 
     def decode_step(self, request_id: str, token_id: int, position: int) -> bytes:
         """Decode: embed the token fed back by the last stage at `position` and run the blocks."""
         self._require(Role.FIRST, "decode_step")
-        self._check_tokens([token_id])
-        return self._step(request_id, position, 1, GREEDY, lambda: self.compute.embed([token_id])).tobytes()
+        return self._one(StepItem(request_id, position, tokens=(token_id,)))
 
     # -- middle stages -----------------------------------------------------------------------
     def forward_range(self, request_id: str, hidden: bytes, position: int, seq_len: int) -> bytes:
         self._require(Role.MIDDLE, "forward_range")
-        x = self._hidden(hidden, seq_len)
-        return self._step(request_id, position, seq_len, GREEDY, lambda: x).tobytes()
+        return self._one(StepItem(request_id, position, hidden=hidden, seq_len=seq_len))
 
     # -- last stage --------------------------------------------------------------------------
     def forward_and_sample(self, request_id: str, hidden: bytes, position: int, seq_len: int,
@@ -89,10 +111,15 @@ class StageWorker:
         `sampling` is taken when the request starts (position 0) and kept for its later steps.
         """
         self._require(Role.LAST, "forward_and_sample")
-        x = self._hidden(hidden, seq_len)
-        logits = self._step(request_id, position, seq_len, sampling or GREEDY, lambda: x)
-        req = self._requests[request_id]
-        return Sampled(sample(logits, req.sampling, req.rng), logits)
+        logits = self._one(StepItem(request_id, position, hidden=hidden, seq_len=seq_len,
+                                    sampling=sampling or GREEDY))
+        return Sampled(self.sample(request_id, logits), logits)
+
+    def sample(self, request_id: str, logits: np.ndarray) -> int:
+        """Draw the next token of a request from its logits, with the sampling it started with."""
+        self._require(Role.LAST, "sample")
+        req = self._known(request_id)
+        return sample(logits, req.sampling, req.rng)
 
     def detokenize(self, tokens: list[int]) -> str:
         self._require(Role.LAST, "detokenize")
@@ -100,13 +127,96 @@ class StageWorker:
         return self.tokenizer.decode(tokens)
 
     # -- any stage ---------------------------------------------------------------------------
+    def run(self, items: list[StepItem]) -> list[bytes | np.ndarray | WorkerError]:
+        """Compute the steps of several requests as one batch, in order. Each result is the item's hidden
+        bytes (first and middle stages), its last row's logits (the last stage), or the WorkerError that
+        refused it. A request starts, taking a free slot, with its step at position 0."""
+        results: list = [None] * len(items)
+        accepted: list[tuple[int, StepItem, _Request]] = []
+        planned: dict[str, int] = {}  # next position per request, counting earlier items of this batch
+        starting: dict[str, _Request] = {}  # kept only once the batch has computed
+        for i, item in enumerate(items):
+            try:
+                accepted.append((i, item, self._admit(item, planned, starting)))
+            except WorkerError as exc:
+                results[i] = exc
+        if accepted:
+            self._compute(accepted, starting, results)
+        return results
+
     def warm_up(self) -> None:
         """Compile before the first request (a node calls this before it reports ready)."""
         self.compute.warm_up()
 
     def release(self, request_id: str) -> None:
-        """Forget a request; releasing an unknown one is a no-op so teardown can be repeated."""
+        """Free a request's slot; releasing an unknown one is a no-op so teardown can be repeated."""
         self._requests.pop(request_id, None)
+
+    @property
+    def active(self) -> frozenset[str]:
+        """The requests holding a slot."""
+        return frozenset(self._requests)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _one(self, item: StepItem):
+        [out] = self.run([item])
+        if isinstance(out, WorkerError):
+            raise out
+        return out
+
+    def _admit(self, item: StepItem, planned: dict[str, int], starting: dict[str, _Request]) -> _Request:
+        """Check one step and return its request; a step at position 0 of an unknown one starts it."""
+        self._check_input(item)
+        rid, position = item.request_id, item.position
+        if position + item.rows > self.compute.max_context:
+            raise WorkerError(f"request {rid!r}: position {position} + {item.rows} tokens exceeds the "
+                              f"context of {self.compute.max_context}")
+        req = self._requests.get(rid) or starting.get(rid)
+        if req is None:
+            if position != 0:
+                raise WorkerError(f"unknown request {rid!r} (never started here, or released)")
+            req = starting[rid] = self._new_request(item, starting)
+        expected = planned.get(rid, req.next_position)
+        if position != expected:
+            raise WorkerError(f"request {rid!r}: got position {position}, expected {expected}")
+        planned[rid] = position + item.rows
+        return req
+
+    def _new_request(self, item: StepItem, starting: dict[str, _Request]) -> _Request:
+        taken = {r.slot for r in (*self._requests.values(), *starting.values())}
+        free = next((s for s in range(self.compute.max_seqs) if s not in taken), None)
+        if free is None:
+            raise WorkerError(f"request {item.request_id!r}: all {self.compute.max_seqs} sequence slots of stage "
+                              f"{self.info.stage} are taken")
+        return _Request(free, 0, item.sampling, np.random.default_rng(item.sampling.seed))
+
+    def _compute(self, accepted: list[tuple[int, StepItem, _Request]], starting: dict[str, _Request],
+                 results: list) -> None:
+        segments = [Segment(req.slot, item.position, item.rows) for _, item, req in accepted]
+        hidden = np.concatenate([self._input(item) for _, item, _ in accepted])
+        try:
+            out = self.compute.forward_batch(hidden, segments)
+        except BaseException:
+            for _, item, _ in accepted:
+                self.release(item.request_id)
+            raise
+        self._requests.update(starting)
+        offset = 0
+        for n, (i, item, req) in enumerate(accepted):
+            req.next_position = item.position + item.rows
+            results[i] = out[n] if self.role is Role.LAST else out[offset:offset + item.rows].tobytes()
+            offset += item.rows
+
+    def _input(self, item: StepItem) -> np.ndarray:
+        if self.role is Role.FIRST:
+            return self.compute.embed(list(item.tokens))
+        return np.frombuffer(item.hidden, dtype=np.float32).reshape(item.seq_len, self.info.hidden_dim)
+
+    def _known(self, request_id: str) -> _Request:
+        req = self._requests.get(request_id)
+        if req is None:
+            raise WorkerError(f"unknown request {request_id!r} (never started here, or released)")
+        return req
 
     # -- checks ------------------------------------------------------------------------------
     def _require(self, role: Role, op: str) -> None:
@@ -114,38 +224,18 @@ class StageWorker:
             raise WorkerError(f"{op} is a {role.value}-stage op; this worker is stage {self.info.stage} "
                               f"of {self.info.num_stages} ({self.role.value})")
 
+    def _check_input(self, item: StepItem) -> None:
+        if self.role is Role.FIRST:
+            if not item.tokens:
+                raise WorkerError(f"request {item.request_id!r}: no tokens")
+            self._check_tokens(list(item.tokens))
+            return
+        dim = self.info.hidden_dim
+        if item.seq_len < 1 or len(item.hidden) != item.seq_len * dim * 4:
+            raise WorkerError(f"hidden state of {len(item.hidden)} bytes does not match seq_len {item.seq_len} × "
+                              f"hidden_dim {dim} × 4 bytes (float32)")
+
     def _check_tokens(self, tokens: list[int]) -> None:
         bad = [t for t in tokens if not (isinstance(t, int) and 0 <= t < self.info.vocab_size)]
         if bad:
             raise WorkerError(f"token ids out of range 0..{self.info.vocab_size - 1}: {bad[:5]}")
-
-    def _hidden(self, data: bytes, seq_len: int) -> np.ndarray:
-        dim = self.info.hidden_dim
-        if seq_len < 1 or len(data) != seq_len * dim * 4:
-            raise WorkerError(f"hidden state of {len(data)} bytes does not match seq_len {seq_len} × "
-                              f"hidden_dim {dim} × 4 bytes (float32)")
-        return np.frombuffer(data, dtype=np.float32).reshape(seq_len, dim)
-
-    def _step(self, request_id: str, position: int, seq_len: int, sampling: Sampling, inputs) -> np.ndarray:
-        """Run the slice for a request whose next position must be `position` (a new request starts at 0).
-
-        `sampling` is kept only when the request starts. A step that fails forgets the request: its
-        KV cache may be half-written, so continuing it would silently give wrong tokens.
-        """
-        if position + seq_len > self.compute.max_context:
-            raise WorkerError(f"request {request_id!r}: position {position} + {seq_len} tokens exceeds the "
-                              f"context of {self.compute.max_context}")
-        if position == 0:
-            self._requests = {request_id: _Request(0, sampling, np.random.default_rng(sampling.seed))}
-        req = self._requests.get(request_id)
-        if req is None:
-            raise WorkerError(f"unknown request {request_id!r} (never started here, released, or superseded)")
-        if position != req.next_position:
-            raise WorkerError(f"request {request_id!r}: got position {position}, expected {req.next_position}")
-        try:
-            out = self.compute.forward(inputs(), position)
-        except BaseException:
-            self.release(request_id)
-            raise
-        req.next_position = position + seq_len
-        return out

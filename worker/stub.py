@@ -11,6 +11,8 @@ import string
 
 import numpy as np
 
+from .batching import DEFAULT_MAX_SEQS, Segment, default_max_batch
+
 STUB_BLOCKS = 8
 STUB_DIM = 16
 STUB_VOCAB = 32
@@ -37,10 +39,12 @@ class StubTokenizer:
 class StubSlice:
     hidden_dim, vocab_size, max_context = STUB_DIM, STUB_VOCAB, STUB_CONTEXT
 
-    def __init__(self, layers: range, *, embed: bool, head: bool):
+    def __init__(self, layers: range, *, embed: bool, head: bool, max_seqs: int = DEFAULT_MAX_SEQS):
         self.layers, self._embed, self._head = layers, embed, head
         self.weight_bytes = 0
-        self._cache = {i: np.zeros((STUB_CONTEXT, STUB_DIM), dtype=np.int64) for i in layers}
+        self.max_seqs, self.max_batch = max_seqs, default_max_batch(max_seqs)
+        self._cache = {(slot, i): np.zeros((STUB_CONTEXT, STUB_DIM), dtype=np.int64)
+                       for slot in range(max_seqs) for i in layers}
 
     def embed(self, token_ids: list[int]) -> np.ndarray:
         if not self._embed:
@@ -51,10 +55,21 @@ class StubSlice:
     def warm_up(self) -> None:
         pass  # nothing to compile
 
+    def forward_batch(self, hidden: np.ndarray, segments: list[Segment]) -> np.ndarray:
+        """Each segment on its own slot's cache, as the tinygrad slice does in one batched step."""
+        outs, offset = [], 0
+        for s in segments:
+            outs.append(self._forward(hidden[offset:offset + s.length], s.position, s.slot))
+            offset += s.length
+        return np.stack(outs) if self._head else np.concatenate(outs)
+
     def forward(self, hidden: np.ndarray, position: int) -> np.ndarray:
+        return self._forward(hidden, position, 0)
+
+    def _forward(self, hidden: np.ndarray, position: int, slot: int) -> np.ndarray:
         h = hidden.astype(np.int64)
         for i in self.layers:
-            cache = self._cache[i]
+            cache = self._cache[(slot, i)]
             cache[position:position + len(h)] = h
             seen = np.cumsum(cache[:position + len(h)], axis=0)[position:]  # Σ cache[0..p] per row
             h = (31 * h + (i + 1) * (np.arange(STUB_DIM) + 1) + seen) % _MOD

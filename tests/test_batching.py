@@ -1,0 +1,67 @@
+"""Batched steps on tinygrad: requests in one step get bit-identical logits to each run alone, whatever
+bucket the step is padded to and whatever else shares it; the batch-size buckets and their defaults."""
+import numpy as np
+import pytest
+
+from worker.batching import Segment, bucket_sizes, default_max_batch
+from worker.models import tinygrad_model
+from worker.tiny import TinySource
+
+
+@pytest.mark.parametrize("max_batch,want", [(1, (1,)), (2, (1, 2)), (16, (1, 2, 4, 8, 16)), (12, (1, 2, 4, 8, 12))])
+def test_buckets_double_up_to_the_largest_batch(max_batch, want):
+    assert bucket_sizes(max_batch) == want
+
+
+@pytest.mark.parametrize("max_seqs,want", [(1, 2), (2, 4), (3, 8), (8, 16), (9, 32)])
+def test_a_step_has_room_for_a_decode_row_of_every_slot_and_as_many_prompt_rows(max_seqs, want):
+    assert default_max_batch(max_seqs) == want >= 2 * max_seqs
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tinygrad_model(TinySource())
+
+
+@pytest.fixture(scope="module")
+def prompts(model):
+    tok = model.tokenizer()
+    return [tok.encode_chat(p) for p in ("Say hello", "Name three rivers of Europe, briefly.", "x", "Why?")]
+
+
+def alone(model, ids, steps):
+    """Greedy logits of one request by itself: its prompt a token at a time, then decode."""
+    s = model.open_slice(range(model.total_blocks), embed=True, head=True, max_seqs=1)
+    logits = [s.forward(s.embed(ids), 0)]
+    for i in range(steps):
+        logits.append(s.forward(s.embed([int(np.argmax(logits[-1]))]), len(ids) + i))
+    return logits
+
+
+def test_a_batched_decode_step_gives_each_row_the_logits_it_gets_alone(model, prompts):
+    want = [alone(model, ids, 6) for ids in prompts]
+    s = model.open_slice(range(model.total_blocks), embed=True, head=True, max_seqs=4)
+    # the prompts start in one step, in slots that are not their order, then decode side by side with
+    # rows at different positions; one request drops out halfway so the later steps use smaller buckets
+    slots = [3, 0, 2, 1]
+    logits = s.forward_batch(np.concatenate([s.embed(ids) for ids in prompts]),
+                             [Segment(slot, 0, len(ids)) for slot, ids in zip(slots, prompts)])
+    live = list(range(len(prompts)))
+    for step in range(6):
+        for row, i in enumerate(live):
+            assert np.array_equal(logits[row], want[i][step]), f"request {i}, step {step}"
+        if step == 3:
+            live, logits = live[1:], logits[1:]
+        tokens = [int(np.argmax(row)) for row in logits]
+        logits = s.forward_batch(np.concatenate([s.embed([t]) for t in tokens]),
+                                 [Segment(slots[i], len(prompts[i]) + step, 1) for i in live])
+
+
+def test_a_step_longer_than_the_largest_bucket_runs_as_several_steps(model, prompts):
+    s = model.open_slice(range(2), embed=True, head=False, max_seqs=1)
+    ids = prompts[1]
+    assert len(ids) > s.max_batch
+    whole = s.forward_batch(s.embed(ids), [Segment(0, 0, len(ids))])
+    t = model.open_slice(range(2), embed=True, head=False, max_seqs=1)
+    one_by_one = np.concatenate([t.forward(t.embed([x]), i) for i, x in enumerate(ids)])
+    assert np.array_equal(whole, one_by_one)
