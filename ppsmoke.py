@@ -16,10 +16,12 @@ from pathlib import Path
 
 import trio
 
+from roles import DEFAULT_MAX_QUEUE
 from runner.report import as_json, stats_line
 from runner.common import RunFailed
 from runner.seed import SeedOptions, run_seed
 from runner.vastai import VastOptions, destroy_leftovers, run_vastai
+from worker.batching import DEFAULT_MAX_SEQS
 from worker.fetch import REGISTRY, default_cache_dir, default_ollama_dir, resolve_model
 from worker.sampling import Sampling
 
@@ -39,6 +41,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer (default 600)")
     p.add_argument("--converge-timeout", type=float, default=180.0,
                    help="seconds for all stages to load and join (default 180)")
+    p.add_argument("--max-seqs", type=int, default=DEFAULT_MAX_SEQS,
+                   help=f"requests each node serves at once, one KV cache each (default {DEFAULT_MAX_SEQS})")
+    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                   help=f"requests waiting at the entry for a free slot before it answers 429 "
+                        f"(default {DEFAULT_MAX_QUEUE})")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of text")
     v = p.add_argument_group("vast.ai (--vastai)")
     v.add_argument("--api-key", help="vast.ai API key (default: $VAST_API_KEY)")
@@ -59,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.num_stages < 2:
         p.error(f"-n {args.num_stages}: a pipeline needs at least 2 stages; for one process run "
                 "`python -m worker --model ...`")
+    if args.max_seqs < 1 or args.max_queue < 0:
+        p.error("--max-seqs must be at least 1 and --max-queue at least 0")
     if args.vastai and not args.destroy_leftovers and not args.image:
         p.error("--vastai needs --image: build this repo's Dockerfile, push it, and name it here")
     return args
@@ -103,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
 def _seed_options(args, env) -> SeedOptions:
     return SeedOptions(num_stages=args.num_stages, model=local_model(args.model, env), prompt=args.prompt,
                        max_tokens=args.max_tokens, sampling=Sampling(args.temperature, args.top_p),
-                       timeout_s=args.timeout, converge_timeout_s=args.converge_timeout, base_env=env)
+                       timeout_s=args.timeout, converge_timeout_s=args.converge_timeout,
+                       base_env={**env, **serving_env(args)})
 
 
 def _vast_options(args, env) -> VastOptions:
@@ -114,7 +124,12 @@ def _vast_options(args, env) -> VastOptions:
                        base_url=_vast_url(args, env), image=args.image, ledger_path=_ledger(args, env),
                        disk_gb=args.disk, min_gpu_ram_gb=args.min_gpu_ram, min_reliability=args.min_reliability,
                        max_dph=args.max_dph, running_timeout_s=args.running_timeout,
-                       poll_status_s=args.status_poll)
+                       poll_status_s=args.status_poll, node_settings=serving_env(args))
+
+
+def serving_env(args) -> dict[str, str]:
+    """The settings every node gets the same: how many requests it serves at once."""
+    return {"PP_MAX_SEQS": str(args.max_seqs), "PP_MAX_QUEUE": str(args.max_queue)}
 
 
 def _api_key(args, env) -> str:

@@ -94,12 +94,12 @@ async def _read_line(stream, cmd) -> str:
 
 
 def activation_body(dim: int, seq_len: int) -> bytes:
-    """A realistic body: a uuid request id, a reply URL, one stage's timing; prefill carries its start."""
+    """A realistic body: a uuid request id, one stage's timing; a prefill carries its start and reply URL."""
     prefill = seq_len > 1
-    start = wire.RequestStart(64, GREEDY, tuple(range(1000, 1000 + seq_len))) if prefill else None
-    meta = wire.ActivationMeta(uuid.uuid4().hex, 0 if prefill else 17, seq_len, prefill,
-                               "http://127.0.0.1:8000", (12.5,), start)
-    return wire.encode_activation(wire.Activation(meta, bytes(dim * seq_len * 4)))
+    start = wire.RequestStart(64, GREEDY, tuple(range(1000, 1000 + seq_len)), "http://127.0.0.1:8000") \
+        if prefill else None
+    segment = wire.SegmentMeta(uuid.uuid4().hex, 0 if prefill else 17, seq_len, (12.5,), start)
+    return wire.encode_activation(wire.Activation(wire.ActivationMeta((segment,)), bytes(dim * seq_len * 4)))
 
 
 async def time_requests(url: str, http2: bool, body: bytes, n: int, warmup: int) -> tuple[list[float], float]:

@@ -73,7 +73,8 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int) -> Quar
         swim = _swim(dispatcher)
         return jsonify({"members": wire.converter.unstructure(list(swim.members().values()))})
 
-    for path, kind in [("/v1/inference", wire.InferenceRequest), ("/v1/next-token", wire.NextToken),
+    for path, kind in [("/v1/inference", wire.InferenceRequest), ("/v1/next-token", wire.NextTokens),
+                       ("/v1/end", wire.EndRequest), ("/v1/cancel", wire.CancelRequest),
                        ("/v1/response", wire.InferenceResponse)]:
         app.add_url_rule(path, endpoint=path, view_func=_json_endpoint(dispatcher, kind), methods=["POST"])
 
@@ -85,7 +86,7 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int) -> Quar
         app.body_bytes[request.path] += len(body)
         act = wire.decode_activation(body, dispatcher.hidden_dim)
         dispatcher.deliver(act)
-        return jsonify({"accepted": act.meta.request_id}), 202
+        return jsonify({"accepted": [s.request_id for s in act.meta.segments]}), 202
 
     @app.get("/v1/response/<request_id>")
     async def kept_response(request_id: str):
@@ -108,7 +109,9 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int) -> Quar
     @app.errorhandler(Refused)
     async def refused(exc):
         log.info("refused %s %s: %s", request.method, request.path, exc.message)
-        return _error(exc.status, exc.message)
+        body, status = _error(exc.status, exc.message)
+        headers = {} if exc.retry_after_s is None else {"Retry-After": str(exc.retry_after_s)}
+        return body, status, headers
 
     return app
 
@@ -119,7 +122,7 @@ def _json_endpoint(dispatcher: Dispatcher, kind: type):
         current_app.body_bytes[request.path] += len(body)
         message = wire.decode(kind, body)
         dispatcher.deliver(message)
-        return jsonify({"accepted": message.request_id}), 202
+        return jsonify({"accepted": True}), 202
     return endpoint
 
 

@@ -55,7 +55,8 @@ class PeerClient:
         """POST a pipeline message to the endpoint for its type."""
         if isinstance(message, wire.Activation):
             return await self.post(base, "/v1/activation", wire.encode_activation(message), "application/octet-stream")
-        path = {wire.InferenceRequest: "/v1/inference", wire.NextToken: "/v1/next-token",
+        path = {wire.InferenceRequest: "/v1/inference", wire.NextTokens: "/v1/next-token",
+                wire.EndRequest: "/v1/end", wire.CancelRequest: "/v1/cancel",
                 wire.InferenceResponse: "/v1/response"}[type(message)]
         return await self.post(base, path, wire.encode(message))
 

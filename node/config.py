@@ -14,6 +14,8 @@ from urllib.parse import urlsplit
 
 import attrs
 
+from roles import DEFAULT_MAX_QUEUE
+from worker.batching import DEFAULT_MAX_SEQS
 from worker.fetch import default_cache_dir, default_ollama_dir
 from worker.partition import check_stage
 
@@ -51,6 +53,8 @@ class NodeConfig:
     public_ip: str | None = None        # vast.ai's PUBLIC_IPADDR
     public_port: int | None = None      # vast.ai's VAST_TCP_PORT_<port>: the public port mapped to `port`
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_seqs: int = DEFAULT_MAX_SEQS    # requests whose KV caches a stage holds at once (its sequence slots)
+    max_queue: int = DEFAULT_MAX_QUEUE  # stage 0: requests waiting for a slot before the entry answers 429
     exit_on_stdin_eof: bool = False     # PP_STDIN_LIFELINE=1: a local runner holds our stdin; EOF = it is gone
     log_level: str = DEFAULT_LOG_LEVEL
 
@@ -112,6 +116,8 @@ ENV_TABLE = (
     ("VAST_TCP_PORT_<PP_PORT>", "", "public port mapped to PP_PORT (vast.ai sets it)"),
     ("PP_NODE_ID", "--node-id", "unique name of this node (stage<STAGE>-<8 random hex digits>)"),
     ("PP_MAX_BODY", "", f"largest request body accepted, in bytes ({DEFAULT_MAX_BODY_BYTES >> 20} MiB)"),
+    ("PP_MAX_SEQS", "--max-seqs", f"requests in flight at once: each holds a KV cache on every stage ({DEFAULT_MAX_SEQS})"),
+    ("PP_MAX_QUEUE", "--max-queue", f"stage 0: requests waiting for a free slot; past it, 429 ({DEFAULT_MAX_QUEUE})"),
     ("PP_STDIN_LIFELINE", "", "1: exit when stdin closes (set by ppsmoke --seed, so no node outlives it)"),
     ("PP_LOG_LEVEL", "--log-level", f"{', '.join(LOG_LEVELS)} ({DEFAULT_LOG_LEVEL})"),
     ("XDG_CACHE_HOME", "", "downloaded models go to $XDG_CACHE_HOME/pp (~/.cache/pp)"),
@@ -150,6 +156,8 @@ def build_parser(prog: str = "python ppnode.py") -> argparse.ArgumentParser:
     p.add_argument("--bind", metavar="HOST", help=f"listen address (PP_BIND, default {DEFAULT_BIND})")
     p.add_argument("--advertise-addr", metavar="URL", help="address others reach us at (PP_ADVERTISE_ADDR)")
     p.add_argument("--node-id", metavar="ID", help="unique node name (PP_NODE_ID)")
+    p.add_argument("--max-seqs", metavar="K", help=f"requests in flight at once (PP_MAX_SEQS, default {DEFAULT_MAX_SEQS})")
+    p.add_argument("--max-queue", metavar="Q", help=f"requests waiting at stage 0 (PP_MAX_QUEUE, default {DEFAULT_MAX_QUEUE})")
     p.add_argument("--log-level", metavar="LEVEL", help=f"{', '.join(LOG_LEVELS)} (PP_LOG_LEVEL)")
     return p
 
@@ -196,6 +204,8 @@ def _config_from(src: _Sources, *, home: Path, rng: random.Random | None) -> Nod
         advertise_addr=_optional_url(*src.get("--advertise-addr")),
         public_ip=(env.get("PUBLIC_IPADDR") or "").strip() or None, public_port=_public_port(env, port),
         max_body_bytes=_max_body(env), log_level=_log_level(*src.get("--log-level")),
+        max_seqs=_count(src, "--max-seqs", DEFAULT_MAX_SEQS, lowest=1),
+        max_queue=_count(src, "--max-queue", DEFAULT_MAX_QUEUE, lowest=0),
         exit_on_stdin_eof=_flag(env, "PP_STDIN_LIFELINE"))
 
 
@@ -285,6 +295,16 @@ def _max_body(environ: Mapping[str, str]) -> int:
     if size < 1:
         raise ConfigError(f"PP_MAX_BODY={size} must be a positive number of bytes")
     return size
+
+
+def _count(src: _Sources, flag: str, default: int, *, lowest: int) -> int:
+    raw, label = src.get(flag)
+    if raw is None or not raw.strip():
+        return default
+    value = _int(raw, label)
+    if value < lowest:
+        raise ConfigError(f"{label}={value} must be at least {lowest}")
+    return value
 
 
 def _log_level(raw: str | None, label: str) -> str:

@@ -35,6 +35,7 @@ class Meta:
     # others and is left out of alive counts, but it probes others and learns the view from their answers.
     observer: bool = False
     progress: float | None = None  # weight download progress, 0..1
+    max_seqs: int | None = None  # sequence slots of a ready stage: stage 0 admits no more than the chain's least
 
 
 @attrs.frozen

@@ -47,7 +47,7 @@ def load_worker(config: NodeConfig, model_spec: str):
     try:
         model = open_model(model_spec, cache_dir=config.cache_dir, ollama_models_dir=config.ollama_models_dir,
                            progress=False)
-        worker = open_worker(model, config.stage, config.num_stages)
+        worker = open_worker(model, config.stage, config.num_stages, max_seqs=config.max_seqs)
     except (ModelFileError, ValueError) as exc:  # a bad path, file or name: the user's to fix, not a crash
         raise ModelLoadError(f"stage {config.stage} cannot load model {config.model!r}: {exc}") from exc
     worker.warm_up()
@@ -93,6 +93,13 @@ def _chain_ready(num_stages: int):
     return ready
 
 
+def chain_capacity(swim: Swim, num_stages: int) -> int | None:
+    """The fewest sequence slots any stage of the chain has: stage 0 admits no more requests at once."""
+    slots = [m.meta.max_seqs for m in (swim.resolve(topology.stage_name(i)) for i in range(num_stages))
+             if m is not None and m.meta.max_seqs is not None]
+    return min(slots) if slots else None
+
+
 def _resolved(names: tuple[str, ...]):
     return lambda swim: all(swim.resolve(n) is not None for n in names)
 
@@ -116,7 +123,7 @@ async def _serve(config, swim_config, on_listening, compute, task_status) -> Non
     stage, n = config.stage, config.num_stages
     async with PeerClient(config.cluster_token) as client, gossip_client(config.cluster_token) as gossip, \
             trio.open_nursery() as nursery:
-        node = StageNode(stage, n, client, node_id=config.node_id)
+        node = StageNode(stage, n, client, node_id=config.node_id, max_queue=config.max_queue)
         app = make_app(node, token=config.cluster_token, max_body_bytes=config.max_body_bytes)
         url = advertised_url(config, await nursery.start(serve_app, app, config.bind_host, config.port))
         event(log, "listening", url=url, stage=stage, num_stages=n)
@@ -136,14 +143,15 @@ async def _serve(config, swim_config, on_listening, compute, task_status) -> Non
         worker = await compute.call(load_worker, config, model_spec)
         event(log, "worker_ready", seconds=round(time.perf_counter() - started, 3), layers=str(worker.info.layers),
               weight_bytes=worker.info.weight_bytes)
-        node.worker = worker
-        swim.update_meta(ready=True)
+        node.attach(worker)
+        await nursery.start(node.run, compute)
+        swim.update_meta(ready=True, max_seqs=worker.info.max_seqs)
         await swim.wait_until(lambda s: len(s.alive()) >= 2)
         event(log, "joined", members=len(swim.members()))
         await swim.wait_until(_resolved(topology.resolves(stage, n)))
         if node.actor.role is Role.FIRST:
             await swim.wait_until(_chain_ready(n))
+            node.actor.capacity = chain_capacity(swim, n) or worker.info.max_seqs
         swim.update_meta(names=topology.final_names(stage, n))
-        event(log, "serving", names=list(topology.final_names(stage, n)))
+        event(log, "serving", names=list(topology.final_names(stage, n)), max_seqs=worker.info.max_seqs)
         task_status.started(url)
-        await node.pump(compute)

@@ -7,6 +7,7 @@ to it), or an observer behind NAT (vast.ai from a laptop: it only opens connecti
 the members to each other and long-polls the stages for the response)."""
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 import uuid
@@ -73,27 +74,38 @@ class Orchestrator:
             return len(alive) >= num_stages and swim.resolve(topology.ENTRY)
         return await self.swim.wait_until(done)
 
-    async def submit(self, prompt: str, **request_fields) -> wire.InferenceResponse:
-        """Send to pp-entry and wait for the response; raises StageDied if a stage dies meanwhile."""
-        entry = self.swim.resolve(topology.ENTRY)
-        if entry is None:
-            raise RuntimeError("no alive member holds pp-entry")
-        request = wire.InferenceRequest(uuid.uuid4().hex, prompt, reply_to=self.url, **request_fields)
+    async def submit(self, prompt: str, *, request_id: str | None = None,
+                     **request_fields) -> wire.InferenceResponse:
+        """Send to pp-entry and wait for the response; raises StageDied if a stage dies meanwhile, and
+        PeerError if the entry refuses the request (a 429 when its queue is full)."""
+        entry = self._entry()
+        request = wire.InferenceRequest(request_id or uuid.uuid4().hex, prompt, reply_to=self.url, **request_fields)
         stages = self.stages()
         send, receive = trio.open_memory_channel(1)
         self._pending[request.request_id] = send
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._watch, {m.id for m in stages})
-                if self.url is None:
-                    for member in stages:  # any stage may hold it: the exit, or one that failed
-                        nursery.start_soon(self._poll, member.addr, request.request_id, send)
-                await self.client.send(entry.addr, request)
-                response = await receive.receive()
-                nursery.cancel_scope.cancel()
+            with _unwrapped(StageDied, PeerError):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._watch, {m.id for m in stages})
+                    if self.url is None:
+                        for member in stages:  # any stage may hold it: the exit, or one that failed
+                            nursery.start_soon(self._poll, member.addr, request.request_id, send)
+                    await self.client.send(entry.addr, request)
+                    response = await receive.receive()
+                    nursery.cancel_scope.cancel()
             return response
         finally:
             del self._pending[request.request_id]
+
+    async def cancel(self, request_id: str) -> None:
+        """Ask pp-entry to stop a request and free its slots on every stage."""
+        await self.client.send(self._entry().addr, wire.CancelRequest(request_id))
+
+    def _entry(self) -> Member:
+        entry = self.swim.resolve(topology.ENTRY)
+        if entry is None:
+            raise RuntimeError("no alive member holds pp-entry")
+        return entry
 
     async def _watch(self, member_ids: set[str]) -> None:
         def dead(swim: Swim):
@@ -116,6 +128,27 @@ class Orchestrator:
                 except trio.WouldBlock:
                     pass
                 return
+
+
+@contextlib.contextmanager
+def _unwrapped(*kinds: type[BaseException]):
+    """Raise a lone `kinds` error out of a nursery's exception group as itself, for callers to catch."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        leaves = [e for e in _leaves(group) if not isinstance(e, trio.Cancelled)]
+        found = next((e for e in leaves if isinstance(e, kinds)), None)
+        if found is None:
+            raise
+        raise found from None
+
+
+def _leaves(exc: BaseException):
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield exc
 
 
 @attrs.frozen

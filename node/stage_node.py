@@ -1,5 +1,6 @@
-"""A stage at run time: admits messages for its actor, pumps them through the compute thread in order,
-and delivers what the actor returns — sends to the next name in the chain, replies to whoever asked."""
+"""A stage at run time: admits messages for its actor, runs its batched steps on the compute thread one
+after another, and hands what each step produces to the links, which send it without holding up the
+next step. Replies go to whoever asked, or are kept here for an asker behind NAT to fetch."""
 from __future__ import annotations
 
 import logging
@@ -7,85 +8,101 @@ import resource
 
 import trio
 
-from roles import make_actor
-from roles.actions import Refused, Reply, Send, error_reply
+from roles import DEFAULT_MAX_QUEUE, make_actor
+from roles.actions import Refused, Reply, Send
+from worker.partition import role_of
 
 from . import wire
 from .client import PeerClient, PeerError
+from .links import Links
 from .log import error_event
 from .swim import Swim
 
 log = logging.getLogger("pp.node")
 
-INBOX_SIZE = 256
 SEND_ATTEMPTS = 4
 FIRST_RETRY_S = 0.1
 KEPT_RESPONSES = 64
 
 
 class StageNode:
-    def __init__(self, stage: int, num_stages: int, client: PeerClient, *, node_id: str):
+    def __init__(self, stage: int, num_stages: int, client: PeerClient, *, node_id: str,
+                 max_queue: int = DEFAULT_MAX_QUEUE):
         self.stage, self.num_stages, self.node_id = stage, num_stages, node_id
-        self.actor = make_actor(stage, num_stages)
-        self.client = client
+        self.client, self.max_queue = client, max_queue
         self.swim: Swim | None = None
         self.worker = None
+        self.actor = None  # made with the worker: its size comes from the slice
+        self.links: Links | None = None
         # replies with nowhere to go (the asker is behind NAT): kept for GET /v1/response/<id>
         self.kept: dict[str, wire.InferenceResponse] = {}
         self._kept_changed = trio.Event()
-        self._inbox, self._outbox = trio.open_memory_channel(INBOX_SIZE)
+        self._work = trio.Event()
+        self._steps = 0
 
     @property
     def hidden_dim(self) -> int | None:
         return None if self.worker is None else self.worker.info.hidden_dim
 
+    def attach(self, worker, *, capacity: int | None = None) -> None:
+        """The worker is loaded: from now on messages are admitted. `capacity`: see roles.make_actor."""
+        self.actor = make_actor(self.stage, self.num_stages, worker, capacity=capacity, max_queue=self.max_queue)
+        self.worker = worker
+
     def deliver(self, message) -> None:
-        """Admit a message from the network and queue it for the compute thread, or refuse it."""
-        if self.worker is None:
+        """Admit a message from the network for the next steps, or refuse it (raises Refused)."""
+        if self.actor is None or self.links is None:
             raise Refused(503, f"stage {self.stage} is still loading its weights")
-        self.actor.admit(message)
-        try:
-            self._inbox.send_nowait(message)
-        except trio.WouldBlock:
-            raise Refused(503, f"stage {self.stage} inbox is full ({INBOX_SIZE} messages)") from None
+        for action in self.actor.admit(message):
+            self.links.post(action)
+        self._work.set()
 
     def health(self) -> dict:
         info = self.worker.info if self.worker is not None else None
-        return {"ok": True, "node": self.node_id, "stage": self.stage, "role": self.actor.role.value,
+        return {"ok": True, "node": self.node_id, "stage": self.stage, "role": self._role(),
                 "ready": info is not None, "layers": [info.layers.start, info.layers.stop] if info else None,
                 "weight_bytes": info.weight_bytes if info else None,
+                "max_seqs": info.max_seqs if info else None, "max_batch": info.max_batch if info else None,
+                "slots_in_use": self.worker.slots_in_use if self.worker else None,
+                "steps": self._steps, **(self.actor.health() if self.actor else {}),
+                "links": self.links.pending() if self.links else {},
                 # ru_maxrss is KiB on Linux
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
-    async def pump(self, compute) -> None:
-        """Process messages one at a time, in arrival order, until cancelled."""
-        async for message in self._outbox:
-            actions = await compute.call(self.actor.process, message, self.worker)
-            for action in actions:
-                await self._act(action)
+    def _role(self) -> str:
+        return role_of(self.stage, self.num_stages).value
 
-    async def _act(self, action) -> None:
-        if isinstance(action, Reply):
-            await self._reply(action)
-            return
-        try:
-            await self._send(action)
-        except PeerError as exc:
-            m = action.message
-            rid, reply_to = (m.meta.request_id, m.meta.reply_to) if isinstance(m, wire.Activation) else (
-                m.request_id, m.reply_to)
-            error_event(log, "send_failed", dest=action.dest, request_id=rid, error=str(exc))
-            await self._reply(error_reply(self.stage, rid, reply_to, RuntimeError(
-                f"could not deliver {type(m).__name__} to {action.dest}: {exc}")))
+    async def run(self, compute, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Open the links, report started, then compute steps until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self.links = Links(nursery, self._send, self._undeliverable, self._reply)
+            task_status.started()
+            await self._compute_loop(compute)
 
-    async def _send(self, send: Send) -> None:
+    async def _compute_loop(self, compute) -> None:
+        while True:
+            step = self.actor.plan()
+            if step is None:
+                await self._work.wait()
+                self._work = trio.Event()
+                continue
+            outcome = await compute.call(self.actor.run, step, self.worker)
+            self._steps += 1
+            for action in self.actor.finish(step, outcome):
+                self.links.post(action)
+
+    def _undeliverable(self, send: Send, error: str) -> list:
+        error_event(log, "send_failed", dest=send.dest, kind=type(send.message).__name__, error=error)
+        return self.actor.undeliverable(send, error)
+
+    async def _send(self, dest: str, message) -> None:
         delay = FIRST_RETRY_S
         for attempt in range(1, SEND_ATTEMPTS + 1):
-            member = self.swim.resolve(send.dest)  # every attempt: a restarted peer has a new address
+            member = self.swim.resolve(dest)  # every attempt: a restarted peer has a new address
             try:
                 if member is None:
-                    raise PeerError(send.dest, "no alive member holds this name")
-                await self.client.send(member.addr, send.message)
+                    raise PeerError(dest, "no alive member holds this name")
+                await self.client.send(member.addr, message)
                 return
             except PeerError as exc:
                 if not exc.retryable or attempt == SEND_ATTEMPTS:

@@ -1,6 +1,6 @@
-"""Stage actors, one role per file: what a stage does with each message. No I/O here: an actor
-admits a message (in the event loop) and processes it with the worker (on the compute thread),
-returning the messages to send; the node does the sending."""
+"""Stage actors, one role per file: what a stage does with each message. No I/O here: an actor admits
+messages and plans batched steps (in the event loop), runs a step with the worker (on the compute
+thread), and turns its results into messages to send; the node does the sending."""
 from __future__ import annotations
 
 from worker.partition import Role, role_of
@@ -9,7 +9,20 @@ from .first import FirstActor
 from .last import LastActor
 from .middle import MiddleActor
 
+DEFAULT_MAX_QUEUE = 64
 
-def make_actor(stage: int, num_stages: int):
-    kind = {Role.FIRST: FirstActor, Role.MIDDLE: MiddleActor, Role.LAST: LastActor}[role_of(stage, num_stages)]
-    return kind(stage, num_stages)
+
+def make_actor(stage: int, num_stages: int, worker, *, capacity: int | None = None,
+               max_queue: int = DEFAULT_MAX_QUEUE):
+    """The actor for a stage's role, sized by its worker. `capacity`: requests stage 0 lets hold slots at
+    once (default: its own max_seqs; a node passes the smallest of the chain)."""
+    info = worker.info
+    role = role_of(stage, num_stages)
+    if role is Role.FIRST:
+        return FirstActor(stage, num_stages, tokenize=lambda prompt, chat: worker.tokenize(prompt, chat=chat),
+                          max_context=info.max_context, max_rows=info.max_batch,
+                          capacity=capacity or info.max_seqs, max_queue=max_queue)
+    if role is Role.MIDDLE:
+        return MiddleActor(stage, num_stages, max_rows=info.max_batch)
+    return LastActor(stage, num_stages, max_rows=info.max_batch, detokenize=worker.detokenize,
+                     stop_ids=info.stop_ids, max_context=info.max_context)

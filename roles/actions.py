@@ -1,4 +1,4 @@
-"""What an actor asks the node to do, and how it refuses a message."""
+"""What an actor asks the node to do, how it refuses a message, and the checks every role shares."""
 from __future__ import annotations
 
 import time
@@ -6,21 +6,22 @@ from contextlib import contextmanager
 
 import attrs
 
-from node.wire import Activation, InferenceResponse, NextToken
+from .messages import Activation, EndReason, EndRequest, InferenceResponse, NextTokens, SegmentMeta
+from .schedule import StageQueue
 
 
 class Refused(Exception):
     """A message this stage does not take; `status` is the HTTP status to answer with."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, *, retry_after_s: int | None = None):
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.retry_after_s = status, message, retry_after_s
 
 
 @attrs.frozen
 class Send:
     dest: str  # a registry name, e.g. "pp-stage-1"
-    message: Activation | NextToken
+    message: Activation | NextTokens | EndRequest
 
 
 @attrs.frozen
@@ -34,8 +35,12 @@ def wrong_role(stage: int, role, message) -> Refused:
     return Refused(409, f"stage {stage} ({role.value}) does not accept {kind} messages")
 
 
-def error_reply(stage: int, request_id: str, reply_to: str | None, exc: Exception) -> Reply:
-    return Reply(reply_to, InferenceResponse(request_id, error=f"stage {stage}: {exc}", failed_stage=stage))
+def failure(request_id: str, stage: int, error: str) -> EndRequest:
+    return EndRequest(request_id, EndReason.FAILED, f"stage {stage}: {error}", stage)
+
+
+def error_reply(reply_to: str | None, end: EndRequest) -> Reply:
+    return Reply(reply_to, InferenceResponse(end.request_id, error=end.error, failed_stage=end.failed_stage))
 
 
 @contextmanager
@@ -46,12 +51,28 @@ def timed(into: list):
     into.append((time.perf_counter() - start) * 1000.0)
 
 
-def admit_activation(current: str | None, msg, stage: int, role) -> str:
-    """Middle and last stages: a prefill starts (and supersedes) a request; a decode step must
-    continue the current one. Returns the request now current."""
-    if not isinstance(msg, Activation):
-        raise wrong_role(stage, role, msg)
-    rid = msg.meta.request_id
-    if not msg.meta.is_prefill and rid != current:
-        raise Refused(404, f"unknown request {rid!r} at stage {stage} (never started here, or superseded)")
-    return rid
+def admit_segments(expected: dict[str, int], queue: StageQueue, act: Activation, stage: int) -> list[tuple]:
+    """Middle and last stages: check every segment of an activation before taking any (a message is taken
+    whole or refused whole), then record where each request's next rows must start. `expected` maps the
+    requests live here to that position. Returns (segment, rows' bytes) for the requests still live:
+    rows of a request that ended here are dropped."""
+    planned: dict[str, int] = {}
+    for s in act.meta.segments:
+        rid = s.request_id
+        if queue.ended(rid):
+            continue
+        want = planned.get(rid, expected.get(rid))
+        if s.start is not None and want is not None:
+            raise Refused(409, f"request {rid!r} starts twice at stage {stage}")
+        if s.start is None and want is None:
+            raise Refused(404, f"unknown request {rid!r} at stage {stage} (never started here, or ended)")
+        if s.start is None and s.position != want:
+            raise Refused(409, f"request {rid!r} at stage {stage}: rows at position {s.position}, expected {want}")
+        planned[rid] = s.position + s.seq_len
+    expected.update(planned)
+    return [(s, h) for s, h in act.split() if s.request_id in planned]
+
+
+def segment_of(meta: SegmentMeta, ms: float) -> SegmentMeta:
+    """The segment as this stage passes it on: its compute time appended."""
+    return attrs.evolve(meta, stage_ms=(*meta.stage_ms, ms))

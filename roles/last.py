@@ -1,17 +1,22 @@
-"""The last stage: runs its blocks, the final norm and head, samples, feeds the token back to stage 0,
-and when the request ends detokenizes and replies to whoever asked (spec §3.3, row Last)."""
+"""The last stage: runs its blocks, the final norm and head, samples, feeds each token back to stage 0,
+and when a request ends detokenizes and replies to whoever asked (spec §3.3, row Last). One step samples
+for every request whose rows in it end its prompt or are a decode row."""
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import attrs
 
-from node.wire import Activation, InferenceResponse, NextToken, RequestStart
 from worker.errors import WorkerError
 from worker.partition import Role
+from worker.sampling import GREEDY
+from worker.stage import StepItem
 from worker.stopping import generation_done
 
-from .actions import Reply, Send, admit_activation, error_reply, timed
+from .actions import Reply, Send, admit_segments, error_reply, failure, timed, wrong_role
+from .messages import Activation, EndRequest, InferenceResponse, NextTokens, RequestStart, Token
+from .schedule import StageQueue, Step, Unit
 from .topology import stage_name
 
 
@@ -20,57 +25,119 @@ class _Progress:
     start: RequestStart
     tokens: list[int]
     stage_ms: list[float]  # compute per stage, summed over the request's steps
-    first_token_at: float = 0.0  # time.monotonic() when the first token was sampled
+    first_token_at: float = 0.0  # clock() when the first token was sampled
 
 
 class LastActor:
     role = Role.LAST
 
-    def __init__(self, stage: int, num_stages: int):
+    def __init__(self, stage: int, num_stages: int, *, max_rows: int, detokenize: Callable[[list[int]], str],
+                 stop_ids: frozenset[int], max_context: int, clock: Callable[[], float] = time.monotonic):
         self.stage, self.num_stages = stage, num_stages
         self.feedback = stage_name(0)  # the first stage owns the embedding, so tokens go back there
-        self.current: str | None = None  # admission state; event loop only
-        self._progress: dict[str, _Progress] = {}  # compute thread only
+        self.queue = StageQueue(max_rows)
+        self.expected: dict[str, int] = {}
+        self.progress: dict[str, _Progress] = {}
+        self.failed_reply_to: dict[str, str | None] = {}  # until stage 0 has heard of the failure
+        self.detokenize, self.stop_ids, self.max_context, self.clock = detokenize, stop_ids, max_context, clock
 
-    def admit(self, msg) -> None:
-        self.current = admit_activation(self.current, msg, self.stage, self.role)
+    # -- event loop --------------------------------------------------------------------------
+    def admit(self, msg) -> list:
+        if isinstance(msg, EndRequest):
+            self._end_here(msg.request_id)
+            self.failed_reply_to.pop(msg.request_id, None)
+            return []
+        if not isinstance(msg, Activation):
+            raise wrong_role(self.stage, self.role, msg)
+        for s, hidden in admit_segments(self.expected, self.queue, msg, self.stage):
+            if s.start is not None:
+                self.progress[s.request_id] = _Progress(s.start, [], [0.0] * self.num_stages)
+            prompt_len = len(self.progress[s.request_id].start.prompt_token_ids)
+            self.queue.add(Unit(s.request_id, s.position, s.seq_len, s.position >= prompt_len, hidden=hidden,
+                                stage_ms=s.stage_ms, start=s.start, sample=s.position + s.seq_len >= prompt_len))
+        return []
 
-    def process(self, act: Activation, worker) -> list:
-        m = act.meta
-        try:
-            return self._step(act, worker)
-        except WorkerError as exc:
-            worker.release(m.request_id)
-            self._progress.pop(m.request_id, None)
-            return [error_reply(self.stage, m.request_id, m.reply_to, exc)]
+    def plan(self) -> Step | None:
+        return self.queue.next_step()
 
-    def _step(self, act: Activation, worker) -> list:
-        m = act.meta
-        if m.is_prefill:  # one request at a time, as the worker: a new one supersedes
-            self._progress = {m.request_id: _Progress(m.start, [], [0.0] * self.num_stages)}
-        prog = self._progress.get(m.request_id)
-        if prog is None:
-            raise WorkerError(f"unknown request {m.request_id!r} (never started here, finished, or superseded)")
+    def finish(self, step: Step, outcome) -> list:
+        results, ms = outcome
+        tokens, actions = [], []
+        for unit, out in zip(step.units, results):
+            prog = self.progress.get(unit.request_id)
+            if prog is None:
+                continue  # ended while this step computed
+            if isinstance(out, WorkerError):
+                actions += self._fail(unit.request_id, str(out))
+                continue
+            for i, t in enumerate((*unit.stage_ms, ms)):
+                prog.stage_ms[i] += t
+            if out is None:
+                continue  # a prompt chunk before the last: nothing to sample yet
+            token, done = self._sampled(unit, prog, out)
+            tokens.append(token)
+            if done:
+                actions.append(self._finish(unit.request_id, prog))
+        if tokens:
+            actions.append(Send(self.feedback, NextTokens(tuple(tokens))))
+        return actions
+
+    def undeliverable(self, send: Send, error: str) -> list:
+        """Tokens that cannot reach stage 0 end their requests; the asker hears it from here."""
+        actions = []
+        if isinstance(send.message, NextTokens):
+            for t in send.message.tokens:
+                prog = self.progress.get(t.request_id)
+                if prog is not None:
+                    end = failure(t.request_id, self.stage, f"could not deliver NextTokens to {send.dest}: {error}")
+                    self._end_here(t.request_id)
+                    actions.append(error_reply(prog.start.reply_to, end))
+        elif isinstance(send.message, EndRequest) and send.message.request_id in self.failed_reply_to:
+            actions.append(error_reply(self.failed_reply_to.pop(send.message.request_id), send.message))
+        return actions
+
+    def health(self) -> dict:
+        return {"slots": {"active": len(self.expected)}}
+
+    # -- compute thread ----------------------------------------------------------------------
+    def run(self, step: Step, worker):
+        for rid in step.release:
+            worker.release(rid)
         ms: list[float] = []
         with timed(ms):
-            sampled = worker.forward_and_sample(m.request_id, act.hidden, m.position, m.seq_len, prog.start.sampling)
-        for i, t in enumerate((*m.stage_ms, *ms)):
-            prog.stage_ms[i] += t
-        prog.tokens.append(sampled.token_id)
-        if len(prog.tokens) == 1:
-            prog.first_token_at = time.monotonic()
-        position = m.position + m.seq_len
-        done = generation_done(sampled.token_id, generated=len(prog.tokens), max_tokens=prog.start.max_tokens,
-                               next_position=position, max_context=worker.info.max_context,
-                               stop_ids=worker.info.stop_ids)
-        feedback = Send(self.feedback, NextToken(m.request_id, sampled.token_id, position, done, m.reply_to))
-        if not done:
-            return [feedback]
-        return [self._finish(m.request_id, m.reply_to, prog, worker), feedback]
+            results = worker.run([StepItem(u.request_id, u.position, hidden=u.hidden, seq_len=u.rows,
+                                           sampling=u.start.sampling if u.start else GREEDY)
+                                  for u in step.units]) if step.units else []
+            sampled = [worker.sample(u.request_id, r) if u.sample and not isinstance(r, WorkerError) else
+                       (r if isinstance(r, WorkerError) else None) for u, r in zip(step.units, results)]
+        return sampled, ms[0]
 
-    def _finish(self, request_id: str, reply_to: str | None, prog: _Progress, worker) -> Reply:
-        text = worker.detokenize([t for t in prog.tokens if t not in worker.info.stop_ids])
-        worker.release(request_id)
-        del self._progress[request_id]
-        return Reply(reply_to, InferenceResponse(request_id, text, tuple(prog.tokens), prog.start.prompt_token_ids,
-                                                 tuple(prog.stage_ms), time.monotonic() - prog.first_token_at))
+    # -- internals ---------------------------------------------------------------------------
+    def _sampled(self, unit: Unit, prog: _Progress, token_id: int) -> tuple[Token, bool]:
+        prog.tokens.append(token_id)
+        if len(prog.tokens) == 1:
+            prog.first_token_at = self.clock()
+        position = unit.position + unit.rows
+        done = generation_done(token_id, generated=len(prog.tokens), max_tokens=prog.start.max_tokens,
+                               next_position=position, max_context=self.max_context, stop_ids=self.stop_ids)
+        return Token(unit.request_id, token_id, position, done), done
+
+    def _finish(self, request_id: str, prog: _Progress) -> Reply:
+        text = self.detokenize([t for t in prog.tokens if t not in self.stop_ids])
+        self._end_here(request_id)
+        s = prog.start
+        return Reply(s.reply_to, InferenceResponse(
+            request_id, text, tuple(prog.tokens), s.prompt_token_ids, tuple(round(ms, 3) for ms in prog.stage_ms),
+            self.clock() - prog.first_token_at, s.queued_ms / 1000.0))
+
+    def _fail(self, request_id: str, error: str) -> list:
+        """Report to stage 0, which ends the request everywhere and tells the asker."""
+        self.failed_reply_to[request_id] = self.progress[request_id].start.reply_to
+        self._end_here(request_id)
+        return [Send(self.feedback, failure(request_id, self.stage, error))]
+
+    def _end_here(self, request_id: str) -> None:
+        if not self.queue.ended(request_id):
+            self.queue.end(request_id)
+        self.expected.pop(request_id, None)
+        self.progress.pop(request_id, None)

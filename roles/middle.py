@@ -1,36 +1,104 @@
-"""A middle stage: runs its blocks on each activation and passes it on, request id, position,
-seq_len and prefill flag unchanged (spec §3.3, row Middle)."""
+"""A middle stage: runs its blocks on each request's rows and passes them on, request id, position and
+seq_len unchanged (spec §3.3, row Middle), batching whatever is waiting into one step. An EndRequest from
+upstream frees the request's slot and goes on down the chain."""
 from __future__ import annotations
 
-import attrs
-
-from node.wire import Activation
 from worker.errors import WorkerError
 from worker.partition import Role
+from worker.stage import StepItem
 
-from .actions import Send, admit_activation, error_reply, timed
+from .actions import Send, admit_segments, error_reply, failure, segment_of, timed, wrong_role
+from .messages import Activation, EndRequest, SegmentMeta
+from .schedule import StageQueue, Step, Unit
 from .topology import stage_name
 
 
 class MiddleActor:
     role = Role.MIDDLE
 
-    def __init__(self, stage: int, num_stages: int):
+    def __init__(self, stage: int, num_stages: int, *, max_rows: int):
         self.stage, self.num_stages = stage, num_stages
-        self.next = stage_name(stage + 1)
-        self.current: str | None = None
+        self.next, self.entry = stage_name(stage + 1), stage_name(0)
+        self.queue = StageQueue(max_rows)
+        self.expected: dict[str, int] = {}  # live requests: the position their next rows start at
+        self.reply_to: dict[str, str | None] = {}
+        self.prompt_len: dict[str, int] = {}
 
-    def admit(self, msg) -> None:
-        self.current = admit_activation(self.current, msg, self.stage, self.role)
+    # -- event loop --------------------------------------------------------------------------
+    def admit(self, msg) -> list:
+        if isinstance(msg, EndRequest):
+            return self._end_here(msg.request_id) + [Send(self.next, msg)]
+        if not isinstance(msg, Activation):
+            raise wrong_role(self.stage, self.role, msg)
+        for s, hidden in admit_segments(self.expected, self.queue, msg, self.stage):
+            if s.start is not None:
+                self.reply_to[s.request_id] = s.start.reply_to
+                self.prompt_len[s.request_id] = len(s.start.prompt_token_ids)
+            decode = s.position >= self.prompt_len[s.request_id]
+            self.queue.add(Unit(s.request_id, s.position, s.seq_len, decode, hidden=hidden, stage_ms=s.stage_ms,
+                                start=s.start))
+        return []
 
-    def process(self, act: Activation, worker) -> list:
-        m = act.meta
+    def plan(self) -> Step | None:
+        return self.queue.next_step()
+
+    def finish(self, step: Step, outcome) -> list:
+        results, ms = outcome
+        segments, actions = [], []
+        for unit, out in zip(step.units, results):
+            if unit.request_id not in self.expected:
+                continue  # ended while this step computed
+            if isinstance(out, WorkerError):
+                actions += self._fail(unit.request_id, str(out))
+                continue
+            segments.append((segment_of(_meta(unit), ms), out))
+        if segments:
+            actions.insert(0, Send(self.next, Activation.of(segments)))
+        return actions
+
+    def undeliverable(self, send: Send, error: str) -> list:
+        """Rows that could not go on fail their requests; a failure report that could not reach stage 0
+        goes to the asker directly."""
+        if isinstance(send.message, Activation):
+            actions = []
+            for s in send.message.meta.segments:
+                if s.request_id in self.expected:
+                    actions += self._fail(s.request_id, f"could not deliver Activation to {send.dest}: {error}")
+            return actions
+        end = send.message
+        if send.dest == self.entry and end.error is not None and end.request_id in self.reply_to:
+            return [error_reply(self.reply_to.pop(end.request_id), end)]
+        return []
+
+    def health(self) -> dict:
+        return {"slots": {"active": len(self.expected)}}
+
+    # -- compute thread ----------------------------------------------------------------------
+    def run(self, step: Step, worker):
+        for rid in step.release:
+            worker.release(rid)
         ms: list[float] = []
-        try:
-            with timed(ms):
-                hidden = worker.forward_range(m.request_id, act.hidden, m.position, m.seq_len)
-        except WorkerError as exc:
-            worker.release(m.request_id)
-            return [error_reply(self.stage, m.request_id, m.reply_to, exc)]
-        meta = attrs.evolve(m, stage_ms=(*m.stage_ms, *ms))
-        return [Send(self.next, Activation(meta, hidden))]
+        with timed(ms):
+            results = worker.run([StepItem(u.request_id, u.position, hidden=u.hidden, seq_len=u.rows)
+                                  for u in step.units]) if step.units else []
+        return results, ms[0]
+
+    # -- internals ---------------------------------------------------------------------------
+    def _fail(self, request_id: str, error: str) -> list:
+        """Report to stage 0, which ends the request everywhere and tells the asker."""
+        end = failure(request_id, self.stage, error)
+        self._end_here(request_id, keep_reply_to=True)
+        return [Send(self.entry, end)]
+
+    def _end_here(self, request_id: str, *, keep_reply_to: bool = False) -> list:
+        if not self.queue.ended(request_id):
+            self.queue.end(request_id)
+        self.expected.pop(request_id, None)
+        self.prompt_len.pop(request_id, None)
+        if not keep_reply_to:
+            self.reply_to.pop(request_id, None)
+        return []
+
+
+def _meta(unit: Unit) -> SegmentMeta:
+    return SegmentMeta(unit.request_id, unit.position, unit.rows, unit.stage_ms, unit.start)

@@ -48,6 +48,7 @@ class VastOptions:
     min_direct_ports: int = 2
     running_timeout_s: float = 600.0
     poll_status_s: float = POLL_STATUS_S
+    node_settings: dict[str, str] = attrs.field(factory=dict)  # extra environment for every node
 
 
 async def run_vastai(opts: VastOptions, progress: Callable[[str], None], *, transport=None) -> RunResult:
@@ -153,7 +154,7 @@ def pick_offers(offers: list[Offer], count: int) -> list[Offer]:
 
 
 def node_env(opts: VastOptions, stage: int, token: str) -> dict[str, str]:
-    return {"STAGE": str(stage), "NUM_STAGES": str(opts.num_stages), "MODEL": opts.model,
+    return {**opts.node_settings, "STAGE": str(stage), "NUM_STAGES": str(opts.num_stages), "MODEL": opts.model,
             "PP_CLUSTER_TOKEN": token, "PP_PORT": str(NODE_PORT)}
 
 

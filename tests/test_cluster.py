@@ -46,7 +46,7 @@ async def test_tiny_model_cluster_of_3_equals_generate_full(nursery, tmp_path):
 async def test_every_message_crosses_every_hop_intact_over_http2(nursery, tmp_path, monkeypatch, n):
     sent, received, versions = [], [], collections.Counter()
     real_send, real_deliver = PeerClient.send, StageNode.deliver
-    last_feedback = trio.Event()  # the final NextToken may still be in flight when the response lands
+    ended = trio.Event()  # the EndRequest may still be on its way down the chain when the response lands
 
     async def recording_send(self, base, message):
         sent.append(message)
@@ -57,18 +57,21 @@ async def test_every_message_crosses_every_hop_intact_over_http2(nursery, tmp_pa
     def recording_deliver(self, message):
         real_deliver(self, message)
         received.append(message)
-        if isinstance(message, wire.NextToken) and message.done:
-            last_feedback.set()
+        if isinstance(message, wire.EndRequest) and message.request_id and len(
+                [m for m in received if isinstance(m, wire.EndRequest)]) == n - 1:
+            ended.set()
 
     monkeypatch.setattr(PeerClient, "send", recording_send)
     monkeypatch.setattr(StageNode, "deliver", recording_deliver)
     orch, urls, _ = await start_cluster(nursery, n, tmp_path)
     with trio.fail_after(60):
         await orch.submit("Say hello", max_tokens=5)
-        await last_feedback.wait()
+        await ended.wait()
     kinds = collections.Counter(type(m).__name__ for m in sent)
-    # 1 request; prefill + 4 decode steps through n - 1 hops; 5 tokens fed back; 1 response
-    assert kinds == {"InferenceRequest": 1, "Activation": 5 * (n - 1), "NextToken": 5, "InferenceResponse": 1}
+    # 1 request; prefill + 4 decode steps through n - 1 hops; 5 tokens fed back; the end of the request
+    # down the chain, freeing the slots; 1 response
+    assert kinds == {"InferenceRequest": 1, "Activation": 5 * (n - 1), "NextTokens": 5, "EndRequest": n - 1,
+                     "InferenceResponse": 1}
     stage_bound = [m for m in sent if not isinstance(m, wire.InferenceResponse)]
     assert sorted(map(repr, stage_bound)) == sorted(map(repr, received))  # equal, field by field, bytes too
     assert set(versions) == {"HTTP/2"}

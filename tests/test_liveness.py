@@ -11,12 +11,12 @@ from worker.stub import StubSlice
 
 
 def slow_stub(monkeypatch, seconds):
-    real = StubSlice.forward
+    real = StubSlice.forward_batch
 
-    def forward(self, hidden, position):
+    def forward_batch(self, hidden, segments):
         time.sleep(seconds)  # blocks the compute thread, as a long tinygrad step would
-        return real(self, hidden, position)
-    monkeypatch.setattr(StubSlice, "forward", forward)
+        return real(self, hidden, segments)
+    monkeypatch.setattr(StubSlice, "forward_batch", forward_batch)
 
 
 async def test_a_stage_computing_for_several_protocol_periods_is_never_suspected(nursery, tmp_path, monkeypatch):

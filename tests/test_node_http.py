@@ -25,10 +25,10 @@ async def cluster(nursery, tmp_path):
 
 
 def activation(rid="r", position=0, seq_len=1, hidden_len=None, prefill=True):
-    meta = {"request_id": rid, "position": position, "seq_len": seq_len, "is_prefill": prefill, "reply_to": None,
-            "start": {"max_tokens": 4, "sampling": {"temperature": 0.0, "top_p": 1.0, "seed": 0},
-                      "prompt_token_ids": [1]} if prefill else None}
-    raw = json.dumps(meta).encode()
+    segment = {"request_id": rid, "position": position, "seq_len": seq_len, "stage_ms": [],
+               "start": {"max_tokens": 4, "sampling": {"temperature": 0.0, "top_p": 1.0, "seed": 0},
+                         "prompt_token_ids": [1], "reply_to": None, "queued_ms": 0.0} if prefill else None}
+    raw = json.dumps({"segments": [segment]}).encode()
     n = seq_len * STUB_DIM * 4 if hidden_len is None else hidden_len
     return struct.pack(">I", len(raw)) + raw + b"\0" * n
 
@@ -62,11 +62,12 @@ async def test_malformed_requests_get_400_naming_the_problem(cluster, body, fiel
 
 
 @pytest.mark.parametrize("body,field", [
-    (activation(hidden_len=STUB_DIM * 2), "hidden: 32 bytes, expected seq_len 1 x hidden_dim 16"),  # float16-sized
+    (activation(hidden_len=STUB_DIM * 2), "hidden: 32 bytes, expected 1 rows (the segments' seq_len) x hidden_dim 16"),
     (activation(hidden_len=7), "hidden: 7 bytes"),
     (activation()[:2], "shorter than its 4-byte metadata length"),
     (struct.pack(">I", 999) + b"{}", "runs past the body"),
     (activation(seq_len=0), "seq_len"),
+    (activation(position=2), "start: present exactly on a request's first segment"),
 ])
 async def test_malformed_activations_get_400(cluster, body, field):
     _, urls, client = cluster
@@ -82,9 +83,12 @@ async def test_an_oversized_body_gets_413(cluster):
 
 
 @pytest.mark.parametrize("stage,path,body,status,text", [
-    (0, "/v1/next-token", wire.encode(wire.NextToken("nope", 1, 3, False)), 404, "unknown request 'nope'"),
+    (0, "/v1/next-token", wire.encode(wire.NextTokens((wire.Token("nope", 1, 3, False),))), 404,
+     "unknown request 'nope'"),
     (1, "/v1/activation", activation(rid="nope", position=3, prefill=False), 404, "unknown request 'nope'"),
-    (1, "/v1/next-token", wire.encode(wire.NextToken("r", 1, 3, False)), 409, "does not accept NextToken"),
+    (1, "/v1/next-token", wire.encode(wire.NextTokens((wire.Token("r", 1, 3, False),))), 409,
+     "does not accept NextTokens"),
+    (1, "/v1/cancel", wire.encode(wire.CancelRequest("r")), 409, "does not accept CancelRequest"),
     (1, "/v1/inference", wire.encode(wire.InferenceRequest("r", "hi")), 409, "does not accept InferenceRequest"),
     (0, "/v1/activation", activation(), 409, "does not accept Activation"),
     (0, "/v1/response", wire.encode(wire.InferenceResponse("r")), 409, "does not accept InferenceResponse"),

@@ -1,12 +1,17 @@
-"""Spec tier 3: each role's actor, in-process with the stub worker, does exactly the §3.3 table."""
+"""Spec tier 3: each role's actor, in-process with the stub worker, does exactly the §3.3 table — now for
+many requests at once: admission and its queue, batched steps, and every way a request ends."""
+import itertools
+
 import pytest
 
-from node.wire import Activation, ActivationMeta, InferenceRequest, InferenceResponse, NextToken, RequestStart
 from roles import make_actor
 from roles.actions import Refused, Reply, Send
 from roles.first import FirstActor
 from roles.last import LastActor
+from roles.messages import (Activation, ActivationMeta, CancelRequest, EndReason, EndRequest, InferenceRequest,
+                            InferenceResponse, NextTokens, RequestStart, SegmentMeta, Token)
 from roles.middle import MiddleActor
+from worker.errors import WorkerError
 from worker.models import open_worker, stub_model
 from worker.reference import generate_full
 from worker.sampling import GREEDY, Sampling
@@ -14,142 +19,236 @@ from worker.sampling import GREEDY, Sampling
 N = 3
 
 
-def worker(stage, n=N):
-    return open_worker(stub_model(), stage, n)
+def worker(stage, n=N, **kw):
+    return open_worker(stub_model(), stage, n, **kw)
 
 
-def request(rid="r1", max_tokens=4, **kw):
-    return InferenceRequest(rid, "Say hello", max_tokens=max_tokens, reply_to="http://runner", **kw)
+def request(rid="r1", max_tokens=4, prompt="Say hello", **kw):
+    return InferenceRequest(rid, prompt, max_tokens=max_tokens, reply_to="http://runner", **kw)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def step(actor, w):
+    """One planned step through the worker; the actions it produces."""
+    planned = actor.plan()
+    return [] if planned is None else actor.finish(planned, actor.run(planned, w))
 
 
 def test_make_actor_picks_the_role_of_the_stage():
-    assert [type(make_actor(s, 4)) for s in range(4)] == [FirstActor, MiddleActor, MiddleActor, LastActor]
+    assert [type(make_actor(s, 4, worker(s, 4))) for s in range(4)] == [FirstActor, MiddleActor, MiddleActor,
+                                                                       LastActor]
 
 
-def test_first_tokenizes_embeds_and_sends_a_prefill_activation_to_stage_1():
-    actor, w, ref = FirstActor(0, N), worker(0), worker(0)
-    req = request(sampling=Sampling(temperature=0.5, seed=3))
-    actor.admit(req)
-    [out] = actor.process(req, w)
+def test_first_tokenizes_embeds_and_sends_the_prompt_to_stage_1_with_its_start():
+    w, ref = worker(0), worker(0)
+    actor = make_actor(0, N, w)
+    assert actor.admit(request(sampling=Sampling(temperature=0.5, seed=3))) == []
+    [out] = step(actor, w)
     ids = ref.tokenize("Say hello")
     assert out.dest == "pp-stage-1"
-    m = out.message.meta
-    assert (m.request_id, m.position, m.seq_len, m.is_prefill, m.reply_to) == ("r1", 0, len(ids), True, "http://runner")
-    assert m.start == RequestStart(4, Sampling(temperature=0.5, seed=3), tuple(ids))
-    assert len(m.stage_ms) == 1 and m.stage_ms[0] >= 0
+    [seg] = out.message.meta.segments
+    assert (seg.request_id, seg.position, seg.seq_len) == ("r1", 0, len(ids))
+    assert seg.start == RequestStart(4, Sampling(temperature=0.5, seed=3), tuple(ids), "http://runner", 0.0)
+    assert len(seg.stage_ms) == 1 and seg.stage_ms[0] >= 0
     assert out.message.hidden == ref.embed_and_forward("x", ids, 0)
 
 
-def test_first_runs_a_decode_step_for_each_fed_back_token_and_stops_on_done():
-    actor, w, ref = FirstActor(0, N), worker(0), worker(0)
-    req = request()
-    actor.admit(req)
-    [prefill] = actor.process(req, w)
-    pos = prefill.message.meta.seq_len
-    ref.embed_and_forward("x", list(prefill.message.meta.start.prompt_token_ids), 0)
-    tok = NextToken("r1", 7, pos, False, "http://runner")
-    actor.admit(tok)
-    [out] = actor.process(tok, w)
-    assert out.dest == "pp-stage-1"
-    assert (out.message.meta.position, out.message.meta.seq_len, out.message.meta.is_prefill) == (pos, 1, False)
-    assert out.message.hidden == ref.decode_step("x", 7, pos)
-    assert actor.process(NextToken("r1", 9, pos + 1, True), w) == []  # done: drop, and forget the request
-    [err] = actor.process(NextToken("r1", 9, pos + 1, False, "http://runner"), w)
-    assert isinstance(err, Reply) and "unknown request" in err.response.error and err.response.failed_stage == 0
+def test_first_batches_the_fed_back_tokens_of_several_requests_into_one_step():
+    w, ref = worker(0), worker(0)
+    actor = make_actor(0, N, w)
+    for rid, prompt in [("a", "one"), ("b", "two words")]:
+        actor.admit(request(rid, prompt=prompt))
+    [prefill] = step(actor, w)  # both prompts in one step
+    assert [s.request_id for s in prefill.message.meta.segments] == ["a", "b"]
+    lens = {s.request_id: s.seq_len for s in prefill.message.meta.segments}
+    actor.admit(NextTokens((Token("a", 7, lens["a"], False), Token("b", 9, lens["b"], False))))
+    [out] = step(actor, w)
+    assert [(s.request_id, s.position, s.seq_len) for s in out.message.meta.segments] == [
+        ("a", lens["a"], 1), ("b", lens["b"], 1)]
+    for rid, prompt in [("a", "one"), ("b", "two words")]:
+        ref.embed_and_forward(rid, ref.tokenize(prompt), 0)
+    assert out.message.hidden == ref.decode_step("a", 7, lens["a"]) + ref.decode_step("b", 9, lens["b"])
 
 
-def test_middle_forwards_an_activation_preserving_its_fields():
-    actor, w, ref = MiddleActor(1, N), worker(1), worker(1)
-    hidden = worker(0).embed_and_forward("r1", [3, 4, 5], 0)
-    meta = ActivationMeta("r1", 0, 3, True, "http://runner", (1.25,), RequestStart(4, GREEDY, (3, 4, 5)))
-    act = Activation(meta, hidden)
-    actor.admit(act)
-    [out] = actor.process(act, w)
-    assert out.dest == "pp-stage-2"
-    assert out.message.meta == ActivationMeta("r1", 0, 3, True, "http://runner", (1.25, out.message.meta.stage_ms[1]),
-                                              meta.start)
-    assert out.message.hidden == ref.forward_range("r1", hidden, 0, 3)
+def test_a_done_token_ends_the_request_down_the_chain_and_frees_its_slot():
+    w = worker(0)
+    actor = make_actor(0, N, w)
+    actor.admit(request())
+    [prefill] = step(actor, w)
+    pos = prefill.message.meta.segments[0].seq_len
+    assert actor.admit(NextTokens((Token("r1", 5, pos, True),))) == [
+        Send("pp-stage-1", EndRequest("r1", EndReason.FINISHED))]
+    assert "r1" in w.active
+    step(actor, w)  # a step with nothing to compute still frees the slot
+    assert w.active == frozenset() and actor.plan() is None
+    assert actor.admit(NextTokens((Token("r1", 6, pos + 1, False),))) == []  # a late token is dropped
 
 
-def test_last_samples_feeds_the_token_back_to_stage_0_and_replies_when_done():
+def test_past_the_free_slots_requests_wait_in_order_and_past_the_queue_get_429():
+    clock, w = Clock(), worker(0, max_seqs=2)
+    actor = FirstActor(0, N, tokenize=lambda p, chat: w.tokenize(p, chat=chat), max_context=512, max_rows=4,
+                       capacity=2, max_queue=2, clock=clock)
+    for rid in "abcd":
+        actor.admit(request(rid))
+    with pytest.raises(Refused) as info:
+        actor.admit(request("e"))
+    assert info.value.status == 429 and info.value.retry_after_s >= 1 and "retry" in info.value.message
+    assert set(actor.live) == {"a", "b"} and list(actor.waiting) == ["c", "d"]
+    clock.now += 2.5
+    actor.admit(CancelRequest("a"))
+    assert set(actor.live) == {"b", "c"} and list(actor.waiting) == ["d"]
+    units = actor.queue.waiting
+    assert [u.request_id for u in units] == ["a", "b", "c"][1:] and units[-1].start.queued_ms == 2500.0
+
+
+def test_cancel_ends_a_running_request_everywhere_and_drops_a_waiting_one_quietly():
+    w = worker(0, max_seqs=1)
+    actor = make_actor(0, N, w, max_queue=4)
+    actor.admit(request("run"))
+    actor.admit(request("wait"))
+    step(actor, w)
+    assert actor.admit(CancelRequest("wait")) == []
+    assert actor.admit(CancelRequest("run")) == [Send("pp-stage-1", EndRequest("run", EndReason.CANCELLED))]
+    assert actor.admit(CancelRequest("run")) == []  # idempotent
+    assert actor.live == {} and not actor.waiting
+
+
+def test_a_failure_reported_by_a_stage_is_answered_by_stage_0_which_ends_the_request():
+    w = worker(0)
+    actor = make_actor(0, N, w)
+    actor.admit(request())
+    step(actor, w)
+    end = EndRequest("r1", EndReason.FAILED, "stage 2: out of memory", 2)
+    send, reply = actor.admit(end)
+    assert send == Send("pp-stage-1", EndRequest("r1", EndReason.FAILED))
+    assert reply == Reply("http://runner", InferenceResponse("r1", error="stage 2: out of memory", failed_stage=2))
+
+
+def test_middle_forwards_each_segment_with_its_compute_time_and_passes_ends_on():
+    w, ref = worker(1), worker(1)
+    actor = make_actor(1, N, w)
+    h = worker(0).embed_and_forward("r1", [3, 4, 5], 0)
+    seg = SegmentMeta("r1", 0, 3, (1.25,), RequestStart(4, GREEDY, (3, 4, 5)))
+    actor.admit(Activation(ActivationMeta((seg,)), h))
+    [out] = step(actor, w)
+    [got] = out.message.meta.segments
+    assert out.dest == "pp-stage-2" and got == SegmentMeta("r1", 0, 3, (1.25, got.stage_ms[1]), seg.start)
+    assert out.message.hidden == ref.forward_range("r1", h, 0, 3)
+    end = EndRequest("r1", EndReason.FINISHED)
+    assert actor.admit(end) == [Send("pp-stage-2", end)]
+    step(actor, w)
+    assert w.active == frozenset()
+
+
+def test_last_samples_feeds_tokens_back_to_stage_0_and_replies_when_done():
     model = stub_model()
     ws = [open_worker(model, s, N) for s in range(N)]
     ids = ws[0].tokenize("Say hello")
     want = generate_full(model, ids, 2).token_ids
-    actor = LastActor(2, N)
+    actor = make_actor(2, N, ws[2])
     h = ws[1].forward_range("r1", ws[0].embed_and_forward("r1", ids, 0), 0, len(ids))
-    act = Activation(ActivationMeta("r1", 0, len(ids), True, "http://runner", (1.0, 2.0),
-                                    RequestStart(2, GREEDY, tuple(ids))), h)
-    actor.admit(act)
-    [fb] = actor.process(act, ws[2])
-    assert fb == Send("pp-stage-0", NextToken("r1", want[0], len(ids), False, "http://runner"))
+    seg = SegmentMeta("r1", 0, len(ids), (1.0, 2.0), RequestStart(2, GREEDY, tuple(ids), "http://runner", 40.0))
+    actor.admit(Activation(ActivationMeta((seg,)), h))
+    [fb] = step(actor, ws[2])
+    assert fb == Send("pp-stage-0", NextTokens((Token("r1", want[0], len(ids), False),)))
     pos = len(ids)
     h = ws[1].forward_range("r1", ws[0].decode_step("r1", want[0], pos), pos, 1)
-    act = Activation(ActivationMeta("r1", pos, 1, False, "http://runner", (1.0, 2.0)), h)
-    actor.admit(act)
-    reply, fb = actor.process(act, ws[2])
-    assert fb == Send("pp-stage-0", NextToken("r1", want[1], pos + 1, True, "http://runner"))
+    actor.admit(Activation(ActivationMeta((SegmentMeta("r1", pos, 1, (1.0, 2.0)),)), h))
+    reply, fb = step(actor, ws[2])
+    assert fb == Send("pp-stage-0", NextTokens((Token("r1", want[1], pos + 1, True),)))
     assert reply.reply_to == "http://runner"
     r = reply.response
-    assert (r.request_id, r.token_ids, r.prompt_token_ids, r.error) == ("r1", tuple(want), tuple(ids), None)
+    assert (r.request_id, r.token_ids, r.prompt_token_ids, r.error, r.queued_s) == ("r1", tuple(want), tuple(ids),
+                                                                                    None, 0.04)
     assert r.text == ws[2].detokenize([t for t in want if t not in ws[2].info.stop_ids])
     assert len(r.stage_compute_ms) == N and r.stage_compute_ms[:2] == (2.0, 4.0)
 
 
-@pytest.mark.parametrize("actor,message", [
-    (FirstActor(0, N), Activation(ActivationMeta("r", 1, 1, False, None), b"")),
-    (MiddleActor(1, N), request()),
-    (MiddleActor(1, N), NextToken("r", 1, 2, False)),
-    (LastActor(2, N), request()),
-    (LastActor(2, N), NextToken("r", 1, 2, False)),
-    (LastActor(2, N), InferenceResponse("r")),
+@pytest.mark.parametrize("stage,message", [
+    (0, Activation(ActivationMeta((SegmentMeta("r", 1, 1),)), b"")),
+    (1, request()),
+    (1, NextTokens((Token("r", 1, 2, False),))),
+    (1, CancelRequest("r")),
+    (2, request()),
+    (2, NextTokens((Token("r", 1, 2, False),))),
+    (2, InferenceResponse("r")),
 ])
-def test_a_message_outside_the_role_is_refused_with_409(actor, message):
+def test_a_message_outside_the_role_is_refused_with_409(stage, message):
     with pytest.raises(Refused) as info:
-        actor.admit(message)
+        make_actor(stage, N, worker(stage)).admit(message)
     assert info.value.status == 409 and f"does not accept {type(message).__name__}" in info.value.message
 
 
-@pytest.mark.parametrize("actor,message", [
-    (FirstActor(0, N), NextToken("nope", 1, 2, False)),
-    (MiddleActor(1, N), Activation(ActivationMeta("nope", 3, 1, False, None), b"")),
-    (LastActor(2, N), Activation(ActivationMeta("nope", 3, 1, False, None), b"")),
-])
-def test_a_step_of_an_unknown_request_is_refused_with_404(actor, message):
+@pytest.mark.parametrize("stage", [1, 2])
+def test_an_activation_with_rows_of_an_unknown_request_is_refused_whole(stage):
+    actor = make_actor(stage, N, worker(stage))
+    good = SegmentMeta("ok", 0, 1, start=RequestStart(4, GREEDY, (1,)))
+    bad = SegmentMeta("nope", 3, 1)
     with pytest.raises(Refused) as info:
-        actor.admit(message)
+        actor.admit(Activation(ActivationMeta((good, bad)), b"\0" * 2 * 16 * 4))
+    assert info.value.status == 404 and "unknown request 'nope'" in info.value.message
+    assert actor.plan() is None  # nothing of it was taken
+
+
+def test_unknown_tokens_at_stage_0_are_refused_with_404():
+    with pytest.raises(Refused) as info:
+        make_actor(0, N, worker(0)).admit(NextTokens((Token("nope", 1, 2, False),)))
     assert info.value.status == 404 and "unknown request 'nope'" in info.value.message
 
 
-def test_a_worker_error_becomes_an_error_reply_naming_the_stage():
-    actor, w = MiddleActor(1, N), worker(1)
-    act = Activation(ActivationMeta("r1", 5, 1, False, "http://runner"), b"\0" * 4 * w.info.hidden_dim)
-    [reply] = actor.process(act, w)
-    assert reply.reply_to == "http://runner" and reply.response.failed_stage == 1
-    assert reply.response.error.startswith("stage 1: unknown request 'r1'")
+def test_a_worker_error_at_a_middle_stage_is_reported_to_stage_0():
+    w = worker(1)
+    actor = make_actor(1, N, w)
+    seg = SegmentMeta("r1", 0, 1, start=RequestStart(4, GREEDY, (1,), "http://runner"))
+    actor.admit(Activation(ActivationMeta((seg,)), b"\0" * 4 * w.info.hidden_dim))
+    w.run = lambda items: [WorkerError("no free slot")]
+    [report] = step(actor, w)
+    assert report == Send("pp-stage-0", EndRequest("r1", EndReason.FAILED, "stage 1: no free slot", 1))
 
 
-def _route(actors, workers, outs):
-    """Deliver every Send to its stage's actor, as the nodes would; return the replies."""
-    replies, queue = [], list(outs)
-    while queue:
-        out = queue.pop(0)
-        if isinstance(out, Reply):
-            replies.append(out)
-            continue
-        stage = int(out.dest.rsplit("-", 1)[1])
-        actors[stage].admit(out.message)
-        queue.extend(actors[stage].process(out.message, workers[stage]))
+def route(actors, workers, prompts, max_tokens):
+    """Deliver every message to its stage's actor and run steps, as the nodes would, with all `prompts`
+    admitted at once; returns the replies by request id."""
+    inbox = {s: [] for s in range(len(actors))}
+    for rid, prompt in prompts.items():
+        inbox[0].append(request(rid, max_tokens=max_tokens, prompt=prompt))
+    replies = {}
+    while any(inbox.values()) or any(a.queue.waiting for a in actors):
+        for s in itertools.cycle(range(len(actors))):
+            for m in inbox[s]:
+                for action in actors[s].admit(m):
+                    deliver(action, inbox, replies)
+            inbox[s] = []
+            for action in step(actors[s], workers[s]):
+                deliver(action, inbox, replies)
+            if s == len(actors) - 1:
+                break
     return replies
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, 5])
-def test_actors_routed_in_process_reproduce_single_process_generation(n):
+def deliver(action, inbox, replies):
+    if isinstance(action, Reply):
+        replies[action.response.request_id] = action.response
+    else:
+        inbox[int(action.dest.rsplit("-", 1)[1])].append(action.message)
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_many_requests_routed_in_process_each_get_their_single_process_tokens(n):
     model = stub_model()
-    actors = [make_actor(s, n) for s in range(n)]
-    workers = [open_worker(model, s, n) for s in range(n)]
-    req = request(max_tokens=12)
-    actors[0].admit(req)
-    [reply] = _route(actors, workers, actors[0].process(req, workers[0]))
-    ids = workers[0].tokenize("Say hello")
-    assert list(reply.response.token_ids) == generate_full(model, ids, 12).token_ids
+    workers = [open_worker(model, s, n, max_seqs=3) for s in range(n)]
+    actors = [make_actor(s, n, w) for s, w in enumerate(workers)]
+    prompts = {f"r{i}": "x" * (1 + 7 * i) for i in range(8)}  # more than the slots: some wait their turn
+    replies = route(actors, workers, prompts, 12)
+    assert set(replies) == set(prompts)
+    for rid, prompt in prompts.items():
+        ids = workers[0].tokenize(prompt)
+        assert list(replies[rid].token_ids) == generate_full(model, ids, 12).token_ids, rid
+    assert all(w.active == frozenset() for w in workers)

@@ -154,8 +154,13 @@ class StageWorker:
 
     @property
     def active(self) -> frozenset[str]:
-        """The requests holding a slot."""
+        """The requests holding a slot (compute thread)."""
         return frozenset(self._requests)
+
+    @property
+    def slots_in_use(self) -> int:
+        """How many slots are held; safe to read from any thread."""
+        return len(self._requests)
 
     # -- internals ---------------------------------------------------------------------------
     def _one(self, item: StepItem):

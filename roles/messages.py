@@ -1,0 +1,159 @@
+"""The messages stages and the runner exchange, as plain frozen attrs types. How they are framed and parsed
+on the wire (one strict cattrs converter, refusals naming the field) is node/wire.py's job.
+
+A request's life: the asker POSTs an InferenceRequest to pp-entry (stage 0), which queues it until a
+sequence slot is free, then sends its prompt down the chain in Activations; the last stage samples and
+feeds each Token back to stage 0; when the request ends — finished, failed or cancelled — stage 0 sends
+an EndRequest down the chain so every stage frees its slot. Activations and NextTokens carry the rows of
+several requests at once: one batched step's worth.
+"""
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from worker.sampling import GREEDY, Sampling
+
+MAX_TOKENS_LIMIT = 1 << 16
+
+
+class WireError(ValueError):
+    """A message that cannot be accepted; the text names the field."""
+
+
+@attrs.frozen
+class InferenceRequest:
+    request_id: str
+    prompt: str
+    max_tokens: int = 64
+    sampling: Sampling = GREEDY
+    chat: bool = True
+    reply_to: str | None = None  # base URL to POST the response to; None: the node that has it keeps it
+
+    def __attrs_post_init__(self):
+        if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
+            raise WireError(f"max_tokens: {self.max_tokens} is outside 1..{MAX_TOKENS_LIMIT}")
+        if not self.request_id:
+            raise WireError("request_id: empty")
+
+
+@attrs.frozen
+class CancelRequest:
+    """Asker → pp-entry: stop a request, queued or running, and free its slots everywhere."""
+
+    request_id: str
+
+
+@attrs.frozen
+class RequestStart:
+    """What later stages need to know about a request; travels with its first segment (position 0)."""
+
+    max_tokens: int
+    sampling: Sampling
+    prompt_token_ids: tuple[int, ...]
+    reply_to: str | None = None
+    queued_ms: float = 0.0  # waited at the entry for a free slot
+
+    def __attrs_post_init__(self):
+        if not self.prompt_token_ids:
+            raise WireError("prompt_token_ids: empty")
+
+
+@attrs.frozen
+class SegmentMeta:
+    """One request's rows in an activation: seq_len consecutive positions from `position` on."""
+
+    request_id: str
+    position: int
+    seq_len: int
+    stage_ms: tuple[float, ...] = ()  # compute ms of each stage so far, for these rows
+    start: RequestStart | None = None  # on the request's first segment only
+
+    def __attrs_post_init__(self):
+        if self.position < 0 or self.seq_len < 1:
+            raise WireError(f"position {self.position} / seq_len {self.seq_len}: need position >= 0, seq_len >= 1")
+        if (self.position == 0) != (self.start is not None):
+            raise WireError(f"start: present exactly on a request's first segment (position 0), "
+                            f"request {self.request_id!r} at position {self.position}")
+
+
+@attrs.frozen
+class ActivationMeta:
+    segments: tuple[SegmentMeta, ...]
+
+    def __attrs_post_init__(self):
+        if not self.segments:
+            raise WireError("segments: empty")
+
+    @property
+    def rows(self) -> int:
+        return sum(s.seq_len for s in self.segments)
+
+
+@attrs.frozen
+class Activation:
+    meta: ActivationMeta
+    hidden: bytes  # float32, (rows, hidden_dim), the segments' rows in order, little-endian
+
+    @staticmethod
+    def of(segments: list[tuple[SegmentMeta, bytes]]) -> Activation:
+        return Activation(ActivationMeta(tuple(s for s, _ in segments)), b"".join(h for _, h in segments))
+
+    def split(self) -> list[tuple[SegmentMeta, bytes]]:
+        """Each segment with its own rows' bytes."""
+        out, offset = [], 0
+        row_bytes = len(self.hidden) // self.meta.rows
+        for s in self.meta.segments:
+            out.append((s, self.hidden[offset:offset + s.seq_len * row_bytes]))
+            offset += s.seq_len * row_bytes
+        return out
+
+
+@attrs.frozen
+class Token:
+    request_id: str
+    token_id: int
+    position: int  # where token_id is fed back in
+    done: bool
+
+
+@attrs.frozen
+class NextTokens:
+    """Last stage → stage 0: the tokens one step sampled."""
+
+    tokens: tuple[Token, ...]
+
+    def __attrs_post_init__(self):
+        if not self.tokens:
+            raise WireError("tokens: empty")
+
+
+class EndReason(enum.Enum):
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+@attrs.frozen
+class EndRequest:
+    """Stage 0 → down the chain: free this request's slot. Any stage → stage 0: this request failed here."""
+
+    request_id: str
+    reason: EndReason
+    error: str | None = None
+    failed_stage: int | None = None
+
+
+@attrs.frozen
+class InferenceResponse:
+    request_id: str
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()
+    # compute per stage over the request: the wall time of every batched step its rows were in
+    stage_compute_ms: tuple[float, ...] = ()
+    decode_s: float = 0.0  # first token sampled to last, on the last stage's clock
+    queued_s: float = 0.0  # waited at the entry for a free sequence slot
+    error: str | None = None
+    failed_stage: int | None = None

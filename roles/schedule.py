@@ -1,0 +1,127 @@
+"""What a stage computes next: the rows waiting at it, and the planner that picks one batched step.
+
+Every stage runs the same loop: rows arrive (a prompt, a prompt chunk, a decode token's row), wait here,
+and the next step takes as many as fit in one batch of `max_rows`. The planner is a pure function:
+
+1. Decode rows go first, oldest first, one row each: a generating request never waits behind a prompt
+   for more than the one step already computing.
+2. Prompt rows fill the rest of the step, oldest request first; a prompt that does not fit is split, and
+   its remainder waits for the next step (chunked prefill). A stage's row budget is at least twice its
+   sequence slots, so each step has room for every slot's decode row and at least as many prompt rows:
+   prompts always advance too.
+3. A request's rows are taken in position order: a later piece is taken only after every earlier one.
+
+So the bound on a decode's wait is one step of at most `max_rows` rows, whatever the prompts' length.
+
+StageQueue holds the waiting rows, the requests that ended here (late rows for them are dropped), and
+the slots to release in the worker before the next step.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Sequence
+
+import attrs
+
+from .messages import RequestStart
+
+ENDED_REMEMBERED = 4096  # ended request ids kept to recognise their late rows
+
+
+@attrs.frozen
+class Unit:
+    """Rows of one request waiting at a stage: tokens on the first stage, hidden bytes elsewhere."""
+
+    request_id: str
+    position: int
+    rows: int
+    decode: bool  # a generated token's row, not a prompt's
+    tokens: tuple[int, ...] = ()
+    hidden: bytes = b""
+    stage_ms: tuple[float, ...] = ()
+    start: RequestStart | None = None  # on the request's first rows (position 0)
+    sample: bool = False  # last stage: these rows end the prompt, or are a decode: sample after them
+
+    def split(self, k: int) -> tuple[Unit, Unit]:
+        """The first k rows, and the rest (which no longer starts the request). Upstream compute time stays
+        with the first part: those stages computed all the rows in the steps it counts."""
+        row_bytes = len(self.hidden) // self.rows
+        head = attrs.evolve(self, rows=k, tokens=self.tokens[:k], hidden=self.hidden[:k * row_bytes], sample=False)
+        tail = attrs.evolve(self, position=self.position + k, rows=self.rows - k, tokens=self.tokens[k:],
+                            hidden=self.hidden[k * row_bytes:], start=None, stage_ms=(0.0,) * len(self.stage_ms))
+        return head, tail
+
+
+@attrs.frozen
+class Step:
+    units: tuple[Unit, ...]
+    release: tuple[str, ...]  # requests whose slots the worker frees before computing
+
+
+def plan_rows(waiting: Sequence[Unit], max_rows: int) -> list[int]:
+    """How many rows of each waiting unit the next step takes (0: none), by the rules above."""
+    take = [0] * len(waiting)
+    budget = max_rows
+    seen: set[str] = set()
+    for i, u in enumerate(waiting):
+        if u.decode and budget > 0 and u.request_id not in seen:  # never ahead of the request's own rows
+            take[i], budget = 1, budget - 1
+        seen.add(u.request_id)
+    blocked: set[str] = set()  # requests with an earlier piece not fully taken
+    for i, u in enumerate(waiting):
+        if u.decode:
+            if take[i] == 0:
+                blocked.add(u.request_id)
+            continue
+        if u.request_id in blocked or budget == 0:
+            blocked.add(u.request_id)
+            continue
+        take[i] = min(u.rows, budget)
+        budget -= take[i]
+        if take[i] < u.rows:
+            blocked.add(u.request_id)
+    return take
+
+
+class StageQueue:
+    """The rows waiting at one stage. Event loop only."""
+
+    def __init__(self, max_rows: int):
+        self.max_rows = max_rows
+        self.waiting: list[Unit] = []
+        self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._release: list[str] = []
+
+    def add(self, unit: Unit) -> None:
+        self.waiting.append(unit)
+
+    def ended(self, request_id: str) -> bool:
+        return request_id in self._ended
+
+    def end(self, request_id: str) -> None:
+        """Forget the request here: drop its waiting rows, free its slot before the next step."""
+        self.waiting = [u for u in self.waiting if u.request_id != request_id]
+        self._ended[request_id] = None
+        while len(self._ended) > ENDED_REMEMBERED:
+            self._ended.popitem(last=False)
+        self._release.append(request_id)
+
+    def next_step(self) -> Step | None:
+        """Take the next step's rows off the queue, or None when there is nothing to do."""
+        take = plan_rows(self.waiting, self.max_rows)
+        units, rest = [], []
+        for unit, k in zip(self.waiting, take):
+            if k == unit.rows:
+                units.append(unit)
+            elif k:
+                head, tail = unit.split(k)
+                units.append(head)
+                rest.append(tail)
+            else:
+                rest.append(unit)
+        self.waiting = rest
+        if not units and not self._release:
+            return None
+        step = Step(tuple(units), tuple(self._release))
+        self._release = []
+        return step

@@ -1,0 +1,64 @@
+"""The step planner: decode rows first, prompts chunked into what is left, a request's rows in order."""
+import pytest
+
+from roles.messages import RequestStart
+from roles.schedule import StageQueue, Unit, plan_rows
+from worker.sampling import GREEDY
+
+
+def d(rid, pos=10):
+    return Unit(rid, pos, 1, decode=True, tokens=(1,))
+
+
+def p(rid, rows, pos=0):
+    return Unit(rid, pos, rows, decode=False, tokens=tuple(range(rows)))
+
+
+@pytest.mark.parametrize("waiting,max_rows,want", [
+    ([], 4, []),
+    ([d("a"), d("b")], 4, [1, 1]),
+    ([p("a", 3)], 4, [3]),
+    ([p("a", 10)], 4, [4]),  # a long prompt is chunked
+    ([p("a", 10), d("b"), d("c")], 4, [2, 1, 1]),  # decodes first, even when they arrived later
+    ([d("a"), d("b"), d("c")], 2, [1, 1, 0]),  # oldest decodes first
+    ([p("a", 3), p("b", 3)], 4, [3, 1]),  # oldest prompt first, the next one fills the rest
+    ([p("a", 6), p("a", 2, pos=6)], 4, [4, 0]),  # a request's later piece waits for its earlier one
+    ([p("a", 2), p("a", 2, pos=2), p("b", 1)], 8, [2, 2, 1]),
+    ([d("a"), d("b"), p("c", 5)], 2, [1, 1, 0]),  # no room left: the prompt waits one step
+    ([p("a", 3), d("a", pos=3), d("b")], 2, [1, 0, 1]),  # a decode never jumps ahead of its own request's rows
+])
+def test_plan_rows(waiting, max_rows, want):
+    assert plan_rows(waiting, max_rows) == want
+
+
+def test_a_decode_waits_at_most_one_step_whatever_the_prompts_waiting():
+    queue = StageQueue(max_rows=4)
+    queue.add(p("long", 100))
+    queue.add(d("gen"))
+    first = queue.next_step()
+    assert [(u.request_id, u.rows) for u in first.units] == [("long", 3), ("gen", 1)]
+    queue.add(d("gen", pos=11))
+    second = queue.next_step()
+    assert [(u.request_id, u.position, u.rows) for u in second.units] == [("long", 3, 3), ("gen", 11, 1)]
+
+
+def test_a_split_prompt_keeps_its_start_and_upstream_time_on_the_first_piece():
+    start = RequestStart(4, GREEDY, (1, 2, 3, 4, 5))
+    unit = Unit("a", 0, 5, decode=False, hidden=bytes(range(20)), stage_ms=(2.0, 3.0), start=start, sample=True)
+    head, tail = unit.split(2)
+    assert (head.rows, head.hidden, head.start, head.stage_ms, head.sample) == (2, bytes(range(8)), start,
+                                                                                 (2.0, 3.0), False)
+    assert (tail.position, tail.rows, tail.hidden, tail.start, tail.stage_ms, tail.sample) == (
+        2, 3, bytes(range(8, 20)), None, (0.0, 0.0), True)
+
+
+def test_an_ended_request_loses_its_waiting_rows_and_frees_its_slot_in_the_next_step():
+    queue = StageQueue(max_rows=4)
+    queue.add(p("a", 2))
+    queue.add(p("b", 2))
+    queue.end("a")
+    assert queue.ended("a") and not queue.ended("b")
+    step = queue.next_step()
+    assert [u.request_id for u in step.units] == ["b"] and step.release == ("a",)
+    queue.end("b")
+    assert queue.next_step().release == ("b",) and queue.next_step() is None
