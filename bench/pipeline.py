@@ -7,11 +7,9 @@ peak RSS and weight bytes. Writes a markdown table (and JSON) for docs/; `bench.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import platform
-import secrets
 import statistics
 import subprocess
 import sys
@@ -22,8 +20,7 @@ from pathlib import Path
 import httpx
 import trio
 
-from node.orchestrator import run_orchestrator
-from runner.children import child_env, run_child
+from .cluster import start_local_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,17 +50,9 @@ def single_process(model: str, prompt: str, max_tokens: int, repeats: int) -> di
 
 
 async def pipeline(model: str, n: int, prompt: str, max_tokens: int, repeats: int) -> dict:
-    token, run_dir = secrets.token_urlsafe(16), Path(tempfile.mkdtemp(prefix="bench-"))
     started = time.monotonic()
     async with trio.open_nursery() as nursery:
-        orch = await nursery.start(functools.partial(run_orchestrator, token))
-        urls, prev = [], None
-        for stage in range(n):
-            env = child_env(dict(os.environ), stage=stage, num_stages=n, token=token, model=model, seed=orch.url,
-                            peer=prev)
-            child = await nursery.start(functools.partial(run_child, stage, env, run_dir / f"stage{stage}.log"))
-            urls.append(prev := child.url)
-        await orch.converge(n)
+        orch, urls = await start_local_cluster(nursery, model, n)
         converge_s = time.monotonic() - started
         runs = []
         for _ in range(repeats + 1):  # the first request compiles and captures each stage's JIT

@@ -9,14 +9,18 @@ from __future__ import annotations
 import json
 import struct
 
-import attrs
 import cattrs
 import cattrs.v
 from cattrs.preconf.json import make_converter
 
-from roles.messages import (  # noqa: F401 -- re-exported: the wire's vocabulary
+from roles.messages import (
     MAX_TOKENS_LIMIT, Activation, ActivationMeta, CancelRequest, EndReason, EndRequest, InferenceRequest,
     InferenceResponse, NextTokens, RequestStart, SegmentMeta, Token, WireError)
+
+__all__ = [  # the message types are re-exported: they are the wire's vocabulary
+    "MAX_TOKENS_LIMIT", "Activation", "ActivationMeta", "CancelRequest", "EndReason", "EndRequest",
+    "InferenceRequest", "InferenceResponse", "NextTokens", "RequestStart", "SegmentMeta", "Token", "WireError",
+    "converter", "decode", "encode", "encode_activation", "decode_activation"]
 
 def _strict(kind: type, name: str):
     def check(value, _):

@@ -26,6 +26,7 @@ class _Progress:
     tokens: list[int]
     stage_ms: list[float]  # compute per stage, summed over the request's steps
     first_token_at: float = 0.0  # clock() when the first token was sampled
+    sampled_at: list[float] = attrs.field(factory=list)  # clock() at each token
 
 
 class LastActor:
@@ -115,8 +116,9 @@ class LastActor:
     # -- internals ---------------------------------------------------------------------------
     def _sampled(self, unit: Unit, prog: _Progress, token_id: int) -> tuple[Token, bool]:
         prog.tokens.append(token_id)
+        prog.sampled_at.append(self.clock())
         if len(prog.tokens) == 1:
-            prog.first_token_at = self.clock()
+            prog.first_token_at = prog.sampled_at[0]
         position = unit.position + unit.rows
         done = generation_done(token_id, generated=len(prog.tokens), max_tokens=prog.start.max_tokens,
                                next_position=position, max_context=self.max_context, stop_ids=self.stop_ids)
@@ -128,7 +130,8 @@ class LastActor:
         s = prog.start
         return Reply(s.reply_to, InferenceResponse(
             request_id, text, tuple(prog.tokens), s.prompt_token_ids, tuple(round(ms, 3) for ms in prog.stage_ms),
-            self.clock() - prog.first_token_at, s.queued_ms / 1000.0))
+            prog.sampled_at[-1] - prog.first_token_at,
+            tuple(round((t - prog.first_token_at) * 1000.0, 3) for t in prog.sampled_at), s.queued_ms / 1000.0))
 
     def _fail(self, request_id: str, error: str) -> list:
         """Report to stage 0, which ends the request everywhere and tells the asker."""

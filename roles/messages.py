@@ -154,6 +154,7 @@ class InferenceResponse:
     # compute per stage over the request: the wall time of every batched step its rows were in
     stage_compute_ms: tuple[float, ...] = ()
     decode_s: float = 0.0  # first token sampled to last, on the last stage's clock
+    token_ms: tuple[float, ...] = ()  # when each token was sampled, ms after the first, on the same clock
     queued_s: float = 0.0  # waited at the entry for a free sequence slot
     error: str | None = None
     failed_stage: int | None = None

@@ -5,7 +5,6 @@ import functools
 import time
 
 import httpx
-import numpy as np
 import pytest
 import trio
 
