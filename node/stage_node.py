@@ -38,7 +38,8 @@ class StageNode:
         self.kept: dict[str, wire.InferenceResponse] = {}
         self._kept_changed = trio.Event()
         self._work = trio.Event()
-        self._steps = 0
+        self._steps = self._rows = 0
+        self._compute_s = 0.0
 
     @property
     def hidden_dim(self) -> int | None:
@@ -64,7 +65,8 @@ class StageNode:
                 "weight_bytes": info.weight_bytes if info else None,
                 "max_seqs": info.max_seqs if info else None, "max_batch": info.max_batch if info else None,
                 "slots_in_use": self.worker.slots_in_use if self.worker else None,
-                "steps": self._steps, **(self.actor.health() if self.actor else {}),
+                "steps": self._steps, "rows": self._rows, "compute_s": round(self._compute_s, 3),
+                **(self.actor.health() if self.actor else {}),
                 "links": self.links.pending() if self.links else {},
                 # ru_maxrss is KiB on Linux
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
@@ -86,8 +88,11 @@ class StageNode:
                 await self._work.wait()
                 self._work = trio.Event()
                 continue
+            started = trio.current_time()
             outcome = await compute.call(self.actor.run, step, self.worker)
+            self._compute_s += trio.current_time() - started
             self._steps += 1
+            self._rows += sum(u.rows for u in step.units)
             for action in self.actor.finish(step, outcome):
                 self.links.post(action)
 

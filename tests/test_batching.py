@@ -3,7 +3,7 @@ bucket the step is padded to and whatever else shares it; the batch-size buckets
 import numpy as np
 import pytest
 
-from worker.batching import Segment, bucket_sizes, default_max_batch
+from worker.batching import Segment, bucket_sizes, default_max_batch, split_rows, unmeasured_cost
 from worker.models import tinygrad_model
 from worker.tiny import TinySource
 
@@ -65,3 +65,21 @@ def test_a_step_longer_than_the_largest_bucket_runs_as_several_steps(model, prom
     t = model.open_slice(range(2), embed=True, head=False, max_seqs=1)
     one_by_one = np.concatenate([t.forward(t.embed([x]), i) for i, x in enumerate(ids)])
     assert np.array_equal(whole, one_by_one)
+
+
+@pytest.mark.parametrize("rows,cost,want", [
+    (1, {1: 1.0, 2: 1.1, 4: 1.2}, [1]),
+    (3, {1: 1.0, 2: 1.1, 4: 1.2}, [3]),  # one call padded to 4 beats 2 + 1
+    (12, {4: 10.8, 8: 15.5, 16: 34.5}, [8, 4]),  # `small` on a CPU: 16 rows cost 2.2 calls of 8
+    (12, {4: 2.0, 8: 2.2, 16: 2.5}, [12]),  # `tiny`: per-call overhead dominates, pad to 16
+    (40, {8: 1.0, 16: 1.5}, [16, 16, 8]),
+    (0, {1: 1.0}, []),
+])
+def test_a_step_is_cut_into_the_cheapest_graph_calls(rows, cost, want):
+    got = split_rows(rows, cost)
+    assert sorted(got, reverse=True) == want and sum(got) == rows
+
+
+def test_before_buckets_are_timed_a_step_takes_the_fewest_calls():
+    assert split_rows(12, unmeasured_cost((1, 2, 4, 8, 16))) == [12]
+    assert sorted(split_rows(40, unmeasured_cost((1, 2, 4, 8, 16)))) == [8, 16, 16]

@@ -27,6 +27,8 @@ takes a hidden state in and all slices compile the same kernels whatever their r
 """
 from __future__ import annotations
 
+import time
+
 import attrs
 import numpy as np
 from tinygrad import Tensor, TinyJit, UOp, dtypes
@@ -34,11 +36,13 @@ from tinygrad.device import Buffer
 from tinygrad.uop.ops import KernelInfo
 
 from . import kernel_cache
-from .batching import DEFAULT_MAX_SEQS, Segment, bucket_sizes, default_max_batch
+from .batching import DEFAULT_MAX_SEQS, Segment, bucket_sizes, default_max_batch, split_rows, unmeasured_cost
 from .config import ModelConfig
 from .weights import OUTPUT_NORM
 
 # HF rotate-half RoPE: the first and second halves of each head form the rotary pairs.
+
+WARM_UP_TIMINGS = 3  # replays per bucket at boot; the median prices the bucket
 
 def rope_tables(config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin of every position × frequency, (max_context, head_dim // 2) float32."""
@@ -78,17 +82,21 @@ class Block:
     def __call__(self, x: Tensor, rows: _Rows, kv_len: UOp) -> Tensor:
         c, w = self.config, self.w
         h = x + self._attention(_rms_norm(x, w["attn_norm"], c.norm_eps), rows, kv_len)
-        ffn_in = _rms_norm(h, w["ffn_norm"], c.norm_eps)
-        ffn = (ffn_in @ w["ffn_gate"].T).silu() * (ffn_in @ w["ffn_up"].T)
+        # Each matmul is its own kernel (contiguous): fused with its neighbours, tinygrad's CPU kernels
+        # for several rows re-read the weights or recompute the norm and silu per output (one `small`
+        # block: 46 → 35 ms at 16 rows, 24 → 16 ms at 8; a few more kernels cost tiny ~10 %).
+        ffn_in = _rms_norm(h, w["ffn_norm"], c.norm_eps).contiguous()
+        ffn = ((ffn_in @ w["ffn_gate"].T).contiguous().silu() * (ffn_in @ w["ffn_up"].T).contiguous()).contiguous()
         # contiguous: the block output is a buffer in every slicing, so kernels never fuse across blocks
         return (h + ffn @ w["ffn_down"].T).contiguous()
 
     def _attention(self, x: Tensor, rows: _Rows, kv_len: UOp) -> Tensor:
         c, w = self.config, self.w
         b, kvh, hd = x.shape[0], c.n_kv_heads, c.head_dim
-        q = (x @ w["attn_q"].T).reshape(b, c.n_heads, 1, hd)
-        k = (x @ w["attn_k"].T).reshape(b, kvh, 1, hd)
-        v = (x @ w["attn_v"].T).reshape(b, kvh, 1, hd)
+        x = x.contiguous()
+        q = (x @ w["attn_q"].T).contiguous().reshape(b, c.n_heads, 1, hd)
+        k = (x @ w["attn_k"].T).contiguous().reshape(b, kvh, 1, hd)
+        v = (x @ w["attn_v"].T).contiguous().reshape(b, kvh, 1, hd)
         q, k = _rotate(q, rows.cos, rows.sin), _rotate(k, rows.cos, rows.sin)
         new = k.reshape(b, kvh * hd).cat(v.reshape(b, kvh * hd), dim=1).contiguous()
         cache = self.cache.custom_kernel(new, rows.cache_row, fxn=_kv_store)[0]
@@ -165,6 +173,7 @@ class StageModel:
         kernel_cache.install()
         self._graphs = {b: _capture_on_first_call(TinyJit(self._step)) for b in self.buckets}
         self._inputs = {b: _StepInputs(b, config.dim, config.head_dim) for b in self.buckets}
+        self.bucket_cost = unmeasured_cost(self.buckets)  # seconds per call, once warm_up has timed them
 
     @property
     def max_batch(self) -> int:
@@ -187,14 +196,16 @@ class StageModel:
 
     def forward_batch(self, hidden: np.ndarray, segments: list[Segment]) -> np.ndarray:
         """hidden (rows, dim) float32, the rows of `segments` in order → next hidden (rows, dim); with a
-        head, the logits of each segment's last row (len(segments), vocab). Rows past the largest bucket
-        run as several steps, in order, so a segment may be any length."""
+        head, the logits of each segment's last row (len(segments), vocab). The rows run as one or more
+        graph calls, in order (split_rows picks the cheapest cut), so a segment may be any length."""
         self._check(hidden, segments)
         slots = np.concatenate([np.full(s.length, s.slot) for s in segments])
         positions = np.concatenate([np.arange(s.position, s.position + s.length) for s in segments])
         data = np.ascontiguousarray(hidden, dtype=np.float32)
-        outs = [self._run(data[i:i + self.max_batch], slots[i:i + self.max_batch], positions[i:i + self.max_batch])
-                for i in range(0, len(data), self.max_batch)]
+        outs, i = [], 0
+        for n in split_rows(len(data), self.bucket_cost):
+            outs.append(self._run(data[i:i + n], slots[i:i + n], positions[i:i + n]))
+            i += n
         out = np.concatenate(outs)
         if self.head is None:
             return out
@@ -235,11 +246,20 @@ class StageModel:
         return _read(self._graphs[bucket](inputs.floats, inputs.ints, kv_len))[:n]
 
     def warm_up(self) -> None:
-        """Compile and capture every bucket's graph now, so that no request pays a compile. The calls
-        write only the scratch slot."""
+        """Compile and capture every bucket's graph now, so that no request pays a compile, and time each
+        call to cut later steps into the cheapest calls. The calls write only the scratch slot."""
+        cost = {}
         for bucket in self.buckets:
             zeros = np.zeros((bucket, self.config.dim), dtype=np.float32)
-            self._run(zeros, np.full(bucket, self.scratch_slot), np.arange(bucket) % self.config.max_context)
+            args = (zeros, np.full(bucket, self.scratch_slot), np.arange(bucket) % self.config.max_context)
+            self._run(*args)
+            times = []
+            for _ in range(WARM_UP_TIMINGS):
+                started = time.perf_counter()
+                self._run(*args)
+                times.append(time.perf_counter() - started)
+            cost[bucket] = sorted(times)[len(times) // 2]
+        self.bucket_cost = cost
 
 
 def _capture_on_first_call(jit: TinyJit) -> TinyJit:
