@@ -50,7 +50,13 @@ def summarize(model: str, n: int, k: int, wall_s: float, answers: list[dict]) ->
 
 # -- one process: the stages' scheduler over one whole-model slice --------------------------------------
 
-def one_process(model_name: str, concurrency: list[int], max_tokens: int, max_seqs: int) -> list[dict]:
+def median_run(runs: list[dict]) -> dict:
+    """Of repeated runs of one configuration, the one with the median tokens/s (these machines are noisy)."""
+    ranked = sorted(runs, key=lambda r: r["tokens_per_s"])
+    return {**ranked[len(ranked) // 2], "repeats_tokens_per_s": [round(r["tokens_per_s"], 2) for r in runs]}
+
+
+def one_process(model_name: str, concurrency: list[int], max_tokens: int, max_seqs: int, repeats: int) -> list[dict]:
     """Runs in a child process (`--single`): the whole model in one slice, driven by the same step planner
     the stages use (roles.schedule), with the same slots and batch buckets; greedy."""
     from worker.models import open_model
@@ -61,9 +67,12 @@ def one_process(model_name: str, concurrency: list[int], max_tokens: int, max_se
     serve_batch(full, tokenizer, PROMPTS[:2], max_tokens, max_seqs)  # warm-up
     rows = []
     for k in concurrency:
-        started = time.perf_counter()
-        answers = serve_batch(full, tokenizer, [PROMPTS[i % len(PROMPTS)] for i in range(k)], max_tokens, max_seqs)
-        rows.append(summarize(model_name, 0, k, time.perf_counter() - started, answers))
+        runs = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            answers = serve_batch(full, tokenizer, [PROMPTS[i % len(PROMPTS)] for i in range(k)], max_tokens, max_seqs)
+            runs.append(summarize(model_name, 0, k, time.perf_counter() - started, answers))
+        rows.append(median_run(runs))
     return rows
 
 
@@ -106,16 +115,20 @@ def serve_batch(full, tokenizer, prompts: list[str], max_tokens: int, max_seqs: 
 
 # -- a cluster ---------------------------------------------------------------------------------------
 
-async def cluster(model: str, n: int, concurrency: list[int], max_tokens: int, max_seqs: int) -> list[dict]:
+async def cluster(model: str, n: int, concurrency: list[int], max_tokens: int, max_seqs: int,
+                  repeats: int) -> list[dict]:
     async with trio.open_nursery() as nursery:
         orch, _ = await start_local_cluster(nursery, model, n, extra_env={"PP_MAX_SEQS": str(max_seqs),
                                                                           "PP_MAX_QUEUE": "256"})
         await serve_cluster(orch, PROMPTS[:2], max_tokens)  # warm-up
         rows = []
         for k in concurrency:
-            started = time.monotonic()
-            answers = await serve_cluster(orch, [PROMPTS[i % len(PROMPTS)] for i in range(k)], max_tokens)
-            rows.append(summarize(model, n, k, max(a.pop("arrived") for a in answers) - started, answers))
+            runs = []
+            for _ in range(repeats):
+                started = time.monotonic()
+                answers = await serve_cluster(orch, [PROMPTS[i % len(PROMPTS)] for i in range(k)], max_tokens)
+                runs.append(summarize(model, n, k, max(a.pop("arrived") for a in answers) - started, answers))
+            rows.append(median_run(runs))
             print(f"  {model} N={n} K={k}: {rows[-1]['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
         nursery.cancel_scope.cancel()
     return rows
@@ -164,7 +177,7 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.plot(*zip(*pts), marker="o", label="1 process" if n == 0 else f"N = {n}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent requests K")
-        ax.set_ylabel("aggregate decode tokens/s")
+        ax.set_ylabel("aggregate tokens/s (prompts included)")
         ax.set_title(model)
         ax.grid(alpha=0.3)
         ax.legend()
@@ -180,25 +193,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-seqs", type=int, default=16, help="slots per stage (default 16: every K fits at once)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per configuration; the median is reported")
     p.add_argument("--no-single", action="store_true", help="skip the one-process baseline")
     p.add_argument("--json", type=Path, help="also write the rows as JSON here")
     p.add_argument("--plot", type=Path, help="draw tokens/s against K into this PNG (needs matplotlib)")
     p.add_argument("--single", help=argparse.SUPPRESS)  # internal: the one-process baseline for this model
     args = p.parse_args(argv)
     if args.single:
-        print(json.dumps(one_process(args.single, args.concurrency, args.max_tokens, args.max_seqs)))
+        print(json.dumps(one_process(args.single, args.concurrency, args.max_tokens, args.max_seqs, args.repeats)))
         return 0
     rows = []
     for model in args.models:
         if not args.no_single:
             out = subprocess.run([sys.executable, "-m", "bench.serve", "--single", model, "--max-tokens",
-                                  str(args.max_tokens), "--max-seqs", str(args.max_seqs), "--concurrency",
+                                  str(args.max_tokens), "--max-seqs", str(args.max_seqs), "--repeats",
+                                  str(args.repeats), "--concurrency",
                                   *map(str, args.concurrency)], cwd=ROOT, check=True, capture_output=True,
                                  text=True).stdout
             rows += json.loads(out)
             print(f"done: {model}, one process", file=sys.stderr, flush=True)
         for n in args.stages:
-            rows += trio.run(cluster, model, n, args.concurrency, args.max_tokens, args.max_seqs)
+            rows += trio.run(cluster, model, n, args.concurrency, args.max_tokens, args.max_seqs, args.repeats)
     command = "python -m bench.serve " + " ".join(argv if argv is not None else sys.argv[1:])
     header = (f"Command: `{command}`  \nMachine: {platform.platform()}, {os.cpu_count()} CPUs, Python "
               f"{platform.python_version()}, DEV={os.environ.get('DEV', '(tinygrad default)')}\n")

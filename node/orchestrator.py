@@ -7,7 +7,6 @@ to it), or an observer behind NAT (vast.ai from a laptop: it only opens connecti
 the members to each other and long-polls the stages for the response)."""
 from __future__ import annotations
 
-import contextlib
 import random
 import time
 import uuid
@@ -22,6 +21,7 @@ from . import wire
 from .app import make_app, serve_app
 from .client import HttpTransport, PeerClient, PeerError, gossip_client
 from .gossip import TERMINAL, Member, Meta, SwimConfig
+from .groups import unwrapped
 from .swim import Swim
 
 POLL_WAIT_S = 20.0
@@ -84,7 +84,7 @@ class Orchestrator:
         send, receive = trio.open_memory_channel(1)
         self._pending[request.request_id] = send
         try:
-            with _unwrapped(StageDied, PeerError):
+            with unwrapped(StageDied, PeerError):
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._watch, {m.id for m in stages})
                     if self.url is None:
@@ -128,27 +128,6 @@ class Orchestrator:
                 except trio.WouldBlock:
                     pass
                 return
-
-
-@contextlib.contextmanager
-def _unwrapped(*kinds: type[BaseException]):
-    """Raise a lone `kinds` error out of a nursery's exception group as itself, for callers to catch."""
-    try:
-        yield
-    except BaseExceptionGroup as group:
-        leaves = [e for e in _leaves(group) if not isinstance(e, trio.Cancelled)]
-        found = next((e for e in leaves if isinstance(e, kinds)), None)
-        if found is None:
-            raise
-        raise found from None
-
-
-def _leaves(exc: BaseException):
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            yield from _leaves(inner)
-    else:
-        yield exc
 
 
 @attrs.frozen

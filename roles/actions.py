@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from typing import Callable
 
 import attrs
 
+from worker.errors import WorkerError
+
 from .messages import Activation, EndReason, EndRequest, InferenceResponse, NextTokens, SegmentMeta
-from .schedule import StageQueue
+from .schedule import StageQueue, Step
 
 
 class Refused(Exception):
@@ -73,6 +76,32 @@ def admit_segments(expected: dict[str, int], queue: StageQueue, act: Activation,
     return [(s, h) for s, h in act.split() if s.request_id in planned]
 
 
-def segment_of(meta: SegmentMeta, ms: float) -> SegmentMeta:
-    """The segment as this stage passes it on: its compute time appended."""
-    return attrs.evolve(meta, stage_ms=(*meta.stage_ms, ms))
+def compute(step: Step, worker, items: list) -> tuple[list, float]:
+    """On the compute thread: free the slots of ended requests, then run the step's items as one batch.
+    Returns the results and the step's wall time in ms."""
+    for rid in step.release:
+        worker.release(rid)
+    ms: list[float] = []
+    with timed(ms):
+        results = worker.run(items) if items else []
+    return results, ms[0]
+
+
+def pass_on(step: Step, outcome: tuple[list, float], *, dest: str, live: Callable[[str], bool],
+            fail: Callable[[str, str], list]) -> list:
+    """First and middle stages: the step's rows go on to `dest` as one activation, each segment with this
+    stage's compute time appended; a refused item fails its request; rows of requests that ended while
+    the step computed are dropped."""
+    results, ms = outcome
+    segments, actions = [], []
+    for unit, out in zip(step.units, results):
+        if not live(unit.request_id):
+            continue
+        if isinstance(out, WorkerError):
+            actions += fail(unit.request_id, str(out))
+            continue
+        meta = SegmentMeta(unit.request_id, unit.position, unit.rows, (*unit.stage_ms, ms), unit.start)
+        segments.append((meta, out))
+    if segments:
+        actions.insert(0, Send(dest, Activation.of(segments)))
+    return actions

@@ -21,9 +21,8 @@ from worker.errors import WorkerError
 from worker.partition import Role
 from worker.stage import StepItem
 
-from .actions import Refused, Send, error_reply, failure, segment_of, timed, wrong_role
-from .messages import (Activation, CancelRequest, EndReason, EndRequest, InferenceRequest, NextTokens, RequestStart,
-                       SegmentMeta)
+from .actions import Refused, Send, compute, error_reply, failure, pass_on, wrong_role
+from .messages import Activation, CancelRequest, EndReason, EndRequest, InferenceRequest, NextTokens, RequestStart
 from .schedule import StageQueue, Step, Unit
 from .topology import stage_name
 
@@ -66,19 +65,8 @@ class FirstActor:
         return self.queue.next_step()
 
     def finish(self, step: Step, outcome) -> list:
-        results, ms = outcome
-        segments, actions = [], []
-        for unit, out in zip(step.units, results):
-            if unit.request_id not in self.live:
-                continue  # ended while this step computed
-            if isinstance(out, WorkerError):
-                actions += self.end(failure(unit.request_id, self.stage, str(out)))
-                continue
-            meta = SegmentMeta(unit.request_id, unit.position, unit.rows, start=unit.start)
-            segments.append((segment_of(meta, ms), out))
-        if segments:
-            actions.insert(0, Send(self.next, Activation.of(segments)))
-        return actions
+        return pass_on(step, outcome, dest=self.next, live=self.live.__contains__,
+                       fail=lambda rid, error: self.end(failure(rid, self.stage, error)))
 
     def undeliverable(self, send: Send, error: str) -> list:
         if not isinstance(send.message, Activation):
@@ -106,13 +94,7 @@ class FirstActor:
 
     # -- compute thread ----------------------------------------------------------------------
     def run(self, step: Step, worker):
-        for rid in step.release:
-            worker.release(rid)
-        ms: list[float] = []
-        with timed(ms):
-            results = worker.run([StepItem(u.request_id, u.position, tokens=u.tokens) for u in step.units]) \
-                if step.units else []
-        return results, ms[0]
+        return compute(step, worker, [StepItem(u.request_id, u.position, tokens=u.tokens) for u in step.units])
 
     # -- internals ---------------------------------------------------------------------------
     def _admit_request(self, req: InferenceRequest) -> list:

@@ -14,7 +14,7 @@ from worker.sampling import GREEDY
 from worker.stage import StepItem
 from worker.stopping import generation_done
 
-from .actions import Reply, Send, admit_segments, error_reply, failure, timed, wrong_role
+from .actions import Reply, Send, admit_segments, compute, error_reply, failure, wrong_role
 from .messages import Activation, EndRequest, InferenceResponse, NextTokens, RequestStart, Token
 from .schedule import StageQueue, Step, Unit
 from .topology import stage_name
@@ -102,16 +102,13 @@ class LastActor:
 
     # -- compute thread ----------------------------------------------------------------------
     def run(self, step: Step, worker):
-        for rid in step.release:
-            worker.release(rid)
-        ms: list[float] = []
-        with timed(ms):
-            results = worker.run([StepItem(u.request_id, u.position, hidden=u.hidden, seq_len=u.rows,
-                                           sampling=u.start.sampling if u.start else GREEDY)
-                                  for u in step.units]) if step.units else []
-            sampled = [worker.sample(u.request_id, r) if u.sample and not isinstance(r, WorkerError) else
-                       (r if isinstance(r, WorkerError) else None) for u, r in zip(step.units, results)]
-        return sampled, ms[0]
+        """Compute the step, then sample for each item whose rows end its prompt or are a decode row:
+        per item, its token, None (a prompt chunk before the last) or the WorkerError that refused it."""
+        results, ms = compute(step, worker, [StepItem(u.request_id, u.position, hidden=u.hidden, seq_len=u.rows,
+                                                      sampling=u.start.sampling if u.start else GREEDY)
+                                             for u in step.units])
+        return [r if isinstance(r, WorkerError) else worker.sample(u.request_id, r) if u.sample else None
+                for u, r in zip(step.units, results)], ms
 
     # -- internals ---------------------------------------------------------------------------
     def _sampled(self, unit: Unit, prog: _Progress, token_id: int) -> tuple[Token, bool]:

@@ -3,12 +3,11 @@ seq_len unchanged (spec §3.3, row Middle), batching whatever is waiting into on
 upstream frees the request's slot and goes on down the chain."""
 from __future__ import annotations
 
-from worker.errors import WorkerError
 from worker.partition import Role
 from worker.stage import StepItem
 
-from .actions import Send, admit_segments, error_reply, failure, segment_of, timed, wrong_role
-from .messages import Activation, EndRequest, SegmentMeta
+from .actions import Send, admit_segments, compute, error_reply, failure, pass_on, wrong_role
+from .messages import Activation, EndRequest
 from .schedule import StageQueue, Step, Unit
 from .topology import stage_name
 
@@ -43,18 +42,7 @@ class MiddleActor:
         return self.queue.next_step()
 
     def finish(self, step: Step, outcome) -> list:
-        results, ms = outcome
-        segments, actions = [], []
-        for unit, out in zip(step.units, results):
-            if unit.request_id not in self.expected:
-                continue  # ended while this step computed
-            if isinstance(out, WorkerError):
-                actions += self._fail(unit.request_id, str(out))
-                continue
-            segments.append((segment_of(_meta(unit), ms), out))
-        if segments:
-            actions.insert(0, Send(self.next, Activation.of(segments)))
-        return actions
+        return pass_on(step, outcome, dest=self.next, live=self.expected.__contains__, fail=self._fail)
 
     def undeliverable(self, send: Send, error: str) -> list:
         """Rows that could not go on fail their requests; a failure report that could not reach stage 0
@@ -75,13 +63,8 @@ class MiddleActor:
 
     # -- compute thread ----------------------------------------------------------------------
     def run(self, step: Step, worker):
-        for rid in step.release:
-            worker.release(rid)
-        ms: list[float] = []
-        with timed(ms):
-            results = worker.run([StepItem(u.request_id, u.position, hidden=u.hidden, seq_len=u.rows)
-                                  for u in step.units]) if step.units else []
-        return results, ms[0]
+        return compute(step, worker, [StepItem(u.request_id, u.position, hidden=u.hidden, seq_len=u.rows)
+                                      for u in step.units])
 
     # -- internals ---------------------------------------------------------------------------
     def _fail(self, request_id: str, error: str) -> list:
@@ -99,6 +82,3 @@ class MiddleActor:
             self.reply_to.pop(request_id, None)
         return []
 
-
-def _meta(unit: Unit) -> SegmentMeta:
-    return SegmentMeta(unit.request_id, unit.position, unit.rows, unit.stage_ms, unit.start)

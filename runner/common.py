@@ -8,6 +8,7 @@ import attrs
 import trio
 
 from node import wire
+from node.groups import leaves
 
 from .children import StageExited
 
@@ -38,20 +39,12 @@ def first_failure(group: BaseExceptionGroup, *expected: type[BaseException]) -> 
     """The exception to report from a nursery's group: Ctrl-C first, then the stage that ended on its
     own (its log is the most telling), then any other run failure or `expected` error; anything else
     is a bug: re-raise all."""
-    leaves = list(_leaves(group))
+    found_all = list(leaves(group))
     for kind in (KeyboardInterrupt, StageExited, RunFailed, *expected):
-        found = next((e for e in leaves if isinstance(e, kind)), None)
+        found = next((e for e in found_all if isinstance(e, kind)), None)
         if found is not None:
             return found if kind is KeyboardInterrupt else RunFailed(str(found))
     return group
-
-
-def _leaves(exc: BaseException):
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            yield from _leaves(inner)
-    else:
-        yield exc
 
 
 def timings_of(response: wire.InferenceResponse, converge_s: float, answer_s: float, total_s: float) -> dict:
