@@ -8,8 +8,9 @@ from worker.models import tinygrad_model
 from worker.tiny import TinySource
 
 
-@pytest.mark.parametrize("max_batch,want", [(1, (1,)), (2, (1, 2)), (16, (1, 2, 4, 8, 16)), (12, (1, 2, 4, 8, 12))])
-def test_buckets_double_up_to_the_largest_batch(max_batch, want):
+@pytest.mark.parametrize("max_batch,want", [(1, (1,)), (2, (1, 2)), (4, (1, 4)), (16, (1, 4, 8, 16)),
+                                            (12, (1, 4, 8, 12))])
+def test_buckets_double_from_4_up_to_the_largest_batch(max_batch, want):
     assert bucket_sizes(max_batch) == want
 
 
@@ -81,5 +82,5 @@ def test_a_step_is_cut_into_the_cheapest_graph_calls(rows, cost, want):
 
 
 def test_before_buckets_are_timed_a_step_takes_the_fewest_calls():
-    assert split_rows(12, unmeasured_cost((1, 2, 4, 8, 16))) == [12]
-    assert sorted(split_rows(40, unmeasured_cost((1, 2, 4, 8, 16)))) == [8, 16, 16]
+    assert split_rows(12, unmeasured_cost((1, 4, 8, 16))) == [12]
+    assert sorted(split_rows(40, unmeasured_cost((1, 4, 8, 16)))) == [8, 16, 16]
