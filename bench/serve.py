@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import trio
 
@@ -118,20 +119,37 @@ def serve_batch(full, tokenizer, prompts: list[str], max_tokens: int, max_seqs: 
 async def cluster(model: str, n: int, concurrency: list[int], max_tokens: int, max_seqs: int,
                   repeats: int) -> list[dict]:
     async with trio.open_nursery() as nursery:
-        orch, _ = await start_local_cluster(nursery, model, n, extra_env={"PP_MAX_SEQS": str(max_seqs),
-                                                                          "PP_MAX_QUEUE": "256"})
+        orch, urls = await start_local_cluster(nursery, model, n, extra_env={"PP_MAX_SEQS": str(max_seqs),
+                                                                             "PP_MAX_QUEUE": "256"})
         await serve_cluster(orch, PROMPTS[:2], max_tokens)  # warm-up
         rows = []
         for k in concurrency:
             runs = []
             for _ in range(repeats):
-                started = time.monotonic()
+                before, started = await stage_counters(urls), time.monotonic()
                 answers = await serve_cluster(orch, [PROMPTS[i % len(PROMPTS)] for i in range(k)], max_tokens)
-                runs.append(summarize(model, n, k, max(a.pop("arrived") for a in answers) - started, answers))
+                wall = max(a.pop("arrived") for a in answers) - started
+                runs.append({**summarize(model, n, k, wall, answers),
+                             "per_stage": stage_figures(before, await stage_counters(urls), wall)})
             rows.append(median_run(runs))
             print(f"  {model} N={n} K={k}: {rows[-1]['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
         nursery.cancel_scope.cancel()
     return rows
+
+
+async def stage_counters(urls: list[str]) -> list[dict]:
+    async with httpx.AsyncClient() as client:
+        return [(await client.get(u + "/health")).json() for u in urls]
+
+
+def stage_figures(before: list[dict], after: list[dict], wall_s: float) -> list[dict]:
+    """Per stage over one run: steps, rows per step, and the share of the wall time spent in compute."""
+    out = []
+    for b, a in zip(before, after):
+        steps, rows = a["steps"] - b["steps"], a["rows"] - b["rows"]
+        out.append({"steps": steps, "rows": rows, "rows_per_step": round(rows / max(steps, 1), 2),
+                    "compute_busy": round((a["compute_s"] - b["compute_s"]) / wall_s, 3)})
+    return out
 
 
 async def serve_cluster(orch, prompts: list[str], max_tokens: int) -> list[dict]:
@@ -197,8 +215,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-single", action="store_true", help="skip the one-process baseline")
     p.add_argument("--json", type=Path, help="also write the rows as JSON here")
     p.add_argument("--plot", type=Path, help="draw tokens/s against K into this PNG (needs matplotlib)")
+    p.add_argument("--report", nargs="+", type=Path, metavar="JSON",
+                   help="run nothing: print the table of these --json files (and --plot them together)")
     p.add_argument("--single", help=argparse.SUPPRESS)  # internal: the one-process baseline for this model
     args = p.parse_args(argv)
+    if args.report:
+        rows = [r for path in args.report for r in json.loads(path.read_text())["rows"]]
+        print(table(rows))
+        if args.plot:
+            plot(rows, args.plot)
+        return 0
     if args.single:
         print(json.dumps(one_process(args.single, args.concurrency, args.max_tokens, args.max_seqs, args.repeats)))
         return 0

@@ -1,6 +1,8 @@
-"""Time one decode step of a stage slice in process: the fixed tinygrad cost per stage and per block.
+"""Time one decode step of a stage slice in process: the fixed tinygrad cost per stage and per block, and
+what a batched step of B rows costs against one row.
 
   DEV=CPU python -m bench.step --model tiny --blocks 8 4 1
+  DEV=CPU python -m bench.step --model small --blocks 3 --batch 1 4 8 16 32
 """
 from __future__ import annotations
 
@@ -11,18 +13,26 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
+from worker.batching import Segment
 from worker.models import open_model
 
 
-def step_ms(model, blocks: int, steps: int) -> float:
-    s = model.open_slice(range(blocks), embed=True, head=False)
-    s.forward(s.embed([1, 2, 3]), 0)
+def step_ms(model, blocks: int, steps: int, batch: int) -> float:
+    """Median ms of a step of `batch` decode rows, each its own sequence, after the graphs are captured."""
+    s = model.open_slice(range(blocks), embed=True, head=False, max_seqs=max(batch, 1))
+    s.warm_up()
+    prompt = s.embed([1, 2, 3])
+    for slot in range(batch):
+        s.forward_batch(prompt, [Segment(slot, 0, 3)])
+    rows = np.concatenate([s.embed([5])] * batch)
     times = []
     for pos in range(3, 3 + steps):
         start = time.perf_counter()
-        s.forward(s.embed([5]), pos)
+        s.forward_batch(rows, [Segment(slot, pos, 1) for slot in range(batch)])
         times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times[5:])  # the first steps compile and capture
+    return 1000 * statistics.median(times[5:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,11 +40,15 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny")
     p.add_argument("--blocks", nargs="+", type=int, default=[8, 4, 1])
+    p.add_argument("--batch", nargs="+", type=int, default=[1], help="rows per step (default 1)")
     p.add_argument("--steps", type=int, default=40)
     args = p.parse_args(argv)
     model = open_model(args.model, cache_dir=Path(tempfile.gettempdir()), ollama_models_dir=None)
     for blocks in args.blocks:
-        print(f"{args.model}, {blocks} blocks: median {step_ms(model, blocks, args.steps):.2f} ms per decode step")
+        for batch in args.batch:
+            ms = step_ms(model, blocks, args.steps, batch)
+            print(f"{args.model}, {blocks} blocks, {batch} rows: median {ms:.2f} ms per step, "
+                  f"{ms / batch:.2f} ms per row")
     return 0
 
 
