@@ -21,6 +21,7 @@ from quart_trio import QuartTrio
 from roles.actions import Refused
 
 from . import gossip, h2_guard, wire
+from .openai_api import API_PATHS, api_refusal
 from .swim import Swim, WrongTargetError
 
 log = logging.getLogger("pp.http")
@@ -56,7 +57,10 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int) -> Quar
             return None
         given = request.headers.get("Authorization", "").encode()
         if not hmac.compare_digest(given, expected):
-            return _error(401, "missing or wrong cluster token (Authorization: Bearer ...)")
+            message = "missing or wrong cluster token (Authorization: Bearer ...)"
+            if request.path in API_PATHS:
+                return api_refusal(401, message).body(), 401
+            return _error(401, message)
         return None
 
     @app.errorhandler(413)
@@ -109,8 +113,10 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int) -> Quar
     @app.errorhandler(Refused)
     async def refused(exc):
         log.info("refused %s %s: %s", request.method, request.path, exc.message)
-        body, status = _error(exc.status, exc.message)
         headers = {} if exc.retry_after_s is None else {"Retry-After": str(exc.retry_after_s)}
+        if request.path in API_PATHS:
+            return api_refusal(exc.status, exc.message).body(), exc.status, headers
+        body, status = _error(exc.status, exc.message)
         return body, status, headers
 
     return app

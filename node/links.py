@@ -10,8 +10,8 @@ in the links' nursery, started when the destination is first used:
 - While a message is on the wire, later ones queue; the sender then merges what queued into as few
   messages as it can (the activations of several steps into one, their fed-back tokens into one) — the
   slower the link, the larger the batches, so a backlog cannot build up one POST at a time.
-- A message that cannot be delivered after the retries goes to `on_undeliverable`, which returns the
-  actions its failure causes (the actor fails the requests in it); those are posted like any other.
+- A message that cannot be delivered after the retries goes to `on_undeliverable`, which deals with
+  what its failure causes (the actor fails the requests in it).
 
 The queues are not bounded here: each request has at most one decode row in flight and a prompt of
 bounded length, and stage 0 bounds the requests in flight, so what can wait on a link is bounded too.
@@ -50,7 +50,7 @@ class Links:
     """Owns the sender tasks; `deliver(dest, message)` does one send with its retries, raising on failure."""
 
     def __init__(self, nursery: trio.Nursery, deliver: Callable[[str, object], Awaitable[None]],
-                 on_undeliverable: Callable[[Send, str], list], on_reply: Callable[[Reply], Awaitable[None]]):
+                 on_undeliverable: Callable[[Send, str], None], on_reply: Callable[[Reply], Awaitable[None]]):
         self._nursery, self._deliver = nursery, deliver
         self._on_undeliverable, self._on_reply = on_undeliverable, on_reply
         self._queues: dict[str, collections.deque] = {}
@@ -88,8 +88,7 @@ class Links:
             await self._deliver(dest, message)
         except PeerError as exc:
             log.warning("undeliverable %s to %s: %s", type(message).__name__, dest, exc)
-            for action in self._on_undeliverable(Send(dest, message), str(exc)):
-                self.post(action)
+            self._on_undeliverable(Send(dest, message), str(exc))
 
     def _reply_channel(self) -> trio.MemorySendChannel:
         """Replies go out one after another on their own task: a slow asker delays only other replies."""

@@ -28,6 +28,7 @@ from worker.rangefetch import fetch_stage_slice
 from .app import make_app, serve_app
 from .client import HttpTransport, PeerClient, gossip_client
 from .compute import ComputeThread, open_compute_thread
+from .openai_api import add_openai_routes
 from .config import NodeConfig, advertised_url
 from .gossip import Member, Meta, SwimConfig
 from .log import event
@@ -125,7 +126,10 @@ async def _serve(config, swim_config, on_listening, compute, task_status) -> Non
             trio.open_nursery() as nursery:
         node = StageNode(stage, n, client, node_id=config.node_id, max_queue=config.max_queue)
         app = make_app(node, token=config.cluster_token, max_body_bytes=config.max_body_bytes)
+        if stage == 0:  # pp-entry serves the OpenAI API too
+            add_openai_routes(app, node, model_name=config.model)
         url = advertised_url(config, await nursery.start(serve_app, app, config.bind_host, config.port))
+        node.url = url
         event(log, "listening", url=url, stage=stage, num_stages=n)
         on_listening(url)
 

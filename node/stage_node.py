@@ -3,13 +3,14 @@ after another, and hands what each step produces to the links, which send it wit
 next step. Replies go to whoever asked, or are kept here for an asker behind NAT to fetch."""
 from __future__ import annotations
 
+import collections
 import logging
 import resource
 
 import trio
 
 from roles import DEFAULT_MAX_QUEUE, make_actor
-from roles.actions import Refused, Reply, Send
+from roles.actions import Progress, Refused, Reply, Send
 from worker.partition import role_of
 
 from . import wire
@@ -38,6 +39,9 @@ class StageNode:
         self.kept: dict[str, wire.InferenceResponse] = {}
         self._kept_changed = trio.Event()
         self._work = trio.Event()
+        self.url: str | None = None  # advertised; the entry's own API requests name it as their reply_to
+        self._local: dict[str, trio.MemorySendChannel] = {}  # requests followed here (the OpenAI API)
+        self._unfollowed: collections.OrderedDict[str, None] = collections.OrderedDict()  # their late replies
         self._steps = self._rows = 0
         self._compute_s = 0.0
 
@@ -54,9 +58,45 @@ class StageNode:
         """Admit a message from the network for the next steps, or refuse it (raises Refused)."""
         if self.actor is None or self.links is None:
             raise Refused(503, f"stage {self.stage} is still loading its weights")
+        if isinstance(message, wire.InferenceResponse) and message.request_id in self._local:
+            self._local[message.request_id].send_nowait(message)  # the final figures of one followed here
+            return
+        if isinstance(message, wire.InferenceResponse) and message.request_id in self._unfollowed:
+            return  # the figures of a request whose asker has had its answer
         for action in self.actor.admit(message):
-            self.links.post(action)
+            self._post(action)
         self._work.set()
+
+    def open_local(self, request: wire.InferenceRequest) -> trio.MemoryReceiveChannel:
+        """Admit a request made here (the OpenAI API) and follow it: the channel gets each Progress of it,
+        then the last stage's InferenceResponse. Raises Refused as `deliver` does."""
+        send, receive = trio.open_memory_channel(float("inf"))
+        self._local[request.request_id] = send
+        try:
+            self.deliver(request)
+        except BaseException:
+            del self._local[request.request_id]
+            raise
+        return receive
+
+    def close_local(self, request_id: str, *, cancel: bool) -> None:
+        """Stop following a request; with `cancel`, also end it (its asker went away) and free its slots."""
+        send = self._local.pop(request_id, None)
+        if send is not None:
+            send.close()
+            self._unfollowed[request_id] = None
+            while len(self._unfollowed) > KEPT_RESPONSES:
+                self._unfollowed.popitem(last=False)
+        if cancel and self.actor is not None:
+            self.deliver(wire.CancelRequest(request_id))
+
+    def _post(self, action) -> None:
+        if isinstance(action, Progress):
+            follower = self._local.get(action.request_id)
+            if follower is not None:
+                follower.send_nowait(action)
+            return
+        self.links.post(action)
 
     def health(self) -> dict:
         info = self.worker.info if self.worker is not None else None
@@ -94,11 +134,12 @@ class StageNode:
             self._steps += 1
             self._rows += sum(u.rows for u in step.units)
             for action in self.actor.finish(step, outcome):
-                self.links.post(action)
+                self._post(action)
 
-    def _undeliverable(self, send: Send, error: str) -> list:
+    def _undeliverable(self, send: Send, error: str) -> None:
         error_event(log, "send_failed", dest=send.dest, kind=type(send.message).__name__, error=error)
-        return self.actor.undeliverable(send, error)
+        for action in self.actor.undeliverable(send, error):
+            self._post(action)
 
     async def _send(self, dest: str, message) -> None:
         delay = FIRST_RETRY_S

@@ -33,6 +33,17 @@ class Reply:
     response: InferenceResponse
 
 
+@attrs.frozen
+class Progress:
+    """Stage 0 to whoever follows a request at the entry (the OpenAI API): a token came back, or the
+    request ended (`end`)."""
+
+    request_id: str
+    token_id: int | None = None
+    done: bool = False
+    end: EndRequest | None = None
+
+
 def wrong_role(stage: int, role, message) -> Refused:
     kind = type(message).__name__
     return Refused(409, f"stage {stage} ({role.value}) does not accept {kind} messages")

@@ -21,7 +21,7 @@ from worker.errors import WorkerError
 from worker.partition import Role
 from worker.stage import StepItem
 
-from .actions import Refused, Send, compute, error_reply, failure, pass_on, wrong_role
+from .actions import Progress, Refused, Send, compute, error_reply, failure, pass_on, wrong_role
 from .messages import Activation, CancelRequest, EndReason, EndRequest, InferenceRequest, NextTokens, RequestStart
 from .schedule import StageQueue, Step, Unit
 from .topology import stage_name
@@ -82,7 +82,7 @@ class FirstActor:
         """End a live request everywhere; start waiting ones in the slots that frees."""
         live = self.live.pop(end.request_id)
         self.queue.end(end.request_id)
-        actions = [Send(self.next, EndRequest(end.request_id, end.reason))]
+        actions = [Progress(end.request_id, end=end), Send(self.next, EndRequest(end.request_id, end.reason))]
         if end.reason is EndReason.FAILED:
             actions.append(error_reply(live.request.reply_to, end))
         self._start_waiting()
@@ -102,7 +102,7 @@ class FirstActor:
         if rid in self.live or rid in self.waiting:
             raise Refused(409, f"request {rid!r} is already in flight")
         try:
-            ids = self._tokenize(req.prompt, req.chat)
+            ids = list(req.prompt_token_ids) or self._tokenize(req.prompt, req.chat)
         except WorkerError as exc:
             raise Refused(400, f"prompt: {exc}") from None
         if len(ids) >= self.max_context:
@@ -138,6 +138,7 @@ class FirstActor:
         for t in msg.tokens:
             if t.request_id not in self.live:
                 continue  # ended here while the token was on its way
+            actions.append(Progress(t.request_id, t.token_id, t.done))
             if t.done:
                 actions += self.end(EndRequest(t.request_id, EndReason.FINISHED))
             else:
@@ -146,8 +147,8 @@ class FirstActor:
         return actions
 
     def _cancel(self, request_id: str) -> list:
-        if self.waiting.pop(request_id, None) is not None:
-            return []  # never started: nothing holds a slot for it
+        if self.waiting.pop(request_id, None) is not None:  # never started: nothing holds a slot for it
+            return [Progress(request_id, end=EndRequest(request_id, EndReason.CANCELLED))]
         if request_id in self.live:
             return self.end(EndRequest(request_id, EndReason.CANCELLED))
         return []  # already over: cancelling is idempotent

@@ -30,12 +30,15 @@ class InferenceRequest:
     sampling: Sampling = GREEDY
     chat: bool = True
     reply_to: str | None = None  # base URL to POST the response to; None: the node that has it keeps it
+    prompt_token_ids: tuple[int, ...] = ()  # already tokenized (the entry's OpenAI API); then prompt is ""
 
     def __attrs_post_init__(self):
         if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
             raise WireError(f"max_tokens: {self.max_tokens} is outside 1..{MAX_TOKENS_LIMIT}")
         if not self.request_id:
             raise WireError("request_id: empty")
+        if self.prompt and self.prompt_token_ids:
+            raise WireError("prompt, prompt_token_ids: give one of them, not both")
 
 
 @attrs.frozen

@@ -127,14 +127,15 @@ def test_loading_a_tensor_reads_only_its_own_bytes(tmp_path):
     assert np.isnan(source.load("token_embd.weight")).all()  # the corruption did land elsewhere
 
 
-def test_tokenizer_comes_from_tokenizer_json_in_the_directory(tmp_path, monkeypatch):
+def test_tokenizer_comes_from_tokenizer_json_with_the_directory_s_chat_template(tmp_path, monkeypatch):
     opened = []
     fake = types.ModuleType("worker.tokenizer")
-    fake.tokenizer_from_json = lambda path: opened.append(path) or "tok"
+    fake.tokenizer_from_json = lambda path, chat_template: opened.append((path, chat_template)) or "tok"
+    fake.chat_template_from_config = lambda directory: f"template of {directory.name}"
     monkeypatch.setitem(sys.modules, "worker.tokenizer", fake)
     source = HFSource(write_hf_dir(tmp_path, CONFIG, random_weights()))
     assert source.tokenizer() == "tok"
-    assert opened == [tmp_path / "tokenizer.json"]
+    assert opened == [(tmp_path / "tokenizer.json", f"template of {tmp_path.name}")]
 
 
 # --- config ------------------------------------------------------------------------------------

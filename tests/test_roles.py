@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from roles import make_actor
-from roles.actions import Refused, Reply, Send
+from roles.actions import Progress, Refused, Reply, Send
 from roles.first import FirstActor
 from roles.last import LastActor
 from roles.messages import (Activation, ActivationMeta, CancelRequest, EndReason, EndRequest, InferenceRequest,
@@ -83,8 +83,9 @@ def test_a_done_token_ends_the_request_down_the_chain_and_frees_its_slot():
     actor.admit(request())
     [prefill] = step(actor, w)
     pos = prefill.message.meta.segments[0].seq_len
+    finished = EndRequest("r1", EndReason.FINISHED)
     assert actor.admit(NextTokens((Token("r1", 5, pos, True),))) == [
-        Send("pp-stage-1", EndRequest("r1", EndReason.FINISHED))]
+        Progress("r1", 5, True), Progress("r1", end=finished), Send("pp-stage-1", finished)]
     assert "r1" in w.active
     step(actor, w)  # a step with nothing to compute still frees the slot
     assert w.active == frozenset() and actor.plan() is None
@@ -114,8 +115,9 @@ def test_cancel_ends_a_running_request_everywhere_and_drops_a_waiting_one_quietl
     actor.admit(request("run"))
     actor.admit(request("wait"))
     step(actor, w)
-    assert actor.admit(CancelRequest("wait")) == []
-    assert actor.admit(CancelRequest("run")) == [Send("pp-stage-1", EndRequest("run", EndReason.CANCELLED))]
+    assert actor.admit(CancelRequest("wait")) == [Progress("wait", end=EndRequest("wait", EndReason.CANCELLED))]
+    cancelled = EndRequest("run", EndReason.CANCELLED)
+    assert actor.admit(CancelRequest("run")) == [Progress("run", end=cancelled), Send("pp-stage-1", cancelled)]
     assert actor.admit(CancelRequest("run")) == []  # idempotent
     assert actor.live == {} and not actor.waiting
 
@@ -126,8 +128,8 @@ def test_a_failure_reported_by_a_stage_is_answered_by_stage_0_which_ends_the_req
     actor.admit(request())
     step(actor, w)
     end = EndRequest("r1", EndReason.FAILED, "stage 2: out of memory", 2)
-    send, reply = actor.admit(end)
-    assert send == Send("pp-stage-1", EndRequest("r1", EndReason.FAILED))
+    progress, send, reply = actor.admit(end)
+    assert progress == Progress("r1", end=end) and send == Send("pp-stage-1", EndRequest("r1", EndReason.FAILED))
     assert reply == Reply("http://runner", InferenceResponse("r1", error="stage 2: out of memory", failed_stage=2))
 
 
@@ -234,6 +236,8 @@ def route(actors, workers, prompts, max_tokens):
 
 
 def deliver(action, inbox, replies):
+    if isinstance(action, Progress):
+        return  # for the entry's API; nobody follows these requests there
     if isinstance(action, Reply):
         replies[action.response.request_id] = action.response
     else:

@@ -319,5 +319,7 @@ class HFSource:
         return read_tensor(entry, name)
 
     def tokenizer(self):
-        from .tokenizer import tokenizer_from_json  # written alongside; imported late so weights work without it
-        return tokenizer_from_json(self.directory / TOKENIZER_FILE)
+        # imported late so weights work without it
+        from .tokenizer import chat_template_from_config, tokenizer_from_json
+        return tokenizer_from_json(self.directory / TOKENIZER_FILE,
+                                   chat_template=chat_template_from_config(self.directory))

@@ -86,6 +86,11 @@ class StageWorker:
         self._require(Role.FIRST, "tokenize")
         return self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt, bos=True)
 
+    def tokenize_messages(self, messages: list[dict]) -> list[int]:
+        """A conversation (system, user and assistant turns) through the model's chat template."""
+        self._require(Role.FIRST, "tokenize_messages")
+        return self.tokenizer.encode_messages(messages)
+
     def embed_and_forward(self, request_id: str, tokens: list[int], position: int = 0) -> bytes:
         """Prefill: embed `tokens` at `position` and run this stage's blocks."""
         self._require(Role.FIRST, "embed_and_forward")
@@ -125,6 +130,15 @@ class StageWorker:
         self._require(Role.LAST, "detokenize")
         self._check_tokens(tokens)
         return self.tokenizer.decode(tokens)
+
+    def token_bytes(self, tokens: list[int]) -> bytes:
+        """The raw bytes of `tokens`, for the entry to stream text as tokens come back (the first stage
+        holds the tokenizer too); a character split across tokens is completed by the caller."""
+        if self.role is Role.MIDDLE:
+            raise WorkerError(f"token_bytes is a first- or last-stage op; this worker is stage {self.info.stage} "
+                              f"of {self.info.num_stages} (middle)")
+        self._check_tokens(tokens)
+        return self.tokenizer.decode_bytes(tokens)
 
     # -- any stage ---------------------------------------------------------------------------
     def run(self, items: list[StepItem]) -> list[bytes | np.ndarray | WorkerError]:

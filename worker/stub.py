@@ -32,8 +32,18 @@ class StubTokenizer:
     def encode_chat(self, prompt: str) -> list[int]:
         return [*self.encode(prompt, bos=True), self.eot_id]
 
+    def encode_messages(self, messages: list[dict]) -> list[int]:
+        """Each turn's role and text, then the end-of-turn id; no template engine for the stand-in."""
+        ids = [self.bos_id]
+        for m in messages:
+            ids += [*self.encode(f"{m['role']}:{m['content']}"), self.eot_id]
+        return ids
+
     def decode(self, ids) -> str:
         return "".join(_ALPHABET[i] for i in ids)
+
+    def decode_bytes(self, ids) -> bytes:
+        return self.decode(ids).encode()
 
 
 class StubSlice:

@@ -14,6 +14,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import tiktoken
 
+from . import chat
+from .chat import LLAMA3_TEMPLATE
 from .errors import ModelFileError
 
 # Meta's pre-tokenizer regex, from llama_models/llama3/tokenizer.py.
@@ -56,8 +58,10 @@ _TO_LATIN1 = {c: "\ufffd" for c in range(256)} | {ord(u): chr(b) for b, u in byt
 class Tokenizer:
     """Encodes prompts and decodes generated ids; `path` is named in every error about the vocabulary."""
 
-    def __init__(self, path, ranks: dict[bytes, int], specials: dict[str, int], *, bos_id: int, eos_id: int):
+    def __init__(self, path, ranks: dict[bytes, int], specials: dict[str, int], *, bos_id: int, eos_id: int,
+                 chat_template: str | None = None):
         self.path = str(path)
+        self.chat_template = chat_template or LLAMA3_TEMPLATE  # the model's own, else Llama 3's
         self.mergeable_ranks, self.special_ids = ranks, dict(specials)
         self._bytes = self._decode_table(ranks, specials)
         self.vocab_size = len(self._bytes)
@@ -75,6 +79,8 @@ class Tokenizer:
         self.stop_ids = frozenset({eos_id} | {specials[n] for n in (EOT, END_OF_TEXT) if n in specials})
         self._encoding = tiktoken.Encoding(os.path.basename(self.path) or "tokenizer", pat_str=PAT_STR,
                                            mergeable_ranks=ranks, special_tokens=self.special_ids)
+        self._specials_re = re.compile("(" + "|".join(map(re.escape, sorted(specials, key=len, reverse=True))) + ")")
+        self.bos_token, self.eos_token = self._bytes[bos_id].decode(), self._bytes[eos_id].decode()
 
     def _decode_table(self, ranks: dict[bytes, int], specials: dict[str, int]) -> list[bytes]:
         """Bytes of each id; ids must be exactly 0..n-1, as in GGUF and Hugging Face vocabularies."""
@@ -94,14 +100,26 @@ class Tokenizer:
             ids.extend(self._encoding.encode_ordinary(piece))
         return ids
 
-    def encode_chat(self, prompt: str) -> list[int]:
-        """Llama 3 instruct template for one user message, ending where the assistant's reply starts."""
-        s = self.special_ids
-        return [s[BEGIN_OF_TEXT], *self._header("user"), *self.encode(prompt), s[EOT], *self._header("assistant")]
+    def encode_special(self, text: str) -> list[int]:
+        """Text where special-token strings are those tokens (a rendered chat template), as transformers
+        encodes the rendered template; nothing is added."""
+        ids: list[int] = []
+        for n, piece in enumerate(self._specials_re.split(text)):
+            if n % 2:
+                ids.append(self.special_ids[piece])
+            elif piece:
+                ids.extend(self.encode(piece))
+        return ids
 
-    def _header(self, role: str) -> list[int]:
-        return [self.special_ids[START_HEADER], *self.encode(role), self.special_ids[END_HEADER],
-                *self.encode("\n\n")]
+    def encode_messages(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+        """A conversation through the model's chat template, ending where the assistant's reply starts."""
+        text = chat.render(self.chat_template, messages, bos_token=self.bos_token, eos_token=self.eos_token,
+                           add_generation_prompt=add_generation_prompt)
+        return self.encode_special(text)
+
+    def encode_chat(self, prompt: str) -> list[int]:
+        """One user message through the chat template."""
+        return self.encode_messages([{"role": "user", "content": prompt}])
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         """The raw bytes of `ids` (specials as their text); for decoding UTF-8 incrementally."""
@@ -219,7 +237,15 @@ def tokenizer_from_gguf_metadata(kv: Mapping, path) -> Tokenizer:
                                       for n, m in enumerate(_required_list(kv, "tokenizer.ggml.merges", path))]
     return Tokenizer(path, ranks_from_bpe(path, vocab, merges), specials,
                      bos_id=_required_id(kv, "tokenizer.ggml.bos_token_id", path),
-                     eos_id=_required_id(kv, "tokenizer.ggml.eos_token_id", path))
+                     eos_id=_required_id(kv, "tokenizer.ggml.eos_token_id", path),
+                     chat_template=_optional_text(kv, "tokenizer.chat_template", path))
+
+
+def _optional_text(kv: Mapping, key: str, path) -> str | None:
+    value = kv.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ModelFileError(path, f"metadata key {key!r} is {type(value).__name__}, want text")
+    return value
 
 
 def _required(kv: Mapping, key: str, path):
@@ -256,7 +282,27 @@ def merge_pair(path, field: str, n: int, merge) -> tuple[str, str]:
     raise ModelFileError(path, f"{field}[{n}] is {merge!r}, not a pair of tokens")
 
 
-def tokenizer_from_json(path) -> Tokenizer:
+def chat_template_from_config(directory) -> str | None:
+    """A Hugging Face model directory's chat template: `chat_template.jinja`, else `chat_template` in
+    tokenizer_config.json (a string, or a list of named templates of which "default" is taken)."""
+    from pathlib import Path
+    directory = Path(directory)
+    jinja_file = directory / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text()
+    config_file = directory / "tokenizer_config.json"
+    if not config_file.is_file():
+        return None
+    template = _read_json(config_file).get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise ModelFileError(config_file, "chat_template is neither text nor a list of named templates")
+    return template
+
+
+def tokenizer_from_json(path, *, chat_template: str | None = None) -> Tokenizer:
     """The tokenizer in a Hugging Face `tokenizer.json` (byte-level BPE with Llama 3's pre-tokenizer).
 
     Every added token, special or not, is literal: user text never turns into it, and it decodes
@@ -287,7 +333,7 @@ def tokenizer_from_json(path) -> Tokenizer:
     eos = specials.get(END_OF_TEXT, specials.get(EOT))
     if BEGIN_OF_TEXT not in specials or eos is None:
         raise ModelFileError(path, f"added_tokens lacks {BEGIN_OF_TEXT} or both {END_OF_TEXT} and {EOT}")
-    return Tokenizer(path, ranks, specials, bos_id=specials[BEGIN_OF_TEXT], eos_id=eos)
+    return Tokenizer(path, ranks, specials, bos_id=specials[BEGIN_OF_TEXT], eos_id=eos, chat_template=chat_template)
 
 
 def _read_json(path) -> dict:

@@ -1,0 +1,204 @@
+"""The OpenAI-compatible API on pp-entry: `POST /v1/chat/completions`, `POST /v1/completions` (streamed as
+server-sent events or not) and `GET /v1/models`, on stage 0's own app and port. The cluster token is the
+API key.
+
+A request is tokenized here (the chat template is the model's own), admitted into the engine like any
+other (a slot, or the queue, or 429), and followed: stage 0 sees every token come back on the feedback
+edge, and each becomes a chunk as soon as its text is whole. A stop string or the client going away ends
+the request at once, freeing its slots on every stage; a stage that fails it ends the stream with an error
+event and `data: [DONE]` rather than a hang. Streams carry no time limit of quart's (a long answer is not
+cut at 60 s), and every path out of the stream generator sends `[DONE]` (hypercorn would otherwise leave an
+HTTP/2 client waiting).
+"""
+from __future__ import annotations
+
+import json
+import secrets
+import time
+import uuid
+from contextlib import aclosing
+
+import trio
+from quart import request
+from quart_trio import QuartTrio
+
+from roles.actions import Progress, Refused
+from roles.messages import MAX_TOKENS_LIMIT, EndReason, InferenceRequest, InferenceResponse
+from worker.errors import WorkerError
+
+from .openai_wire import ApiError, ApiRequest, Completion, TextStream, parse_request
+
+API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+FINAL_WAIT_S = 5.0  # after the last token, how long a return_token_ids request waits for the stages' figures
+
+
+def add_openai_routes(app: QuartTrio, node, *, model_name: str) -> None:
+    started = int(time.time())
+
+    @app.get("/v1/models")
+    async def models():
+        info = _ready(node).info
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
+                                            "owned_by": "pp", "max_model_len": info.max_context}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions():
+        return await _complete(app, node, model_name, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions():
+        return await _complete(app, node, model_name, chat=False)
+
+    @app.errorhandler(ApiError)
+    async def api_error(exc: ApiError):
+        headers = {} if exc.retry_after_s is None else {"Retry-After": str(exc.retry_after_s)}
+        return exc.body(), exc.status, headers
+
+
+def api_refusal(status: int, message: str, retry_after_s: int | None = None) -> ApiError:
+    """An engine refusal (or a 401 of the app) in OpenAI's shape."""
+    kinds = {401: ("invalid_request_error", "invalid_api_key"), 429: ("rate_limit_error", "rate_limit_exceeded"),
+             503: ("server_error", "unavailable")}
+    kind, code = kinds.get(status, ("invalid_request_error", None))
+    return ApiError(status, message, type=kind, code=code, retry_after_s=retry_after_s)
+
+
+def _ready(node):
+    if node.worker is None or node.actor is None:
+        raise ApiError(503, "the model is still loading", type="server_error", code="unavailable")
+    return node.worker
+
+
+async def _complete(app: QuartTrio, node, model_name: str, *, chat: bool):
+    body = await request.get_json(force=True, silent=True)
+    if body is None:
+        raise ApiError(400, "the body is not JSON")
+    api = parse_request(body, chat=chat, seed_if_unset=secrets.randbits(31))
+    if api.model != model_name:
+        raise ApiError(404, f"model {api.model!r} is not served here; this cluster serves {model_name!r}",
+                       param="model", code="model_not_found")
+    worker = _ready(node)
+    ids = _prompt_ids(worker, api)
+    completion = Completion(api, uuid.uuid4().hex, tuple(ids))
+    events = _admit(node, worker, api, completion)
+    follow = _Follow(node, worker, completion, events)
+    if not api.stream:
+        try:
+            async with aclosing(follow.pieces()) as pieces:
+                async for _ in pieces:
+                    pass
+        finally:
+            follow.close()
+        return completion.response()
+    response = app.response_class(follow.sse(), content_type="text/event-stream",
+                                  headers={"Cache-Control": "no-cache"})
+    response.timeout = None  # quart cuts streamed bodies at RESPONSE_TIMEOUT otherwise
+    return response
+
+
+def _prompt_ids(worker, api: ApiRequest) -> list[int]:
+    param = "messages" if api.chat else "prompt"
+    try:
+        if api.chat:
+            ids = worker.tokenize_messages(list(api.messages))
+        elif isinstance(api.prompt, tuple):
+            ids = list(api.prompt)
+            bad = [t for t in ids if not 0 <= t < worker.info.vocab_size]
+            if bad:
+                raise WorkerError(f"token ids out of range 0..{worker.info.vocab_size - 1}: {bad[:5]}")
+        else:
+            ids = worker.tokenize(api.prompt, chat=False)
+    except WorkerError as exc:
+        raise ApiError(400, f"{param}: {exc}", param=param, code="invalid_value") from None
+    context = worker.info.max_context
+    if len(ids) >= context:
+        raise ApiError(400, f"This model's maximum context length is {context} tokens. However, your "
+                            f"{param} resulted in {len(ids)} tokens.", param=param, code="context_length_exceeded")
+    return ids
+
+
+def _admit(node, worker, api: ApiRequest, completion: Completion) -> trio.MemoryReceiveChannel:
+    room = worker.info.max_context - len(completion.prompt_token_ids)
+    max_tokens = min(api.max_tokens or room, room, MAX_TOKENS_LIMIT)
+    req = InferenceRequest(completion.request_id, "", max_tokens=max_tokens, sampling=api.sampling,
+                           reply_to=node.url, prompt_token_ids=completion.prompt_token_ids)
+    try:
+        return node.open_local(req)
+    except Refused as exc:
+        raise api_refusal(exc.status, exc.message, exc.retry_after_s) from None
+
+
+class _Follow:
+    """One request followed from the entry: its tokens become text pieces, in order."""
+
+    def __init__(self, node, worker, completion: Completion, events: trio.MemoryReceiveChannel):
+        self.node, self.worker, self.completion, self.events = node, worker, completion, events
+        self.text = TextStream(completion.request.stop)
+        self.over = False  # the request ended (or was ended by us): nothing to cancel on the way out
+
+    async def pieces(self):
+        """(text, token ids) as tokens come back; the completion's text and finish reason are kept."""
+        c, stop_ids = self.completion, self.worker.info.stop_ids
+        async for event in self.events:
+            if isinstance(event, InferenceResponse):
+                continue  # the stages' figures came before the last token: read by _final
+            if event.end is not None:
+                self._ended(event)
+            c.token_ids.append(event.token_id)
+            text = "" if event.token_id in stop_ids else self.text.push(self.worker.token_bytes([event.token_id]))
+            if event.done:
+                text += self.text.flush()
+            c.text += text
+            yield text, [event.token_id]
+            if self.text.stopped or event.done:
+                c.finish_reason = "stop" if self.text.stopped or event.token_id in stop_ids else "length"
+                break
+        if self.text.stopped:
+            self.close(cancel=True)  # a stop string: the stages need not go on
+        elif c.request.return_token_ids:
+            await self._final()
+        self.over = True
+
+    def _ended(self, event: Progress) -> None:
+        self.over = True
+        end = event.end
+        if end.reason is EndReason.FAILED:
+            raise ApiError(500, end.error or "a stage failed", type="server_error", code="stage_failed")
+        raise ApiError(500, f"the request was {end.reason.value} before its last token", type="server_error")
+
+    async def _final(self) -> None:
+        """The last stage's figures (compute per stage, timing), for clients that asked for token ids."""
+        with trio.move_on_after(FINAL_WAIT_S):
+            async for event in self.events:
+                if isinstance(event, InferenceResponse):
+                    self.completion.timings = {"stage_compute_ms": list(event.stage_compute_ms),
+                                               "decode_s": event.decode_s, "queued_s": event.queued_s,
+                                               "token_ms": list(event.token_ms)}
+                    return
+
+    def close(self, *, cancel: bool = False) -> None:
+        self.node.close_local(self.completion.request_id, cancel=cancel or not self.over)
+        self.over = True
+
+    async def sse(self):
+        """The stream: a first chunk at once (the role), a chunk per piece of text, the finish, usage if
+        asked, then [DONE]; an error event then [DONE] if the request fails."""
+        c = self.completion
+        try:
+            yield _event(c.chunk("", [], first=True))
+            async with aclosing(self.pieces()) as pieces:
+                async for text, ids in pieces:
+                    if text or c.request.return_token_ids:
+                        yield _event(c.chunk(text, ids))
+            yield _event(c.chunk("", [], finish=True))
+            if c.request.include_usage:
+                yield _event(c.usage_chunk())
+        except ApiError as exc:
+            yield _event(exc.body())
+        finally:
+            self.close()  # the client went away mid-stream (cancelled here), or the request is over
+        yield "data: [DONE]\n\n"
+
+
+def _event(body: dict) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'), ensure_ascii=False)}\n\n"
