@@ -1,15 +1,18 @@
 #!/usr/bin/env python3
 """ppsmoke.py — run a pipeline end to end: start N nodes, converge them, send one prompt, print the
-answer, tear everything down. Any failure stops every node and exits 1, naming the stage at fault.
+answer as it is generated, tear everything down. Any failure stops every node and exits 1, naming the
+stage at fault. With --serve, keep the cluster up behind an OpenAI-compatible API until Ctrl-C.
 
   python ppsmoke.py --seed -n 5                                  # 5 local node processes, the tiny model
   python ppsmoke.py --seed -n 5 --model llama3.2:1b --prompt "Say hello"
+  python ppsmoke.py --seed -n 5 --serve --port 8000              # then use http://127.0.0.1:8000/v1
   VAST_API_KEY=... python ppsmoke.py --vastai -n 5 --image you/pp-node:1 --model llama3.2:1b
   VAST_API_KEY=... python ppsmoke.py --vastai --destroy-leftovers
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from pathlib import Path
@@ -18,7 +21,7 @@ import trio
 
 from roles import DEFAULT_MAX_QUEUE
 from runner.report import as_json, stats_line
-from runner.common import RunFailed
+from runner.common import RunFailed, Stopped
 from runner.seed import SeedOptions, run_seed
 from runner.vastai import VastOptions, destroy_leftovers, run_vastai
 from worker.batching import DEFAULT_MAX_SEQS
@@ -46,6 +49,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help=f"requests waiting at the entry for a free slot before it answers 429 "
                         f"(default {DEFAULT_MAX_QUEUE})")
+    p.add_argument("--serve", action="store_true",
+                   help="keep the cluster up and serve the OpenAI API on stage 0 until Ctrl-C, instead of one prompt")
+    p.add_argument("--port", type=int, help="--seed: stage 0's port, so the API's URL stays the same (default: any)")
+    p.add_argument("--token", help="cluster token, which is the API key (default: $PP_CLUSTER_TOKEN, else random)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of text")
     v = p.add_argument_group("vast.ai (--vastai)")
     v.add_argument("--api-key", help="vast.ai API key (default: $VAST_API_KEY)")
@@ -66,6 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.num_stages < 2:
         p.error(f"-n {args.num_stages}: a pipeline needs at least 2 stages; for one process run "
                 "`python -m worker --model ...`")
+    if args.port is not None and (args.vastai or not 1 <= args.port <= 65535):
+        p.error("--port is for --seed (vast.ai maps its own public ports), 1..65535")
+    if args.serve and args.json:
+        p.error("--json describes one answer; --serve answers many")
     if args.max_seqs < 1 or args.max_queue < 0:
         p.error("--max-seqs must be at least 1 and --max-queue at least 0")
     if args.vastai and not args.destroy_leftovers and not args.image:
@@ -87,15 +98,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     env = dict(os.environ)
     progress = lambda line: print(f"ppsmoke: {line}", file=sys.stderr, flush=True)  # noqa: E731
+    live = not args.json and sys.stdout.isatty()  # a person watching: the answer as it is generated
+    on_text = (lambda text: print(text, end="", flush=True)) if live else (lambda text: None)
+    announce = lambda line: print(line, flush=True)  # noqa: E731
     try:
         if args.vastai:
             if args.destroy_leftovers:
                 trio.run(destroy_leftovers, _api_key(args, env), _vast_url(args, env), _ledger(args, env), progress)
                 return 0
-            result = trio.run(run_vastai, _vast_options(args, env), progress)
+            result = trio.run(functools.partial(run_vastai, _vast_options(args, env), progress, on_text=on_text,
+                                                announce=announce))
         else:
-            result = trio.run(run_seed, _seed_options(args, env), progress)
+            result = trio.run(functools.partial(run_seed, _seed_options(args, env), progress, on_text=on_text,
+                                                announce=announce))
+    except Stopped as exc:
+        progress(f"{exc}; done")
+        return 0
     except RunFailed as exc:
+        if live:
+            print(flush=True)
         progress(f"FAILED: {exc}")
         return 1
     except KeyboardInterrupt:
@@ -104,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(as_json(result, args.model))
     else:
-        print(result.response.text)
+        print("" if live else result.response.text)
         progress(stats_line(result))
     return 0
 
@@ -113,7 +134,8 @@ def _seed_options(args, env) -> SeedOptions:
     return SeedOptions(num_stages=args.num_stages, model=local_model(args.model, env), prompt=args.prompt,
                        max_tokens=args.max_tokens, sampling=Sampling(args.temperature, args.top_p),
                        timeout_s=args.timeout, converge_timeout_s=args.converge_timeout,
-                       base_env={**env, **serving_env(args)})
+                       base_env={**env, **serving_env(args)}, serve=args.serve, token=_token(args, env),
+                       port=args.port, model_name=args.model)
 
 
 def _vast_options(args, env) -> VastOptions:
@@ -124,7 +146,12 @@ def _vast_options(args, env) -> VastOptions:
                        base_url=_vast_url(args, env), image=args.image, ledger_path=_ledger(args, env),
                        disk_gb=args.disk, min_gpu_ram_gb=args.min_gpu_ram, min_reliability=args.min_reliability,
                        max_dph=args.max_dph, running_timeout_s=args.running_timeout,
-                       poll_status_s=args.status_poll, node_settings=serving_env(args))
+                       poll_status_s=args.status_poll, node_settings=serving_env(args), serve=args.serve,
+                       token=_token(args, env))
+
+
+def _token(args, env) -> str | None:
+    return args.token or (env.get("PP_CLUSTER_TOKEN") or "").strip() or None
 
 
 def serving_env(args) -> dict[str, str]:

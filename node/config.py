@@ -47,6 +47,8 @@ class NodeConfig:
     seed_addr: str | None = None        # base URL, e.g. http://10.0.0.5:8000
     peer_direct: tuple[str, ...] = ()   # base URLs dialled directly
     model: str = DEFAULT_MODEL
+    # what the OpenAI API calls the model (default: `model` as given)
+    model_name: str = attrs.field(default=attrs.Factory(lambda self: self.model, takes_self=True))
     port: int = DEFAULT_PORT            # 0 = any free port (tests)
     bind_host: str = DEFAULT_BIND
     advertise_addr: str | None = None   # base URL that overrides every other guess
@@ -109,6 +111,7 @@ ENV_TABLE = (
     ("SEED_ADDR", "--seed-addr", "a node to join through, e.g. http://10.0.0.5:8000 or 10.0.0.5:8000"),
     ("PEER_DIRECT", "--peer-direct", "comma-separated addresses of peers to dial directly"),
     ("MODEL", "--model", f"tiny, stub, a .gguf file, a Hugging Face directory or e.g. llama3.2:1b ({DEFAULT_MODEL})"),
+    ("PP_MODEL_NAME", "--model-name", "the model's name in the OpenAI API on stage 0 (default: MODEL as given)"),
     ("PP_PORT", "--port", f"port to listen on; 0 = any free port ({DEFAULT_PORT})"),
     ("PP_BIND", "--bind", f"address to listen on ({DEFAULT_BIND})"),
     ("PP_ADVERTISE_ADDR", "--advertise-addr", "address other nodes use to reach this one (default: guessed)"),
@@ -152,6 +155,7 @@ def build_parser(prog: str = "python ppnode.py") -> argparse.ArgumentParser:
     p.add_argument("--peer-direct", metavar="URL", action="append",
                    help="peer to dial directly; repeat for several (PEER_DIRECT)")
     p.add_argument("--model", help=f"model to serve (MODEL, default {DEFAULT_MODEL})")
+    p.add_argument("--model-name", metavar="NAME", help="the model's name in the OpenAI API (PP_MODEL_NAME)")
     p.add_argument("--port", help=f"listen port, 0 = any (PP_PORT, default {DEFAULT_PORT})")
     p.add_argument("--bind", metavar="HOST", help=f"listen address (PP_BIND, default {DEFAULT_BIND})")
     p.add_argument("--advertise-addr", metavar="URL", help="address others reach us at (PP_ADVERTISE_ADDR)")
@@ -200,7 +204,8 @@ def _config_from(src: _Sources, *, home: Path, rng: random.Random | None) -> Nod
         cache_dir=default_cache_dir(home, env.get("XDG_CACHE_HOME")),
         ollama_models_dir=default_ollama_dir(home, env.get("OLLAMA_MODELS")),
         seed_addr=_optional_url(*src.get("--seed-addr")), peer_direct=_peer_direct(*src.get("--peer-direct")),
-        model=_text(src, "--model") or DEFAULT_MODEL, port=port, bind_host=_text(src, "--bind") or DEFAULT_BIND,
+        model=_text(src, "--model") or DEFAULT_MODEL,
+        model_name=_text(src, "--model-name") or _text(src, "--model") or DEFAULT_MODEL, port=port, bind_host=_text(src, "--bind") or DEFAULT_BIND,
         advertise_addr=_optional_url(*src.get("--advertise-addr")),
         public_ip=(env.get("PUBLIC_IPADDR") or "").strip() or None, public_port=_public_port(env, port),
         max_body_bytes=_max_body(env), log_level=_log_level(*src.get("--log-level")),

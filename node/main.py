@@ -127,7 +127,7 @@ async def _serve(config, swim_config, on_listening, compute, task_status) -> Non
         node = StageNode(stage, n, client, node_id=config.node_id, max_queue=config.max_queue)
         app = make_app(node, token=config.cluster_token, max_body_bytes=config.max_body_bytes)
         if stage == 0:  # pp-entry serves the OpenAI API too
-            add_openai_routes(app, node, model_name=config.model)
+            add_openai_routes(app, node, model_name=config.model_name)
         url = advertised_url(config, await nursery.start(serve_app, app, config.bind_host, config.port))
         node.url = url
         event(log, "listening", url=url, stage=stage, num_stages=n)

@@ -107,6 +107,10 @@ class Orchestrator:
             raise RuntimeError("no alive member holds pp-entry")
         return entry
 
+    async def watch(self) -> None:
+        """Until a stage of the cluster as it is now dies: then raise StageDied naming it."""
+        await self._watch({m.id for m in self.stages()})
+
     async def _watch(self, member_ids: set[str]) -> None:
         def dead(swim: Swim):
             return next((m for m in swim.members().values() if m.id in member_ids and m.state in TERMINAL), None)

@@ -25,13 +25,19 @@ class RunFailed(RuntimeError):
     """The run failed; the message says where and shows the end of the failing stage's log."""
 
 
-async def fail_on_signals() -> None:
-    """Turn Ctrl-C and SIGTERM into an ordinary failure of the run. Left to trio, Ctrl-C raises
-    KeyboardInterrupt in whatever task runs at that moment — inside hypercorn's request handling it
-    was logged as an ASGI error and lost."""
+class Stopped(Exception):
+    """A --serve run was told to stop (Ctrl-C, SIGTERM): its ordinary end."""
+
+
+async def fail_on_signals(*, serving: bool = False) -> None:
+    """Turn Ctrl-C and SIGTERM into an ordinary failure of the run (or, serving, its ordinary end).
+    Left to trio, Ctrl-C raises KeyboardInterrupt in whatever task runs at that moment — inside
+    hypercorn's request handling it was logged as an ASGI error and lost."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
             name = "SIGINT (Ctrl-C)" if signum == signal.SIGINT else "SIGTERM"
+            if serving:
+                raise Stopped(f"{name}: stopping every node")
             raise RunFailed(f"interrupted by {name}; stopping everything")
 
 
@@ -40,19 +46,19 @@ def first_failure(group: BaseExceptionGroup, *expected: type[BaseException]) -> 
     own (its log is the most telling), then any other run failure or `expected` error; anything else
     is a bug: re-raise all."""
     found_all = list(leaves(group))
-    for kind in (KeyboardInterrupt, StageExited, RunFailed, *expected):
+    for kind in (KeyboardInterrupt, Stopped, StageExited, RunFailed, *expected):
         found = next((e for e in found_all if isinstance(e, kind)), None)
         if found is not None:
-            return found if kind is KeyboardInterrupt else RunFailed(str(found))
+            return found if kind in (KeyboardInterrupt, Stopped) else RunFailed(str(found))
     return group
 
 
-def timings_of(response: wire.InferenceResponse, converge_s: float, answer_s: float, total_s: float) -> dict:
+def timings_of(response: wire.InferenceResponse, converge_s: float, first_token_s: float, total_s: float) -> dict:
     n = len(response.token_ids)
     decode_s = response.decode_s
     return {
         "converge_s": round(converge_s, 3),
-        "first_token_s": round(answer_s - decode_s, 3),  # prefill through the chain, measured at the runner
+        "first_token_s": round(first_token_s, 3),  # prefill through the chain, measured at the runner
         "decode_s": round(decode_s, 3),
         "tokens_per_s": round((n - 1) / decode_s, 2) if n > 1 and decode_s > 0 else None,
         "stage_compute_ms_per_token": [round(ms / max(n, 1), 2) for ms in response.stage_compute_ms],

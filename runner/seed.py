@@ -4,6 +4,7 @@ owns everything, so any failure — a child exiting, a timeout, a dead stage, a 
 from __future__ import annotations
 
 import functools
+import re
 import secrets
 import tempfile
 import time
@@ -13,11 +14,12 @@ from typing import Callable
 import attrs
 import trio
 
-from node.orchestrator import Orchestrator, StageDied, run_orchestrator
+from node.orchestrator import Orchestrator, run_orchestrator
 from worker.sampling import Sampling
 
 from .children import Child, child_env, log_tail, run_child
-from .common import RunFailed, RunResult, fail_on_signals, first_failure, timings_of
+from .common import RunFailed, RunResult, fail_on_signals, first_failure
+from .session import Use, answer_once, serve
 
 
 @attrs.frozen
@@ -32,29 +34,46 @@ class SeedOptions:
     base_env: dict[str, str]
     run_dir: Path | None = None
     grace_s: float = 5.0
+    serve: bool = False  # keep the cluster up for the OpenAI API until stopped, instead of one prompt
+    token: str | None = None  # the cluster token, which is the API key; None: a fresh random one
+    port: int | None = None  # stage 0's port, so pp-entry's URL stays the same across runs; None: any
+    model_name: str | None = None  # what the API calls the model (what the user named); None: `model`
 
 
-async def run_seed(opts: SeedOptions, progress: Callable[[str], None]) -> RunResult:
+async def run_seed(opts: SeedOptions, progress: Callable[[str], None], *, on_text: Callable[[str], None] = lambda t: None,
+                   announce: Callable[[str], None] = print) -> RunResult:
+    """One prompt through a fresh local cluster (its text handed to `on_text` as it comes), or with
+    `serve`, the cluster kept up until a signal (raises Stopped) or a failure (RunFailed)."""
     run_dir = opts.run_dir or Path(tempfile.mkdtemp(prefix="ppsmoke-"))
-    token = secrets.token_urlsafe(24)  # fresh per run: only this run's nodes can talk to each other
+    token = opts.token or secrets.token_urlsafe(24)  # fresh per run: only this run's nodes can talk
+    use = Use(opts.prompt, opts.max_tokens, opts.sampling, opts.timeout_s, opts.model_name or opts.model,
+              serve=opts.serve, on_text=on_text, announce=announce)
     children: list[Child] = []
     started = time.monotonic()
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(fail_on_signals)
+            nursery.start_soon(functools.partial(fail_on_signals, serving=opts.serve))
             orch = await nursery.start(functools.partial(run_orchestrator, token))
             progress(f"runner is the gossip seed at {orch.url}; logs in {run_dir}")
             await _start_children(nursery, opts, token, orch.url, run_dir, children, progress)
             converged = await _converge(orch, opts, children, started, progress)
-            response, submitted, answered = await _ask(orch, opts, children)
+            if opts.serve:
+                await serve(orch, use, token)
+            result = await answer_once(orch, use, token, converged=converged, started=started,
+                                       num_stages=opts.num_stages, run_dir=run_dir)
             nursery.cancel_scope.cancel()  # done: stop every node
     except BaseExceptionGroup as group:
-        raise first_failure(group) from None
-    if response.error:
-        raise RunFailed(f"stage {response.failed_stage} failed: {response.error}\n"
-                        f"{_tail_of(children, response.failed_stage)}")
-    timings = timings_of(response, converged - started, answered - submitted, answered - started)
-    return RunResult(response, opts.num_stages, timings, run_dir)
+        failure = first_failure(group)
+        if isinstance(failure, RunFailed):
+            failure = RunFailed(f"{failure}\n{_tail_of(children, _stage_named(str(failure)))}")
+        raise failure from None
+    return result
+
+
+def _stage_named(message: str) -> int | None:
+    """The stage a failure message blames ("stage 2 ..."), to show the end of its log."""
+    match = re.search(r"\bstage (\d+)", message)
+    return int(match.group(1)) if match else None
 
 
 async def _start_children(nursery, opts, token, seed_url, run_dir, children, progress) -> None:
@@ -62,6 +81,9 @@ async def _start_children(nursery, opts, token, seed_url, run_dir, children, pro
     for stage in range(opts.num_stages):
         env = child_env(opts.base_env, stage=stage, num_stages=opts.num_stages, token=token, model=opts.model,
                         seed=seed_url, peer=prev)
+        if stage == 0 and opts.port is not None:
+            env["PP_PORT"] = str(opts.port)
+        env["PP_MODEL_NAME"] = opts.model_name or opts.model
         child = await nursery.start(functools.partial(run_child, stage, env, run_dir / f"stage{stage}.log",
                                                       grace_s=opts.grace_s))
         children.append(child)
@@ -82,18 +104,6 @@ async def _converge(orch: Orchestrator, opts, children, started, progress) -> fl
     now = time.monotonic()
     progress(f"converged in {now - started:.1f} s; pp-entry is ready")
     return now
-
-
-async def _ask(orch: Orchestrator, opts, children):
-    submitted = time.monotonic()
-    try:
-        with trio.fail_after(opts.timeout_s):
-            response = await orch.submit(opts.prompt, max_tokens=opts.max_tokens, sampling=opts.sampling)
-    except StageDied as exc:
-        raise RunFailed(f"{exc}\n{_tail_of(children, exc.member.meta.stage)}") from None
-    except trio.TooSlowError:
-        raise RunFailed(f"no response within {opts.timeout_s:.0f} s") from None
-    return response, submitted, time.monotonic()
 
 
 def _tail_of(children: list[Child], stage: int | None) -> str:

@@ -16,11 +16,12 @@ from typing import Callable
 import attrs
 import trio
 
-from node.orchestrator import Orchestrator, StageDied, run_orchestrator
+from node.orchestrator import Orchestrator, run_orchestrator
 from worker.sampling import Sampling
 
 from .ledger import Ledger
-from .common import RunFailed, RunResult, fail_on_signals, first_failure, show_weight_progress, timings_of
+from .common import RunFailed, RunResult, fail_on_signals, first_failure, show_weight_progress
+from .session import Use, answer_once, serve
 from .vastai_api import Instance, Offer, OfferUnavailable, VastClient, VastError, mapped_port, offer_query
 
 NODE_PORT = 8000
@@ -49,15 +50,21 @@ class VastOptions:
     running_timeout_s: float = 600.0
     poll_status_s: float = POLL_STATUS_S
     node_settings: dict[str, str] = attrs.field(factory=dict)  # extra environment for every node
+    serve: bool = False  # keep the cluster up for the OpenAI API until stopped, instead of one prompt
+    token: str | None = None  # the cluster token, which is the API key; None: a fresh random one
 
 
-async def run_vastai(opts: VastOptions, progress: Callable[[str], None], *, transport=None) -> RunResult:
-    """`transport` replaces httpx's network transport (tests)."""
+async def run_vastai(opts: VastOptions, progress: Callable[[str], None], *, transport=None,
+                     on_text: Callable[[str], None] = lambda text: None, announce: Callable[[str], None] = print
+                     ) -> RunResult:
+    """As run_seed, on rented instances; `transport` replaces httpx's network transport (tests)."""
     ledger = Ledger(opts.ledger_path)
     created: list[int] = []
     async with VastClient(opts.api_key, base_url=opts.base_url, transport=transport) as vast:
         try:
-            return await _run_guarded(vast, opts, ledger, created, progress)
+            use = Use(opts.prompt, opts.max_tokens, opts.sampling, opts.timeout_s, opts.model, serve=opts.serve,
+                      on_text=on_text, announce=announce)
+            return await _run_guarded(vast, opts, use, ledger, created, progress)
         except BaseException:
             with trio.CancelScope(shield=True):
                 await _show_logs(vast, created, progress)
@@ -67,38 +74,29 @@ async def run_vastai(opts: VastOptions, progress: Callable[[str], None], *, tran
                 await destroy_all(vast, created, ledger, progress)
 
 
-async def _run_guarded(vast, opts, ledger, created, progress) -> RunResult:
+async def _run_guarded(vast, opts, use, ledger, created, progress) -> RunResult:
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(fail_on_signals)
-            result = await _run(nursery, vast, opts, ledger, created, progress)
+            nursery.start_soon(functools.partial(fail_on_signals, serving=opts.serve))
+            result = await _run(nursery, vast, opts, use, ledger, created, progress)
             nursery.cancel_scope.cancel()
         return result
     except BaseExceptionGroup as group:
         raise first_failure(group, VastError) from None
 
 
-async def _run(nursery, vast: VastClient, opts: VastOptions, ledger: Ledger, created: list[int], progress):
+async def _run(nursery, vast: VastClient, opts: VastOptions, use: Use, ledger: Ledger, created: list[int], progress):
     started = time.monotonic()
-    token = secrets.token_urlsafe(24)
+    token = opts.token or secrets.token_urlsafe(24)
     await _create_all(vast, opts, token, ledger, created, progress)
     urls = [await _wait_running(vast, opts, stage, contract, progress) for stage, contract in enumerate(created)]
     orch: Orchestrator = await nursery.start(functools.partial(run_orchestrator, token, reach=None))
     nursery.start_soon(_watch_instances, vast, opts, created)
     converged = await _converge(orch, opts, urls, started, progress)
-    submitted = time.monotonic()
-    try:
-        with trio.fail_after(opts.timeout_s):
-            response = await orch.submit(opts.prompt, max_tokens=opts.max_tokens, sampling=opts.sampling)
-    except StageDied as exc:
-        raise RunFailed(str(exc)) from None
-    except trio.TooSlowError:
-        raise RunFailed(f"no response within {opts.timeout_s:.0f} s") from None
-    answered = time.monotonic()
-    if response.error:
-        raise RunFailed(f"stage {response.failed_stage} failed: {response.error}")
-    return RunResult(response, opts.num_stages, timings_of(response, converged - started, answered - submitted,
-                                                           answered - started), opts.ledger_path.parent)
+    if opts.serve:
+        await serve(orch, use, token)
+    return await answer_once(orch, use, token, converged=converged, started=started, num_stages=opts.num_stages,
+                             run_dir=opts.ledger_path.parent)
 
 
 # -- renting -----------------------------------------------------------------------------------------

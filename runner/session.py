@@ -1,0 +1,73 @@
+"""What a run does once its cluster has converged, in either mode (--seed, --vastai): answer one prompt
+through pp-entry's OpenAI API, streaming the text as it comes, or (--serve) print how to reach the API and
+serve until stopped. Either way a stage that dies ends the run at once, naming it."""
+from __future__ import annotations
+
+import shlex
+import time
+from typing import Callable
+
+import attrs
+import trio
+
+from node.groups import unwrapped
+from node.orchestrator import Orchestrator, StageDied
+from roles import topology
+from worker.sampling import Sampling
+
+from .ask import ask
+from .common import RunFailed, RunResult, timings_of
+
+
+@attrs.frozen
+class Use:
+    """What to do with the cluster."""
+
+    prompt: str
+    max_tokens: int
+    sampling: Sampling
+    timeout_s: float
+    model_name: str  # as the API serves it: the --model the run was started with
+    serve: bool = False
+    on_text: Callable[[str], None] = lambda text: None  # each piece of the answer as it arrives
+    announce: Callable[[str], None] = print  # --serve: the lines a user pastes
+
+
+def entry_url(orch: Orchestrator) -> str:
+    entry = orch.swim.resolve(topology.ENTRY)
+    if entry is None:
+        raise RunFailed("no alive member holds pp-entry")
+    return entry.addr
+
+
+async def answer_once(orch: Orchestrator, use: Use, token: str, *, converged: float, started: float,
+                      num_stages: int, run_dir) -> RunResult:
+    try:
+        with trio.fail_after(use.timeout_s), unwrapped(StageDied):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(orch.watch)
+                asked = await ask(entry_url(orch), token=token, model=use.model_name, prompt=use.prompt,
+                                  max_tokens=use.max_tokens, sampling=use.sampling, on_text=use.on_text)
+                nursery.cancel_scope.cancel()
+    except StageDied as exc:
+        raise RunFailed(str(exc)) from None
+    except trio.TooSlowError:
+        raise RunFailed(f"no answer within {use.timeout_s:.0f} s") from None
+    answered = time.monotonic()
+    timings = timings_of(asked.response, converged - started, asked.first_token_s, answered - started)
+    return RunResult(asked.response, num_stages, timings, run_dir)
+
+
+async def serve(orch: Orchestrator, use: Use, token: str) -> None:
+    """Announce the API and wait: only a dead stage (RunFailed) or a signal (Stopped) ends this."""
+    base = entry_url(orch) + "/v1"
+    body = ('{"model": "%s", "messages": [{"role": "user", "content": "Say hello"}], "stream": true}'
+            % use.model_name)
+    for line in (f"OPENAI_BASE_URL={base}", f"OPENAI_API_KEY={token}",
+                 f"curl -N {base}/chat/completions -H 'Authorization: Bearer {token}' "
+                 f"-H 'Content-Type: application/json' -d {shlex.quote(body)}"):
+        use.announce(line)
+    try:
+        await orch.watch()
+    except StageDied as exc:
+        raise RunFailed(str(exc)) from None
