@@ -2,6 +2,7 @@
 tokens it gets alone, slots are given back on every stage however a request ends, and the entry's queue
 is bounded."""
 import functools
+import json
 import time
 
 import httpx
@@ -16,7 +17,7 @@ from worker.reference import generate_full
 from worker.sampling import GREEDY, sample
 from worker.stage import StageWorker
 from worker.stopping import generation_done
-from worker.stub import StubSlice
+from worker.stub import StubSlice, StubTokenizer
 from worker.tiny import TinySource
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -165,5 +166,44 @@ async def test_past_the_queue_bound_the_entry_answers_429_with_retry_after(nurse
         assert h["queue"] == {"waiting": 2, "max": 2} and h["slots"]["active"] == 1
         for i in range(3):
             await client.post(urls[0] + "/v1/cancel", content=wire.encode(wire.CancelRequest(f"q{i}")), headers=AUTH)
+    await until_idle(urls)
+    nursery.cancel_scope.cancel()
+
+
+async def sse_events(response) -> list[str]:
+    """The `data:` payloads of a server-sent event stream, in order."""
+    events = []
+    async for line in response.aiter_lines():
+        if line.startswith("data: "):
+            events.append(line[len("data: "):])
+    return events
+
+
+async def test_a_stage_failing_mid_stream_ends_the_stream_with_an_error_event_and_frees_its_slots(
+        nursery, tmp_path, monkeypatch):
+    orch, urls, _ = await start_cluster(nursery, 3, tmp_path, max_seqs=2)
+    messages = [{"role": "user", "content": "Say hello"}]
+    fail_from = len(StubTokenizer().encode_messages(messages)) + 3  # the prompt and three decode steps pass
+    real_run = StageWorker.run
+
+    def failing_run(self, items):
+        out = real_run(self, items)
+        if self.info.stage == 1:
+            out = [WorkerError("injected fault") if i.position >= fail_from else o for i, o in zip(items, out)]
+        return out
+    monkeypatch.setattr(StageWorker, "run", failing_run)
+    body = {"model": "stub", "messages": messages, "max_tokens": 50, "stream": True}
+    async with httpx.AsyncClient(http2=True, timeout=30) as client:
+        with trio.fail_after(30):
+            async with client.stream("POST", urls[0] + "/v1/chat/completions", json=body, headers=AUTH) as r:
+                assert r.status_code == 200
+                events = await sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    content = [c for c in chunks if "choices" in c and c["choices"][0]["delta"].get("content")]
+    assert len(content) == 4, events  # the answer was under way when the stage failed
+    assert "error" in chunks[-1] and chunks[-1]["error"]["code"] == "stage_failed"
+    assert "injected fault" in chunks[-1]["error"]["message"]
+    monkeypatch.setattr(StageWorker, "run", real_run)
     await until_idle(urls)
     nursery.cancel_scope.cancel()

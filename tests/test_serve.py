@@ -1,0 +1,168 @@
+"""`ppsmoke.py --seed --serve` (real node processes, tiny) used with the official `openai` client: what
+it answers, how it refuses, and that a client walking away frees its slots on every stage."""
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import httpx
+import openai
+import pytest
+
+from test_smoke_seed import ROOT, assert_all_gone, start, wait_for_line
+from worker.models import tinygrad_model
+from worker.reference import generate_full
+from worker.tiny import TinySource
+
+TOKEN = "serve-test-key"
+PROMPT = "Say hello"
+
+
+class Served:
+    def __init__(self, proc, base_url: str, stage_urls: list[str], mark: str):
+        self.proc, self.base_url, self.stage_urls, self.mark = proc, base_url, stage_urls, mark
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url, api_key=TOKEN, timeout=120, **kw)
+
+    def slots_in_use(self) -> list[int]:
+        return [httpx.get(u + "/health").json()["slots_in_use"] for u in self.stage_urls]
+
+
+@pytest.fixture(scope="module")
+def served():
+    mark = uuid.uuid4().hex
+    proc = start(["-n", "2", "--serve", "--token", TOKEN, "--max-seqs", "2", "--max-queue", "1"], mark)
+    out = wait_for_line(proc.stdout, "OPENAI_API_KEY=", 240)
+    base_url = next(line.split("=", 1)[1].strip() for line in out if line.startswith("OPENAI_BASE_URL="))
+    assert out[-1].strip() == f"OPENAI_API_KEY={TOKEN}"
+    err = wait_for_line(proc.stderr, "pp-entry is ready", 30)
+    stage_urls = [line.split(" listening at ")[1].split()[0] for line in err if " listening at " in line]
+    assert len(stage_urls) == 2
+    yield Served(proc, base_url, stage_urls, mark)
+    proc.send_signal(signal.SIGINT)
+    try:
+        assert proc.wait(timeout=30) == 0, proc.stderr.read()[-2000:]
+    finally:
+        proc.stdout.close()
+        proc.stderr.close()
+    assert_all_gone(mark)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tinygrad_model(TinySource())
+
+
+def greedy(tiny, ids, max_tokens) -> tuple[list[int], str]:
+    tokens = generate_full(tiny, ids, max_tokens).token_ids
+    tok = tiny.tokenizer()
+    return tokens, tok.decode([t for t in tokens if t not in tok.stop_ids])
+
+
+def test_the_model_is_listed_by_the_name_the_cluster_was_started_with(served):
+    [model] = served.client().models.list().data
+    assert model.id == "tiny" and model.object == "model"
+
+
+def test_a_chat_completion_is_the_single_process_greedy_answer_with_its_usage(served, tiny):
+    r = served.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
+                                                max_tokens=12, temperature=0)
+    ids = tiny.tokenizer().encode_chat(PROMPT)
+    tokens, text = greedy(tiny, ids, 12)
+    assert r.choices[0].message.content == text and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == ("stop" if tokens[-1] in tiny.tokenizer().stop_ids else "length")
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(tokens))
+
+
+def test_a_streamed_chat_completion_sends_the_same_answer_chunk_by_chunk(served, tiny):
+    chunks = list(served.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    _, text = greedy(tiny, tiny.tokenizer().encode_chat(PROMPT), 12)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    contents = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert "".join(contents) == text and len(contents) > 1
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_a_completion_continues_the_raw_prompt(served, tiny):
+    r = served.client().completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0)
+    _, text = greedy(tiny, tiny.tokenizer().encode("Once upon a time", bos=True), 8)
+    assert r.choices[0].text == text and r.usage.completion_tokens == 8
+
+
+def test_a_stop_string_ends_the_answer_before_it(served, tiny):
+    _, text = greedy(tiny, tiny.tokenizer().encode_chat(PROMPT), 12)
+    stop = next(text[i:i + 2] for i in range(2, len(text) - 2) if text.index(text[i:i + 2]) == i)
+    r = served.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
+                                                max_tokens=12, temperature=0, stop=[stop])
+    assert r.choices[0].message.content == text[:text.index(stop)] and r.choices[0].finish_reason == "stop"
+
+
+def openai_error(info) -> dict:
+    body = info.value.body
+    assert set(body) == {"message", "type", "param", "code"}
+    return body
+
+
+def test_a_missing_or_wrong_key_is_401_in_openai_s_shape(served):
+    client = openai.OpenAI(base_url=served.base_url, api_key="wrong")
+    with pytest.raises(openai.AuthenticationError) as info:
+        client.models.list()
+    assert openai_error(info)["code"] == "invalid_api_key"
+
+
+def test_a_prompt_longer_than_the_context_is_400_context_length_exceeded(served):
+    with pytest.raises(openai.BadRequestError) as info:
+        served.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * 600}])
+    body = openai_error(info)
+    assert (body["code"], body["param"]) == ("context_length_exceeded", "messages") and "512" in body["message"]
+
+
+@pytest.mark.parametrize("extra,param", [({"top_p": "x"}, "top_p"), ({"n": 2}, "n"), ({"max_tokens": -1}, "max_tokens")])
+def test_a_bad_parameter_is_400_naming_it(served, extra, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        served.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                extra_body=extra)
+    assert openai_error(info)["param"] == param
+
+
+def test_past_the_queue_the_entry_answers_429(served):
+    client = served.client(max_retries=0)
+    streams = [client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
+                                              max_tokens=400, stream=True) for _ in range(3)]  # 2 slots, 1 waiting
+    try:
+        with pytest.raises(openai.RateLimitError) as info:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=4)
+        assert openai_error(info)["code"] == "rate_limit_exceeded"
+        assert int(info.value.response.headers["retry-after"]) >= 1
+    finally:
+        for s in streams:
+            s.close()
+    wait_until_idle(served)
+
+
+def test_a_client_that_walks_away_mid_stream_frees_its_slots_on_every_stage(served):
+    stream = served.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=400, stream=True)
+    for _, _ in zip(range(3), stream):
+        pass
+    assert served.slots_in_use() == [1, 1]
+    stream.close()
+    wait_until_idle(served)
+
+
+def wait_until_idle(served, timeout_s=15):
+    deadline = time.monotonic() + timeout_s
+    while any(served.slots_in_use()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert served.slots_in_use() == [0, 0]
+
+
+def test_ppsmoke_refuses_contradictory_serve_flags():
+    done = subprocess.run([sys.executable, str(ROOT / "ppsmoke.py"), "--seed", "--serve", "--json"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 2 and "--serve" in done.stderr
