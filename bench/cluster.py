@@ -14,11 +14,11 @@ from node.orchestrator import Orchestrator, run_orchestrator
 from runner.children import child_env, run_child
 
 
-async def start_local_cluster(nursery: trio.Nursery, model: str, n: int, *,
-                              extra_env: dict[str, str] | None = None) -> tuple[Orchestrator, list[str]]:
+async def start_local_cluster(nursery: trio.Nursery, model: str, n: int, *, extra_env: dict[str, str] | None = None,
+                              token: str | None = None) -> tuple[Orchestrator, list[str]]:
     """Start n stages of `model` and wait until pp-entry resolves; returns the orchestrator and stage URLs.
     Cancel the nursery to stop everything."""
-    token, run_dir = secrets.token_urlsafe(16), Path(tempfile.mkdtemp(prefix="bench-"))
+    token, run_dir = token or secrets.token_urlsafe(16), Path(tempfile.mkdtemp(prefix="bench-"))
     orch = await nursery.start(functools.partial(run_orchestrator, token))
     urls, prev = [], None
     for stage in range(n):

@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import platform
+import secrets
 import statistics
 import subprocess
 import sys
@@ -50,24 +51,45 @@ def single_process(model: str, prompt: str, max_tokens: int, repeats: int) -> di
 
 
 async def pipeline(model: str, n: int, prompt: str, max_tokens: int, repeats: int) -> dict:
-    started = time.monotonic()
+    started, token = time.monotonic(), secrets.token_urlsafe(16)
+    auth = {"Authorization": f"Bearer {token}"}
     async with trio.open_nursery() as nursery:
-        orch, urls = await start_local_cluster(nursery, model, n)
+        orch, urls = await start_local_cluster(nursery, model, n, token=token)
         converge_s = time.monotonic() - started
         runs = []
-        for _ in range(repeats + 1):  # the first request compiles and captures each stage's JIT
+        for i in range(repeats + 1):  # the first request compiles and captures each stage's JIT
+            if i == 1:  # the hop figures of the timed requests only
+                async with httpx.AsyncClient(headers=auth) as client:
+                    for u in urls:
+                        (await client.post(u + "/v1/hops/reset")).raise_for_status()
             sent = time.monotonic()
             r = await orch.submit(prompt, max_tokens=max_tokens)
             assert r.error is None and len(r.token_ids) == max_tokens, r.error or "stopped early: raise --max-tokens?"
             runs.append({"first_token_s": time.monotonic() - sent - r.decode_s,
                          "decode_ms_per_token": 1000 * r.decode_s / (max_tokens - 1)})
-        async with httpx.AsyncClient() as client:
+        async with httpx.AsyncClient(headers=auth) as client:
             health = [(await client.get(u + "/health")).json() for u in urls]
+            figures = [(await client.get(u + "/v1/hops")).json() for u in urls]
         nursery.cancel_scope.cancel()
     wire = sum(b for h in health for path, b in h["body_bytes"].items() if path != "/v1/inference")
     return {"converge_s": converge_s, "runs": runs[1:], "stages": [
         {k: h[k] for k in ("stage", "layers", "weight_bytes", "peak_rss_bytes")} for h in health],
-        "wire_bytes_per_token": wire / ((repeats + 1) * max_tokens)}
+        "wire_bytes_per_token": wire / ((repeats + 1) * max_tokens), "hops": hop_breakdown(figures)}
+
+
+def hop_breakdown(figures: list[dict]) -> list[dict]:
+    """Per hop (stage i -> its next; the last -> stage 0), its parts from both ends: the sender's encode and
+    wait for the answer, the receiver's wire, queue, and the step it ran (hand-offs and compute)."""
+    n, rows = len(figures), []
+    for i in range(n):
+        j = (i + 1) % n
+        sender, receiver = figures[i].get(f"to pp-stage-{j}", {}), figures[j].get(f"from pp-stage-{i}", {})
+        step = figures[j].get("step", {})
+        parts = {"encode": sender.get("encode"), "wire": receiver.get("wire"), "queue": receiver.get("queue"),
+                 "to_thread": step.get("to_thread"), "compute": step.get("compute"), "back": step.get("back"),
+                 "answer": sender.get("answer")}
+        rows.append({"hop": f"{i}→{j}", **parts})
+    return rows
 
 
 def summarize(model: str, n: int, result: dict, single_ms: float | None) -> dict:
@@ -77,6 +99,7 @@ def summarize(model: str, n: int, result: dict, single_ms: float | None) -> dict
            "tokens_per_s": 1000 / ms, "first_token_s": statistics.median(r["first_token_s"] for r in result["runs"]),
            "converge_s": result.get("converge_s"), "peak_rss_mb": [], "weight_mb": []}
     if n:
+        row["hops"] = result["hops"]
         row["cost_per_hop_ms"] = (ms - single_ms) / n  # a token crosses n - 1 activation hops and the feedback
         row["wire_bytes_per_token"] = result["wire_bytes_per_token"]
         row["peak_rss_mb"] = [s["peak_rss_bytes"] / 2**20 for s in result["stages"]]
@@ -96,6 +119,20 @@ def table(rows: list[dict]) -> str:
                    f"{f(r['first_token_s'], 2)} | {f(r['converge_s'])} | {f(r.get('cost_per_hop_ms'), 2)} | "
                    f"{f(r.get('wire_bytes_per_token'), 0)} | {' / '.join(f'{v:.0f}' for v in r['peak_rss_mb'])} | "
                    f"{' / '.join(f'{v:.1f}' for v in r['weight_mb'])} |")
+    return "\n".join(out)
+
+
+HOP_PARTS = ("encode", "wire", "queue", "to_thread", "compute", "back", "answer")
+
+
+def hop_table(rows: list[dict]) -> str:
+    """Median / p99 ms of each part of each hop; compute etc. are the receiving stage's steps."""
+    out = ["| model | stages | hop | " + " | ".join(HOP_PARTS) + " |", "|" + "---|" * (3 + len(HOP_PARTS))]
+    for r in rows:
+        for hop in r.get("hops", []):
+            cells = ["—" if hop[p] is None else f"{hop[p]['median_ms']:.2f} / {hop[p]['p99_ms']:.2f}"
+                     for p in HOP_PARTS]
+            out.append(f"| {r['model']} | {r['stages']} | {hop['hop']} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -126,8 +163,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"done: {model} x {n}", file=sys.stderr, flush=True)
     command = "python -m bench.pipeline " + " ".join(argv if argv is not None else sys.argv[1:])
     header = (f"Command: `{command}`  \nMachine: {platform.platform()}, {os.cpu_count()} CPUs, Python "
-              f"{platform.python_version()}, DEV={os.environ.get('DEV', '(tinygrad default)')}\n")
+              f"{platform.python_version()}, DEV={os.environ.get('DEV', '(tinygrad default)')}, "
+              f"PP_LINKS={os.environ.get('PP_LINKS', 'stream')}\n")
     print(header + "\n" + table(rows))
+    print("\nPer hop, median / p99 ms (encode and answer on the sender; wire, queue and the step on the receiver; "
+          f"links: {os.environ.get('PP_LINKS', 'stream')})\n\n" + hop_table(rows))
     if args.json:
         args.json.write_text(json.dumps({"command": command, "machine": header, "rows": rows}, indent=1))
     return 0

@@ -20,7 +20,8 @@ from quart_trio import QuartTrio
 
 from roles.actions import Refused
 
-from . import gossip, h2_guard, wire
+from . import frames, gossip, h2_guard, wire
+from .log import error_event
 from .openai_api import API_PATHS, api_refusal
 from .swim import Swim, WrongTargetError
 
@@ -34,14 +35,16 @@ class Dispatcher(Protocol):
     swim: Swim | None
     hidden_dim: int | None  # None until the worker is loaded: activations are refused until then
 
-    def deliver(self, message) -> None: ...  # admit and enqueue, or raise Refused
+    def deliver(self, message, *, source: str | None = None, sent_at: float | None = None) -> None: ...
+    # admit and enqueue, or raise Refused; `source` (the sending stage) and `sent_at` (its clock) time the hop
 
     async def wait_response(self, request_id: str, wait_s: float): ...  # a kept response or None
 
     def health(self) -> dict: ...
 
 
-def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int) -> QuartTrio:
+def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_streams: bool = False) -> QuartTrio:
+    """`link_streams`: serve /v1/link (a stage; the dispatcher then has `take_frame` and `links_in`)."""
     h2_guard.install()
     app = QuartTrio("pp")
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
@@ -89,7 +92,7 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int) -> Quar
         body = await request.get_data()
         app.body_bytes[request.path] += len(body)
         act = wire.decode_activation(body, dispatcher.hidden_dim)
-        dispatcher.deliver(act)
+        dispatcher.deliver(act, **_sender())
         return jsonify({"accepted": [s.request_id for s in act.meta.segments]}), 202
 
     @app.get("/v1/response/<request_id>")
@@ -105,6 +108,8 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int) -> Quar
         return Response(wire.encode(response), content_type="application/json")
 
     _gossip_routes(app, dispatcher)
+    if link_streams:
+        _link_routes(app, dispatcher)
 
     @app.errorhandler(wire.WireError)
     async def malformed(exc):
@@ -127,9 +132,61 @@ def _json_endpoint(dispatcher: Dispatcher, kind: type):
         body = await request.get_data()
         current_app.body_bytes[request.path] += len(body)
         message = wire.decode(kind, body)
-        dispatcher.deliver(message)
+        dispatcher.deliver(message, **_sender())
         return jsonify({"accepted": True}), 202
     return endpoint
+
+
+def _sender() -> dict:
+    """Who sent a pipeline POST and when, if a stage did (headers SENT_FROM, SENT_AT): for the hop figures."""
+    source, sent_at = request.headers.get(wire.SENT_FROM), request.headers.get(wire.SENT_AT)
+    try:
+        return {"source": source, "sent_at": float(sent_at)} if source and sent_at else {}
+    except ValueError:
+        raise wire.WireError(f"{wire.SENT_AT}: expected a number, got {sent_at!r}") from None
+
+
+def _link_routes(app: QuartTrio, dispatcher: Dispatcher) -> None:
+    """Link streams (node/streams.py): frames read as they arrive, for as long as the sender keeps writing."""
+
+    @app.get("/v1/hops")
+    async def hop_figures():
+        """Where each hop's time goes (node/hops.py): median and p99 per part, per link."""
+        return jsonify(dispatcher.hops.summary())
+
+    @app.post("/v1/hops/reset")
+    async def hop_figures_reset():
+        dispatcher.hops.reset()
+        return jsonify({"reset": True})
+
+    @app.get("/v1/link/<link_id>")
+    async def link_state(link_id: str):
+        if dispatcher.hidden_dim is None:
+            raise Refused(503, "this stage is still loading its weights")
+        return jsonify({"last_seq": dispatcher.links_in.last_seq(link_id)})
+
+    @app.post("/v1/link")
+    async def link():
+        link_id, source = request.args.get("link", ""), request.args.get("from", "")
+        if not (0 < len(link_id) <= 64 and 0 < len(source) <= 64):
+            raise wire.WireError("link, from: both required, each 1..64 characters")
+        if dispatcher.hidden_dim is None:
+            raise Refused(503, "this stage is still loading its weights")
+        reader, taken = frames.FrameReader(dispatcher.hidden_dim), 0
+        try:
+            async for chunk in request.body:
+                current_app.body_bytes[request.path] += len(chunk)
+                reader.feed(chunk)
+                for seq, sent_at, message in reader.frames():
+                    dispatcher.take_frame(link_id, source, seq, sent_at, message)
+                    taken += 1
+        except wire.WireError as exc:
+            # Nobody reads this answer before the sender stops writing (httpx sends a whole body first),
+            # so say it in the log; the link is forgotten, and the sender's next open finds it lost.
+            dispatcher.links_in.forget(link_id)
+            error_event(log, "link_frame_refused", link=link_id, source=source, error=str(exc))
+            raise
+        return jsonify({"frames": taken}), 200
 
 
 def _gossip_routes(app: QuartTrio, dispatcher: Dispatcher) -> None:

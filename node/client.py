@@ -36,8 +36,15 @@ class PeerClient:
         with trio.CancelScope(shield=True):
             await self._client.aclose()
 
-    async def post(self, base: str, path: str, body: bytes, content_type: str = "application/json") -> httpx.Response:
-        return await self._request("POST", base + path, content=body, headers={"Content-Type": content_type})
+    @property
+    def http(self) -> httpx.AsyncClient:
+        """The client itself, for link streams (node/streams.py), which read their answers their own way."""
+        return self._client
+
+    async def post(self, base: str, path: str, body: bytes, content_type: str = "application/json", *,
+                   headers: dict[str, str] | None = None) -> httpx.Response:
+        return await self._request("POST", base + path, content=body,
+                                   headers={"Content-Type": content_type, **(headers or {})})
 
     async def get(self, base: str, path: str) -> httpx.Response:
         return await self._request("GET", base + path)
@@ -53,12 +60,8 @@ class PeerClient:
 
     async def send(self, base: str, message) -> httpx.Response:
         """POST a pipeline message to the endpoint for its type."""
-        if isinstance(message, wire.Activation):
-            return await self.post(base, "/v1/activation", wire.encode_activation(message), "application/octet-stream")
-        path = {wire.InferenceRequest: "/v1/inference", wire.NextTokens: "/v1/next-token",
-                wire.EndRequest: "/v1/end", wire.CancelRequest: "/v1/cancel",
-                wire.InferenceResponse: "/v1/response"}[type(message)]
-        return await self.post(base, path, wire.encode(message))
+        path, body, content_type = wire.body_of(message)
+        return await self.post(base, path, body, content_type)
 
 
 def _error_text(r: httpx.Response) -> str:

@@ -1,15 +1,17 @@
 """Outbound messages of a stage: one ordered link per destination, so that sending never holds up compute.
 
 A stage's compute loop hands each message to `Links.post` and goes on with its next step at once. Every
-destination (a registry name such as pp-stage-2, or an asker's URL) has its own FIFO and one sender task
-in the links' nursery, started when the destination is first used:
+destination (a registry name such as pp-stage-2, or an asker's URL) has its own FIFO (an Outbox) and one
+sender task in the links' nursery, started when the destination is first used:
 
-- Order per destination is kept: a sender sends one message at a time and waits for its 202. So an
-  EndRequest reaches the next stage after the rows sent before it, and before the rows of the request
-  that takes the freed slot.
+- A stage's next stage (and the last stage's stage 0) gets a link stream (node/streams.py): frames in one
+  long-lived HTTP/2 request body, nobody waiting for an answer. Anything else — and every destination
+  when streams are off — gets a POST per message, sent one at a time, each waiting for its 202.
+- Order per destination is kept either way. So an EndRequest reaches the next stage after the rows sent
+  before it, and before the rows of the request that takes the freed slot.
 - While a message is on the wire, later ones queue; the sender then merges what queued into as few
   messages as it can (the activations of several steps into one, their fed-back tokens into one) — the
-  slower the link, the larger the batches, so a backlog cannot build up one POST at a time.
+  slower the link, the larger the batches, so a backlog cannot build up one message at a time.
 - A message that cannot be delivered after the retries goes to `on_undeliverable`, which deals with
   what its failure causes (the actor fails the requests in it).
 
@@ -46,49 +48,82 @@ def coalesce(messages: list) -> list:
     return out
 
 
+class Outbox:
+    """The messages waiting for one destination."""
+
+    def __init__(self):
+        self._queue: collections.deque = collections.deque()
+        self._wakeup = trio.Event()
+
+    def put(self, message) -> None:
+        self._queue.append(message)
+        self._wakeup.set()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    async def wait(self) -> None:
+        while not self._queue:
+            self._wakeup = trio.Event()
+            await self._wakeup.wait()
+
+    def drain(self) -> list:
+        batch = coalesce(list(self._queue))
+        self._queue.clear()
+        return batch
+
+    async def next_batch(self) -> list:
+        await self.wait()
+        return self.drain()
+
+
 class Links:
-    """Owns the sender tasks; `deliver(dest, message)` does one send with its retries, raising on failure."""
+    """Owns the sender tasks. `deliver(dest, message)` does one POST with its retries, raising PeerError on
+    failure; `open_stream(dest)` gives the link stream for a destination, or None for POSTs."""
 
     def __init__(self, nursery: trio.Nursery, deliver: Callable[[str, object], Awaitable[None]],
-                 on_undeliverable: Callable[[Send, str], None], on_reply: Callable[[Reply], Awaitable[None]]):
-        self._nursery, self._deliver = nursery, deliver
+                 on_undeliverable: Callable[[Send, str], None], on_reply: Callable[[Reply], Awaitable[None]],
+                 open_stream: Callable[[str], object | None] = lambda dest: None):
+        self._nursery, self._deliver, self._open_stream = nursery, deliver, open_stream
         self._on_undeliverable, self._on_reply = on_undeliverable, on_reply
-        self._queues: dict[str, collections.deque] = {}
-        self._wakeups: dict[str, trio.Event] = {}
+        self._outboxes: dict[str, Outbox] = {}
+        self.streams: dict[str, object] = {}
         self._replies: trio.MemorySendChannel | None = None
 
     def post(self, action: Send | Reply) -> None:
         if isinstance(action, Reply):
             self._reply_channel().send_nowait(action)
             return
-        queue = self._queues.get(action.dest)
-        if queue is None:
-            queue = self._queues[action.dest] = collections.deque()
-            self._wakeups[action.dest] = trio.Event()
-            self._nursery.start_soon(self._sender, action.dest)
-        queue.append(action.message)
-        self._wakeups[action.dest].set()
+        outbox = self._outboxes.get(action.dest)
+        if outbox is None:
+            outbox = self._outboxes[action.dest] = Outbox()
+            stream = self._open_stream(action.dest)
+            if stream is None:
+                self._nursery.start_soon(self._post_sender, action.dest, outbox)
+            else:
+                self.streams[action.dest] = stream
+                self._nursery.start_soon(stream.run, outbox)
+        outbox.put(action.message)
 
     def pending(self) -> dict[str, int]:
-        return {dest: len(q) for dest, q in self._queues.items()}
+        return {dest: len(outbox) for dest, outbox in self._outboxes.items()}
 
-    async def _sender(self, dest: str) -> None:
-        queue = self._queues[dest]
+    def lost(self, dest: str, messages: list, error: str) -> None:
+        """A link stream could not deliver these."""
+        for message in messages:
+            self._undeliverable(dest, message, error)
+
+    async def _post_sender(self, dest: str, outbox: Outbox) -> None:
         while True:
-            if not queue:
-                self._wakeups[dest] = trio.Event()
-                await self._wakeups[dest].wait()
-            batch = coalesce(list(queue))
-            queue.clear()
-            for message in batch:
-                await self._send(dest, message)
+            for message in await outbox.next_batch():
+                try:
+                    await self._deliver(dest, message)
+                except PeerError as exc:
+                    self._undeliverable(dest, message, str(exc))
 
-    async def _send(self, dest: str, message) -> None:
-        try:
-            await self._deliver(dest, message)
-        except PeerError as exc:
-            log.warning("undeliverable %s to %s: %s", type(message).__name__, dest, exc)
-            self._on_undeliverable(Send(dest, message), str(exc))
+    def _undeliverable(self, dest: str, message, error: str) -> None:
+        log.warning("undeliverable %s to %s: %s", type(message).__name__, dest, error)
+        self._on_undeliverable(Send(dest, message), error)
 
     def _reply_channel(self) -> trio.MemorySendChannel:
         """Replies go out one after another on their own task: a slow asker delays only other replies."""

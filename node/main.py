@@ -124,8 +124,9 @@ async def _serve(config, swim_config, on_listening, compute, task_status) -> Non
     stage, n = config.stage, config.num_stages
     async with PeerClient(config.cluster_token) as client, gossip_client(config.cluster_token) as gossip, \
             trio.open_nursery() as nursery:
-        node = StageNode(stage, n, client, node_id=config.node_id, max_queue=config.max_queue)
-        app = make_app(node, token=config.cluster_token, max_body_bytes=config.max_body_bytes)
+        node = StageNode(stage, n, client, node_id=config.node_id, max_queue=config.max_queue,
+                         link_streams=config.link_streams)
+        app = make_app(node, token=config.cluster_token, max_body_bytes=config.max_body_bytes, link_streams=True)
         if stage == 0:  # pp-entry serves the OpenAI API too
             add_openai_routes(app, node, model_name=config.model_name)
         url = advertised_url(config, await nursery.start(serve_app, app, config.bind_host, config.port))

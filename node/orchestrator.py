@@ -42,7 +42,7 @@ class Orchestrator:
         self.swim: Swim | None = None
         self._pending: dict[str, trio.MemorySendChannel] = {}
 
-    def deliver(self, message) -> None:
+    def deliver(self, message, *, source: str | None = None, sent_at: float | None = None) -> None:
         if not isinstance(message, wire.InferenceResponse):
             raise Refused(409, f"the orchestrator does not accept {type(message).__name__} messages")
         channel = self._pending.get(message.request_id)

@@ -4,19 +4,22 @@ next step. Replies go to whoever asked, or are kept here for an asker behind NAT
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import resource
 
 import trio
 
 from roles import DEFAULT_MAX_QUEUE, make_actor
-from roles.actions import Progress, Refused, Reply, Send
+from roles.actions import Progress, Refused, Reply, Send, failure
+from roles.topology import stage_name
 from worker.partition import role_of
 
-from . import wire
+from . import hops, wire
 from .client import PeerClient, PeerError
 from .links import Links
 from .log import error_event
+from .streams import LinkReceiver, LinkStream
 from .swim import Swim
 
 log = logging.getLogger("pp.node")
@@ -26,11 +29,22 @@ FIRST_RETRY_S = 0.1
 KEPT_RESPONSES = 64
 
 
+def _clocked(fn, *args):
+    """On the compute thread: fn's result, and when it started and ended there (for the hop figures)."""
+    started = hops.now()
+    result = fn(*args)
+    return result, started, hops.now()
+
+
 class StageNode:
     def __init__(self, stage: int, num_stages: int, client: PeerClient, *, node_id: str,
-                 max_queue: int = DEFAULT_MAX_QUEUE):
+                 max_queue: int = DEFAULT_MAX_QUEUE, link_streams: bool = True):
         self.stage, self.num_stages, self.node_id = stage, num_stages, node_id
-        self.client, self.max_queue = client, max_queue
+        self.client, self.max_queue, self.link_streams = client, max_queue, link_streams
+        self.name = stage_name(stage)
+        self.hops = hops.HopStats()
+        self.links_in = LinkReceiver()
+        self._arrivals: list[tuple[str, float]] = []  # (source, when) of messages no step has taken yet
         self.swim: Swim | None = None
         self.worker = None
         self.actor = None  # made with the worker: its size comes from the slice
@@ -54,8 +68,14 @@ class StageNode:
         self.actor = make_actor(self.stage, self.num_stages, worker, capacity=capacity, max_queue=self.max_queue)
         self.worker = worker
 
-    def deliver(self, message) -> None:
-        """Admit a message from the network for the next steps, or refuse it (raises Refused)."""
+    def deliver(self, message, *, source: str | None = None, sent_at: float | None = None) -> None:
+        """Admit a message from the network for the next steps, or refuse it (raises Refused). A message
+        from a stage names it (`source`) and when it was sent, on the sender's clock (node/hops.py)."""
+        if source is not None:
+            arrived = hops.now()
+            if sent_at is not None:
+                self.hops.record(f"from {source}", "wire", arrived - sent_at)
+            self._arrivals.append((source, arrived))
         if self.actor is None or self.links is None:
             raise Refused(503, f"stage {self.stage} is still loading its weights")
         if isinstance(message, wire.InferenceResponse) and message.request_id in self._local:
@@ -90,6 +110,34 @@ class StageNode:
         if cancel and self.actor is not None:
             self.deliver(wire.CancelRequest(request_id))
 
+    def take_frame(self, link_id: str, source: str, seq: int, sent_at: float, message) -> None:
+        """A frame of a link stream: delivered once (a resent one is skipped). A refusal cannot be answered
+        on the stream, so this stage reports the failure of the frame's requests to stage 0 itself."""
+        if not self.links_in.fresh(link_id, seq):
+            return
+        self.links_in.delivered(link_id, seq)
+        try:
+            self.deliver(message, source=source, sent_at=sent_at)
+        except Refused as exc:
+            self._refused_on_link(source, message, exc.message)
+
+    def _refused_on_link(self, source: str, message, error: str) -> None:
+        kind = type(message).__name__
+        error_event(log, "link_message_refused", source=source, kind=kind, error=error)
+        if isinstance(message, wire.Activation):
+            ids = [s.request_id for s in message.meta.segments]
+        elif isinstance(message, wire.NextTokens):
+            ids = [t.request_id for t in message.tokens]
+        else:
+            return  # an end or a failure report: nothing further to end
+        for rid in dict.fromkeys(ids):
+            end = failure(rid, self.stage, f"refused {kind} from {source}: {error}")
+            if self.stage == 0:
+                with contextlib.suppress(Refused):
+                    self.deliver(end)
+            else:
+                self.links.post(Send(stage_name(0), end))
+
     def _post(self, action) -> None:
         if isinstance(action, Progress):
             follower = self._local.get(action.request_id)
@@ -108,6 +156,7 @@ class StageNode:
                 "steps": self._steps, "rows": self._rows, "compute_s": round(self._compute_s, 3),
                 **(self.actor.health() if self.actor else {}),
                 "links": self.links.pending() if self.links else {},
+                "link_streams": {d: s.opened for d, s in self.links.streams.items()} if self.links else {},
                 # ru_maxrss is KiB on Linux
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
@@ -117,7 +166,7 @@ class StageNode:
     async def run(self, compute, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Open the links, report started, then compute steps until cancelled."""
         async with trio.open_nursery() as nursery:
-            self.links = Links(nursery, self._send, self._undeliverable, self._reply)
+            self.links = Links(nursery, self._send, self._undeliverable, self._reply, self._open_stream)
             task_status.started()
             await self._compute_loop(compute)
 
@@ -128,13 +177,31 @@ class StageNode:
                 await self._work.wait()
                 self._work = trio.Event()
                 continue
-            started = trio.current_time()
-            outcome = await compute.call(self.actor.run, step, self.worker)
-            self._compute_s += trio.current_time() - started
+            started = hops.now()
+            for source, arrived in self._arrivals:
+                self.hops.record(f"from {source}", "queue", started - arrived)
+            self._arrivals.clear()
+            outcome, ran_from, ran_to = await compute.call(_clocked, self.actor.run, step, self.worker)
+            resumed = hops.now()
+            for part, seconds in (("to_thread", ran_from - started), ("compute", ran_to - ran_from),
+                                  ("back", resumed - ran_to)):
+                self.hops.record("step", part, seconds)
+            self._compute_s += resumed - started
             self._steps += 1
             self._rows += sum(u.rows for u in step.units)
             for action in self.actor.finish(step, outcome):
                 self._post(action)
+
+    def _open_stream(self, dest: str) -> LinkStream | None:
+        """The next stage (the last stage: stage 0) gets a link stream; askers get POSTs."""
+        if not (self.link_streams and dest.startswith("pp-stage-")):
+            return None
+
+        def resolve(name: str) -> str | None:
+            member = self.swim.resolve(name)
+            return None if member is None else member.addr
+        return LinkStream(dest, source=self.name, resolve=resolve, client=self.client.http, stats=self.hops,
+                          on_lost=lambda messages, error: self.links.lost(dest, messages, error))
 
     def _undeliverable(self, send: Send, error: str) -> None:
         error_event(log, "send_failed", dest=send.dest, kind=type(send.message).__name__, error=error)
@@ -148,13 +215,22 @@ class StageNode:
             try:
                 if member is None:
                     raise PeerError(dest, "no alive member holds this name")
-                await self.client.send(member.addr, message)
+                await self._post_message(dest, member.addr, message)
                 return
             except PeerError as exc:
                 if not exc.retryable or attempt == SEND_ATTEMPTS:
                     raise
             await trio.sleep(delay)
             delay *= 3
+
+    async def _post_message(self, dest: str, addr: str, message) -> None:
+        started = hops.now()
+        path, body, content_type = wire.body_of(message)
+        sent = hops.now()
+        self.hops.record(f"to {dest}", "encode", sent - started)
+        await self.client.post(addr, path, body, content_type,
+                               headers={wire.SENT_FROM: self.name, wire.SENT_AT: repr(sent)})
+        self.hops.record(f"to {dest}", "answer", hops.now() - sent)
 
     async def _reply(self, reply: Reply) -> None:
         response = reply.response

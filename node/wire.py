@@ -20,7 +20,7 @@ from roles.messages import (
 __all__ = [  # the message types are re-exported: they are the wire's vocabulary
     "MAX_TOKENS_LIMIT", "Activation", "ActivationMeta", "CancelRequest", "EndReason", "EndRequest",
     "InferenceRequest", "InferenceResponse", "NextTokens", "RequestStart", "SegmentMeta", "Token", "WireError",
-    "converter", "decode", "encode", "encode_activation", "decode_activation"]
+    "SENT_AT", "SENT_FROM", "body_of", "converter", "decode", "encode", "encode_activation", "decode_activation"]
 
 def _strict(kind: type, name: str):
     def check(value, _):
@@ -73,6 +73,16 @@ def encode(message) -> bytes:
 
 
 _META_LEN = struct.Struct(">I")
+SENT_FROM, SENT_AT = "X-PP-From", "X-PP-Sent-At"  # headers of a stage's POSTs: who sent it, and when
+_PATHS = {InferenceRequest: "/v1/inference", NextTokens: "/v1/next-token", EndRequest: "/v1/end",
+          CancelRequest: "/v1/cancel", InferenceResponse: "/v1/response"}
+
+
+def body_of(message) -> tuple[str, bytes, str]:
+    """A message as a POST: the endpoint for its type, the body, its content type."""
+    if isinstance(message, Activation):
+        return "/v1/activation", encode_activation(message), "application/octet-stream"
+    return _PATHS[type(message)], encode(message), "application/json"
 
 
 def encode_activation(act: Activation) -> bytes:

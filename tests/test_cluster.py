@@ -6,8 +6,7 @@ import pytest
 import trio
 
 from cluster import start_cluster, start_cluster_behind_nat
-from node import wire
-from node.client import PeerClient
+from node import frames, wire
 from node.stage_node import StageNode
 from worker.models import stub_model, tinygrad_model
 from worker.reference import generate_full
@@ -42,28 +41,32 @@ async def test_tiny_model_cluster_of_3_equals_generate_full(nursery, tmp_path):
     nursery.cancel_scope.cancel()
 
 
+@pytest.mark.parametrize("links", ["stream", "post"])
 @pytest.mark.parametrize("n", [2, 3, 4])
-async def test_every_message_crosses_every_hop_intact_over_http2(nursery, tmp_path, monkeypatch, n):
-    sent, received, versions = [], [], collections.Counter()
-    real_send, real_deliver = PeerClient.send, StageNode.deliver
+async def test_every_message_crosses_every_hop_intact_over_http2(nursery, tmp_path, monkeypatch, n, links):
+    sent, received = [], []
+    real_body_of, real_frame, real_deliver = wire.body_of, frames.encode, StageNode.deliver
     ended = trio.Event()  # the EndRequest may still be on its way down the chain when the response lands
 
-    async def recording_send(self, base, message):
+    def recording_body_of(message):
         sent.append(message)
-        r = await real_send(self, base, message)
-        versions[r.http_version] += 1
-        return r
+        return real_body_of(message)
 
-    def recording_deliver(self, message):
-        real_deliver(self, message)
+    def recording_frame(message, seq, sent_at):
+        sent.append(message)
+        return real_frame(message, seq, sent_at)
+
+    def recording_deliver(self, message, **kw):
+        real_deliver(self, message, **kw)
         received.append(message)
         if isinstance(message, wire.EndRequest) and message.request_id and len(
                 [m for m in received if isinstance(m, wire.EndRequest)]) == n - 1:
             ended.set()
 
-    monkeypatch.setattr(PeerClient, "send", recording_send)
+    monkeypatch.setattr(wire, "body_of", recording_body_of)
+    monkeypatch.setattr(frames, "encode", recording_frame)
     monkeypatch.setattr(StageNode, "deliver", recording_deliver)
-    orch, urls, _ = await start_cluster(nursery, n, tmp_path)
+    orch, urls, _ = await start_cluster(nursery, n, tmp_path, link_streams=links == "stream")
     with trio.fail_after(60):
         await orch.submit("Say hello", max_tokens=5)
         await ended.wait()
@@ -74,11 +77,16 @@ async def test_every_message_crosses_every_hop_intact_over_http2(nursery, tmp_pa
                      "InferenceResponse": 1}
     stage_bound = [m for m in sent if not isinstance(m, wire.InferenceResponse)]
     assert sorted(map(repr, stage_bound)) == sorted(map(repr, received))  # equal, field by field, bytes too
-    assert set(versions) == {"HTTP/2"}
     async with httpx.AsyncClient() as c:
-        for url in urls:
-            health = (await c.get(url + "/health")).json()
-            assert set(health["http_versions"]) <= {"2", "1.1"} and health["http_versions"]["2"] > 0
+        health = [(await c.get(url + "/health")).json() for url in urls]
+    for h in health:  # gossip and these /health calls are HTTP/1.1; the pipeline's messages HTTP/2
+        assert set(h["http_versions"]) <= {"2", "1.1"} and h["http_versions"]["2"] > 0
+    streams = [h["link_streams"] for h in health]
+    if links == "stream":  # each stage opened one stream to its next, the last one to stage 0
+        assert streams == [{f"pp-stage-{(i + 1) % n}": 1} for i in range(n)]
+        assert all(h["body_bytes"].get("/v1/activation", 0) == 0 for h in health)
+    else:
+        assert streams == [{}] * n and all(h["body_bytes"].get("/v1/link", 0) == 0 for h in health)
     nursery.cancel_scope.cancel()
 
 

@@ -1,0 +1,182 @@
+"""The binary frames of a link stream: one long-lived HTTP/2 request body from a stage to its next carries
+the pipeline's messages one after another, each length-prefixed, since HTTP/2 keeps no message boundaries.
+
+    frame   = u32 length of the rest | u8 kind | u64 seq | f64 sent_at | payload
+    kind 0  heartbeat: no payload, seq 0; proves the connection still takes writes (node/streams.py)
+    kind 1  Activation: u16 segments, each: str request_id | u32 position | u32 seq_len |
+            u8 n, n x f64 stage_ms | u32 length + JSON of RequestStart (0: none); then the hidden rows
+            (float32, little-endian) to the end of the frame
+    kind 2  NextTokens: u16 tokens, each: str request_id | u32 token_id | u32 position | u8 done
+    kind 3  EndRequest, as JSON (rare: a request's end, or a failure report)
+
+    str = u16 length + UTF-8. Integers big-endian.
+
+The per-token path (decode rows and fed-back tokens) is fixed binary; JSON is left for the rare
+messages. `seq` numbers a link's frames so a re-opened stream can skip what already arrived; `sent_at`
+is the sender's clock when the frame was written (see node/hops.py on clocks). A frame that cannot be
+parsed raises WireError naming what is wrong; nothing of it is delivered.
+"""
+from __future__ import annotations
+
+import struct
+
+from roles.messages import (
+    Activation, ActivationMeta, EndRequest, NextTokens, RequestStart, SegmentMeta, Token, WireError)
+
+from . import wire
+
+HEADER = struct.Struct(">IBQd")  # length, kind, seq, sent_at
+_PREFIX = struct.Struct(">I")
+_BODY_HEAD = HEADER.size - _PREFIX.size  # kind, seq, sent_at: counted in the length
+_U8, _U16, _U32, _F64 = (struct.Struct(f) for f in (">B", ">H", ">I", ">d"))
+_SEGMENT = struct.Struct(">II")
+_TOKEN = struct.Struct(">IIB")
+HEARTBEAT, ACTIVATION, NEXT_TOKENS, END = 0, 1, 2, 3
+MAX_FRAME = 1 << 30
+
+
+def encode(message, seq: int, sent_at: float) -> bytes:
+    if isinstance(message, Activation):
+        kind, payload = ACTIVATION, _activation(message)
+    elif isinstance(message, NextTokens):
+        kind, payload = NEXT_TOKENS, _next_tokens(message)
+    elif isinstance(message, EndRequest):
+        kind, payload = END, [wire.encode(message)]
+    else:
+        raise TypeError(f"{type(message).__name__} does not travel on a link stream")
+    size = _BODY_HEAD + sum(len(p) for p in payload)
+    return b"".join([HEADER.pack(size, kind, seq, sent_at), *payload])
+
+
+def heartbeat(sent_at: float) -> bytes:
+    return HEADER.pack(_BODY_HEAD, HEARTBEAT, 0, sent_at)
+
+
+def _str(text: str) -> bytes:
+    data = text.encode()
+    return _U16.pack(len(data)) + data
+
+
+def _activation(act: Activation) -> list[bytes]:
+    parts = [_U16.pack(len(act.meta.segments))]
+    for s in act.meta.segments:
+        start = b"" if s.start is None else wire.encode(s.start)
+        parts += [_str(s.request_id), _SEGMENT.pack(s.position, s.seq_len), _U8.pack(len(s.stage_ms)),
+                  struct.pack(f">{len(s.stage_ms)}d", *s.stage_ms), _U32.pack(len(start)), start]
+    parts.append(act.hidden)
+    return parts
+
+
+def _next_tokens(msg: NextTokens) -> list[bytes]:
+    parts = [_U16.pack(len(msg.tokens))]
+    for t in msg.tokens:
+        parts += [_str(t.request_id), _TOKEN.pack(t.token_id, t.position, t.done)]
+    return parts
+
+
+class FrameReader:
+    """Bytes in as they arrive, whole frames out: after `feed(chunk)`, `frames()` yields each whole frame as
+    (seq, sent_at, message); heartbeats are read and dropped. A frame that cannot be parsed raises
+    WireError from `frames()`, after the frames before it were yielded."""
+
+    def __init__(self, hidden_dim: int):
+        self.hidden_dim = hidden_dim
+        self._buffer = bytearray()
+
+    def feed(self, chunk: bytes) -> None:
+        self._buffer += chunk
+
+    def frames(self):
+        buf = self._buffer
+        while len(buf) >= HEADER.size:
+            size, kind, seq, sent_at = HEADER.unpack_from(buf)
+            if not _BODY_HEAD <= size <= MAX_FRAME:
+                raise WireError(f"link frame of {size} bytes: outside {_BODY_HEAD}..{MAX_FRAME}")
+            end = _PREFIX.size + size
+            if len(buf) < end:
+                return
+            message = None
+            if kind != HEARTBEAT:
+                payload = memoryview(buf)[HEADER.size:end]
+                try:
+                    message = self._decode(kind, payload)
+                finally:
+                    payload.release()  # the buffer shrinks next; no view of it may be alive then
+            del buf[:end]
+            if message is not None:
+                yield seq, sent_at, message
+
+    @property
+    def pending(self) -> int:
+        """Bytes of a frame not yet whole."""
+        return len(self._buffer)
+
+    def _decode(self, kind: int, payload: memoryview):
+        try:
+            if kind == ACTIVATION:
+                return _read_activation(_Cursor(payload), self.hidden_dim)
+            if kind == NEXT_TOKENS:
+                return _read_next_tokens(_Cursor(payload))
+            if kind == END:
+                return wire.decode(EndRequest, bytes(payload))
+        except (struct.error, UnicodeDecodeError) as exc:
+            raise WireError(f"link frame of kind {kind}: {exc}") from None
+        raise WireError(f"link frame of unknown kind {kind}")
+
+
+class _Cursor:
+    def __init__(self, data: memoryview):
+        self.data, self.at = data, 0
+
+    def take(self, fmt: struct.Struct) -> tuple:
+        values = fmt.unpack_from(self.data, self.at)
+        self.at += fmt.size
+        return values
+
+    def bytes(self, n: int) -> bytes:
+        if self.at + n > len(self.data):
+            raise struct.error(f"{n} bytes wanted at offset {self.at}, frame ends at {len(self.data)}")
+        out = bytes(self.data[self.at:self.at + n])
+        self.at += n
+        return out
+
+    def str(self) -> str:
+        (n,) = self.take(_U16)
+        return self.bytes(n).decode()
+
+    def rest(self) -> bytes:
+        out = bytes(self.data[self.at:])
+        self.at = len(self.data)
+        return out
+
+
+def _read_activation(c: _Cursor, hidden_dim: int) -> Activation:
+    (n,) = c.take(_U16)
+    segments = []
+    for _ in range(n):
+        rid = c.str()
+        position, seq_len = c.take(_SEGMENT)
+        (n_ms,) = c.take(_U8)
+        stage_ms = c.take(struct.Struct(f">{n_ms}d"))
+        (start_len,) = c.take(_U32)
+        start = wire.decode(RequestStart, c.bytes(start_len)) if start_len else None
+        segments.append(SegmentMeta(rid, position, seq_len, tuple(stage_ms), start))
+    meta = ActivationMeta(tuple(segments))
+    hidden = c.rest()
+    want = meta.rows * hidden_dim * 4
+    if len(hidden) != want:
+        raise WireError(f"hidden: {len(hidden)} bytes, expected {meta.rows} rows x hidden_dim {hidden_dim} x 4 "
+                        f"(float32) = {want}")
+    return Activation(meta, hidden)
+
+
+def _read_next_tokens(c: _Cursor) -> NextTokens:
+    (n,) = c.take(_U16)
+    tokens = []
+    for _ in range(n):
+        rid = c.str()
+        token_id, position, done = c.take(_TOKEN)
+        tokens.append(Token(rid, token_id, position, bool(done)))
+    if c.at != len(c.data):
+        raise WireError(f"NextTokens frame: {len(c.data) - c.at} bytes after the last token")
+    return NextTokens(tuple(tokens))

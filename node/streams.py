@@ -1,0 +1,195 @@
+"""Link streams: the pipeline's messages from a stage to its next (and from the last stage back to stage 0)
+as frames of one long-lived HTTP/2 request body (`POST /v1/link`), read by the receiver as they arrive.
+
+Why: a POST per message costs the sender a round trip it waits out and the receiver a request to
+parse; on a stream a message is one length-prefixed frame (node/frames.py) and nobody waits for an
+answer. HTTP/2's flow control is the backpressure. The per-message POST endpoints stay, for anything
+that is not a stage (the runner, askers) and as the fallback a node can be told to use.
+
+Losing a stream. httpx sends a whole request body before it reads the answer, so the receiver cannot
+acknowledge frames; instead every frame of a link carries a sequence number, the receiver remembers the
+last one it delivered per link, and a sender whose stream broke asks for it (`GET /v1/link/<id>`)
+before it opens the next one and resends what did not arrive. Frames already written are kept in a
+bounded window for that. If the receiver does not know the link (it restarted: whatever it held of
+the requests is gone) or the window no longer reaches back far enough, the kept frames are lost: their
+requests fail, naming the stage that could not be reached. A receiver that refuses a frame reports the
+failure of its requests to stage 0 itself, since nobody reads its answer (StageNode.refused_on_link).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import secrets
+from typing import Callable, Protocol
+
+import httpx
+import trio
+
+from . import frames, hops
+from .client import PeerError
+
+log = logging.getLogger("pp.streams")
+
+RETAIN_FRAMES = 256  # frames kept for a resend after a break: far more than can be in flight
+RETAIN_BYTES = 64 << 20
+OPEN_ATTEMPTS = 4
+FIRST_RETRY_S = 0.1
+KNOWN_LINKS = 64  # links a receiver remembers the last frame of
+HEARTBEAT_AFTER_S = 0.05  # after a frame, if nothing follows
+HEARTBEAT_IDLE_S = 1.0
+
+
+class LinkLost(Exception):
+    """The peer lost frames of this link (it restarted, or the break outlasted the resend window)."""
+
+
+class Outbox(Protocol):
+    """What a link sends: the messages waiting for one destination, in order (node/links.py)."""
+
+    async def next_batch(self) -> list: ...  # wait for messages; take them all, merged where they can be
+
+    def drain(self) -> list: ...  # take what waits now, without waiting
+
+    async def wait(self) -> None: ...  # until something waits
+
+
+class LinkStream:
+    """The sending end of one link; `run(outbox)` sends the outbox's messages until cancelled."""
+
+    def __init__(self, dest: str, *, source: str, resolve: Callable[[str], str | None], client: httpx.AsyncClient,
+                 on_lost: Callable[[list, str], None], stats: hops.HopStats):
+        self.dest, self.source, self._resolve, self._client = dest, source, resolve, client
+        self._on_lost, self._stats = on_lost, stats
+        self.link_id = secrets.token_hex(8)
+        self._seq = 0
+        self._kept: collections.deque[tuple[int, object, int]] = collections.deque()  # (seq, message, bytes)
+        self._kept_bytes = 0
+        self.opened = 0  # streams opened so far (for /health and tests)
+
+    async def run(self, outbox: Outbox) -> None:
+        delay, failures = FIRST_RETRY_S, 0
+        while True:
+            if not self._kept:
+                await outbox.wait()  # nothing to send: no stream to keep open, no peer to chase
+            try:
+                addr = self._addr()
+                resend = await self._resume(addr)
+                failures, delay = 0, FIRST_RETRY_S
+                await self._stream(addr, resend, outbox)
+            except (PeerError, LinkLost) as exc:
+                failures += 1
+                log.warning("link to %s broke (%s); attempt %d of %d", self.dest, exc, failures, OPEN_ATTEMPTS)
+                if isinstance(exc, LinkLost) or failures >= OPEN_ATTEMPTS:
+                    self._lose(self._take_kept(), str(exc))
+                if failures >= OPEN_ATTEMPTS:  # what waits now fails too; the next message tries anew
+                    self._lose(outbox.drain(), str(exc))
+                    failures, delay = 0, FIRST_RETRY_S
+                    continue
+                await trio.sleep(delay)
+                delay *= 3
+
+    def _addr(self) -> str:
+        addr = self._resolve(self.dest)
+        if addr is None:
+            raise PeerError(self.dest, "no alive member holds this name")
+        return addr
+
+    async def _resume(self, addr: str) -> list[tuple[int, object]]:
+        """Before a stream opens, ask the peer what it last took of this link (it may also refuse: still
+        loading): the kept frames it has not seen go first. Asked on every open, since a refusal at the
+        stream itself would never be read (httpx reads the answer only once the body is over)."""
+        try:
+            r = await self._client.get(f"{addr}/v1/link/{self.link_id}")
+        except httpx.HTTPError as exc:
+            raise PeerError(addr, f"{type(exc).__name__}: {exc}") from None
+        if r.status_code >= 400:
+            raise PeerError(addr, f"HTTP {r.status_code} asking for the link's last frame: {r.text[:200]}",
+                            r.status_code)
+        last = r.json()["last_seq"]
+        if last is None:
+            if self._kept:
+                raise LinkLost(f"{self.dest} does not know this link (it restarted?)")
+            return []
+        while self._kept and self._kept[0][0] <= last:
+            self._drop_oldest()
+        if self._kept and self._kept[0][0] != last + 1:
+            raise LinkLost(f"{self.dest} last took frame {last}; the oldest kept is {self._kept[0][0]}")
+        return [(seq, message) for seq, message, _ in self._kept]
+
+    async def _stream(self, addr: str, resend: list, outbox: Outbox) -> None:
+        url = f"{addr}/v1/link?link={self.link_id}&from={self.source}"
+        self.opened += 1
+        try:
+            r = await self._client.post(url, content=self._body(resend, outbox),
+                                        headers={"Content-Type": "application/octet-stream"})
+        except httpx.HTTPError as exc:
+            raise PeerError(addr, f"link stream: {type(exc).__name__}: {exc}") from None
+        raise PeerError(addr, f"link stream ended by the peer: HTTP {r.status_code} {r.text[:200]}", r.status_code)
+
+    async def _body(self, resend: list, outbox: Outbox):
+        for seq, message in resend:
+            yield frames.encode(message, seq, hops.now())
+        idle_s = HEARTBEAT_AFTER_S
+        while True:
+            batch = []
+            with trio.move_on_after(idle_s):
+                batch = await outbox.next_batch()
+            if not batch:
+                # A write into a connection the peer dropped succeeds once (the kernel takes it); the
+                # next one fails. So soon after a frame, and now and then while idle, a heartbeat
+                # finds out, and the frame is resent on a new stream rather than lost in silence.
+                idle_s = HEARTBEAT_IDLE_S
+                yield frames.heartbeat(hops.now())
+                continue
+            idle_s = HEARTBEAT_AFTER_S
+            for message in batch:
+                self._seq += 1
+                started = hops.now()
+                data = frames.encode(message, self._seq, started)
+                self._stats.record(f"to {self.dest}", "encode", hops.now() - started)
+                self._keep(self._seq, message, len(data))
+                yield data
+
+    def _keep(self, seq: int, message, size: int) -> None:
+        self._kept.append((seq, message, size))
+        self._kept_bytes += size
+        while len(self._kept) > RETAIN_FRAMES or self._kept_bytes > RETAIN_BYTES:
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        self._kept_bytes -= self._kept.popleft()[2]
+
+    def _take_kept(self) -> list:
+        lost = [message for _, message, _ in self._kept]
+        self._kept.clear()
+        self._kept_bytes = 0
+        return lost
+
+    def _lose(self, messages: list, error: str) -> None:
+        if messages:
+            self._on_lost(messages, f"link to {self.dest}: {error}")
+
+
+class LinkReceiver:
+    """The receiving end's memory: the last frame delivered per link, so a resent frame is taken once."""
+
+    def __init__(self, known: int = KNOWN_LINKS):
+        self._last: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._known = known
+
+    def last_seq(self, link_id: str) -> int | None:
+        return self._last.get(link_id)
+
+    def fresh(self, link_id: str, seq: int) -> bool:
+        """Whether frame `seq` of the link is new (deliver it), or a resend of one already delivered."""
+        last = self._last.get(link_id)
+        return last is None or seq > last
+
+    def forget(self, link_id: str) -> None:
+        self._last.pop(link_id, None)
+
+    def delivered(self, link_id: str, seq: int) -> None:
+        self._last[link_id] = seq
+        self._last.move_to_end(link_id)
+        while len(self._last) > self._known:
+            self._last.popitem(last=False)
