@@ -201,7 +201,18 @@ class StageNode:
             member = self.swim.resolve(name)
             return None if member is None else member.addr
         return LinkStream(dest, source=self.name, resolve=resolve, client=self.client.http, stats=self.hops,
-                          on_lost=lambda messages, error: self.links.lost(dest, messages, error))
+                          on_lost=lambda messages, error: self.links.lost(dest, messages, error),
+                          still_live=self._still_live)
+
+    def _still_live(self, message):
+        """The part of a message that concerns requests still live here, or None."""
+        if isinstance(message, wire.Activation):
+            rows = [(s, h) for s, h in message.split() if self.actor.holds(s.request_id)]
+            return wire.Activation.of(rows) if rows else None
+        if isinstance(message, wire.NextTokens):
+            tokens = tuple(t for t in message.tokens if self.actor.holds(t.request_id))
+            return wire.NextTokens(tokens) if tokens else None
+        return None  # an end, or a failure report: the new peer never knew the request
 
     def _undeliverable(self, send: Send, error: str) -> None:
         error_event(log, "send_failed", dest=send.dest, kind=type(send.message).__name__, error=error)

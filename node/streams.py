@@ -11,8 +11,9 @@ acknowledge frames; instead every frame of a link carries a sequence number, the
 last one it delivered per link, and a sender whose stream broke asks for it (`GET /v1/link/<id>`)
 before it opens the next one and resends what did not arrive. Frames already written are kept in a
 bounded window for that. If the receiver does not know the link (it restarted: whatever it held of
-the requests is gone) or the window no longer reaches back far enough, the kept frames are lost: their
-requests fail, naming the stage that could not be reached. A receiver that refuses a frame reports the
+the requests is gone), the kept frames of requests still live are resent: the new peer takes those that
+start there and refuses the others, which then fail naming it. If the window no longer reaches back far
+enough, the kept frames are lost: their requests fail, naming the stage that could not be reached. A receiver that refuses a frame reports the
 failure of its requests to stage 0 itself, since nobody reads its answer (StageNode.refused_on_link).
 """
 from __future__ import annotations
@@ -57,9 +58,10 @@ class LinkStream:
     """The sending end of one link; `run(outbox)` sends the outbox's messages until cancelled."""
 
     def __init__(self, dest: str, *, source: str, resolve: Callable[[str], str | None], client: httpx.AsyncClient,
-                 on_lost: Callable[[list, str], None], stats: hops.HopStats):
+                 on_lost: Callable[[list, str], None], stats: hops.HopStats,
+                 still_live: Callable[[object], object | None] = lambda message: message):
         self.dest, self.source, self._resolve, self._client = dest, source, resolve, client
-        self._on_lost, self._stats = on_lost, stats
+        self._on_lost, self._stats, self._still_live = on_lost, stats, still_live
         self.link_id = secrets.token_hex(8)
         self._seq = 0
         self._kept: collections.deque[tuple[int, object, int]] = collections.deque()  # (seq, message, bytes)
@@ -106,10 +108,9 @@ class LinkStream:
             raise PeerError(addr, f"HTTP {r.status_code} asking for the link's last frame: {r.text[:200]}",
                             r.status_code)
         last = r.json()["last_seq"]
-        if last is None:
-            if self._kept:
-                raise LinkLost(f"{self.dest} does not know this link (it restarted?)")
-            return []
+        if last is None:  # a new peer (restarted): what it held of earlier requests is gone
+            self._keep_live_only()
+            return [(seq, message) for seq, message, _ in self._kept]
         while self._kept and self._kept[0][0] <= last:
             self._drop_oldest()
         if self._kept and self._kept[0][0] != last + 1:
@@ -118,43 +119,42 @@ class LinkStream:
 
     async def _stream(self, addr: str, resend: list, outbox: Outbox) -> None:
         url = f"{addr}/v1/link?link={self.link_id}&from={self.source}"
+        # Transfer-Encoding tells httpcore there is a body (it drops the header itself on HTTP/2)
+        request = self._client.build_request("POST", url, headers={
+            "Content-Type": "application/octet-stream", "Transfer-Encoding": "chunked"})
+        request.stream = _Body(self, resend, outbox)
         self.opened += 1
         try:
-            r = await self._client.post(url, content=self._body(resend, outbox),
-                                        headers={"Content-Type": "application/octet-stream"})
+            r = await self._client.send(request)
         except httpx.HTTPError as exc:
             raise PeerError(addr, f"link stream: {type(exc).__name__}: {exc}") from None
         raise PeerError(addr, f"link stream ended by the peer: HTTP {r.status_code} {r.text[:200]}", r.status_code)
 
-    async def _body(self, resend: list, outbox: Outbox):
-        for seq, message in resend:
-            yield frames.encode(message, seq, hops.now())
-        idle_s = HEARTBEAT_AFTER_S
-        while True:
-            batch = []
-            with trio.move_on_after(idle_s):
-                batch = await outbox.next_batch()
-            if not batch:
-                # A write into a connection the peer dropped succeeds once (the kernel takes it); the
-                # next one fails. So soon after a frame, and now and then while idle, a heartbeat
-                # finds out, and the frame is resent on a new stream rather than lost in silence.
-                idle_s = HEARTBEAT_IDLE_S
-                yield frames.heartbeat(hops.now())
-                continue
-            idle_s = HEARTBEAT_AFTER_S
-            for message in batch:
-                self._seq += 1
-                started = hops.now()
-                data = frames.encode(message, self._seq, started)
-                self._stats.record(f"to {self.dest}", "encode", hops.now() - started)
-                self._keep(self._seq, message, len(data))
-                yield data
+    def frame(self, message) -> bytes:
+        """The next frame of the link, kept for a resend until the peer is known to have it."""
+        self._seq += 1
+        started = hops.now()
+        data = frames.encode(message, self._seq, started)
+        self._stats.record(f"to {self.dest}", "encode", hops.now() - started)
+        self._keep(self._seq, message, len(data))
+        return data
 
     def _keep(self, seq: int, message, size: int) -> None:
         self._kept.append((seq, message, size))
         self._kept_bytes += size
         while len(self._kept) > RETAIN_FRAMES or self._kept_bytes > RETAIN_BYTES:
             self._drop_oldest()
+
+    def _keep_live_only(self) -> None:
+        """For a peer that starts afresh: the kept frames' rows of requests still live here. It takes those
+        that start there and refuses (reporting the failure) those it lost the beginning of; rows and ends
+        of requests that ended here long ago must not reach it (they would start them again)."""
+        kept = [(seq, self._still_live(message)) for seq, message, _ in self._kept]
+        self._kept.clear()
+        self._kept_bytes = 0
+        for seq, message in kept:
+            if message is not None:
+                self._keep(seq, message, len(frames.encode(message, seq, 0.0)))
 
     def _drop_oldest(self) -> None:
         self._kept_bytes -= self._kept.popleft()[2]
@@ -168,6 +168,36 @@ class LinkStream:
     def _lose(self, messages: list, error: str) -> None:
         if messages:
             self._on_lost(messages, f"link to {self.dest}: {error}")
+
+
+class _Body(httpx.AsyncByteStream):
+    """A link's request body: what must be resent, then each batch of the outbox as one chunk of frames.
+
+    A class rather than an async generator: when the connection breaks, httpx leaves the body where it
+    stopped, and an abandoned generator would only be finalized by the garbage collector."""
+
+    def __init__(self, link: LinkStream, resend: list, outbox: Outbox):
+        self._link, self._outbox = link, outbox
+        self._resend = collections.deque(frames.encode(message, seq, hops.now()) for seq, message in resend)
+        self._idle_s = HEARTBEAT_AFTER_S
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._resend:
+            return self._resend.popleft()
+        batch = []
+        with trio.move_on_after(self._idle_s):
+            batch = await self._outbox.next_batch()
+        if not batch:
+            # A write into a connection the peer dropped succeeds once (the kernel takes it); the next
+            # one fails. So soon after a frame, and now and then while idle, a heartbeat finds out, and
+            # the frame is resent on a new stream rather than lost in silence.
+            self._idle_s = HEARTBEAT_IDLE_S
+            return frames.heartbeat(hops.now())
+        self._idle_s = HEARTBEAT_AFTER_S
+        return b"".join(self._link.frame(message) for message in batch)
 
 
 class LinkReceiver:

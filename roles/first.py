@@ -88,6 +88,10 @@ class FirstActor:
         self._start_waiting()
         return actions
 
+    def holds(self, request_id: str) -> bool:
+        """Whether the request is live at this stage (it started here and has not ended)."""
+        return request_id in self.live
+
     def health(self) -> dict:
         return {"slots": {"capacity": self.capacity, "active": len(self.live)},
                 "queue": {"waiting": len(self.waiting), "max": self.max_queue}}

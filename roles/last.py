@@ -97,6 +97,10 @@ class LastActor:
             actions.append(error_reply(self.failed_reply_to.pop(send.message.request_id), send.message))
         return actions
 
+    def holds(self, request_id: str) -> bool:
+        """Whether the request is live at this stage (it started here and has not ended)."""
+        return request_id in self.expected
+
     def health(self) -> dict:
         return {"slots": {"active": len(self.expected)}}
 

@@ -58,6 +58,10 @@ class MiddleActor:
             return [error_reply(self.reply_to.pop(end.request_id), end)]
         return []
 
+    def holds(self, request_id: str) -> bool:
+        """Whether the request is live at this stage (it started here and has not ended)."""
+        return request_id in self.expected
+
     def health(self) -> dict:
         return {"slots": {"active": len(self.expected)}}
 
