@@ -1,10 +1,12 @@
 """Transport micro-benchmark: what one hop costs on the wire, nothing else.
 
 Times sequential POSTs of activation-sized bodies to /v1/activation over the project's own client
-(node.client.PeerClient) and server (node.app), HTTP/2 and HTTP/1.1 side by side. The server runs
-in a separate process so that client and server do not share one event loop or one core, and its
-dispatcher only counts what it is handed: no model, no compute. Each figure is a full round trip:
-the POST, the server's decode of the activation, and its 202 answer.
+(node.client.PeerClient) and server (node.app), HTTP/2 and HTTP/1.1 side by side, and the same
+activations as frames of one link stream (node/streams.py). The server runs in a separate process so
+that client and server do not share one event loop or one core, and its dispatcher only counts what
+it is handed: no model, no compute. A POST's figure is a full round trip: the POST, the server's
+decode of the activation, and its 202 answer. A stream's is one way, from the frame's encoding to its
+delivery in the server's handler (one machine: one monotonic clock), since nobody answers a frame.
 
     python -m bench.transport --requests 500 --json /tmp/transport.json
 """
@@ -28,6 +30,9 @@ import trio
 from node import wire
 from node.app import make_app, serve_app
 from node.client import PeerClient
+from node.hops import HopStats, now
+from node.links import Outbox
+from node.streams import LinkReceiver, LinkStream
 from node.config import DEFAULT_MAX_BODY_BYTES
 from worker.sampling import GREEDY
 
@@ -46,9 +51,15 @@ class CountingDispatcher:
     def __init__(self, hidden_dim: int):
         self.hidden_dim = hidden_dim
         self.delivered = 0
+        self.links_in, self.hops = LinkReceiver(), HopStats()
 
-    def deliver(self, message) -> None:
+    def deliver(self, message, **_) -> None:
         self.delivered += 1
+
+    def take_frame(self, link_id: str, source: str, seq: int, sent_at: float, message) -> None:
+        self.links_in.delivered(link_id, seq)
+        self.hops.record(f"from {source}", "wire", now() - sent_at)
+        self.deliver(message)
 
     async def wait_response(self, request_id: str, wait_s: float):
         return None
@@ -59,7 +70,7 @@ class CountingDispatcher:
 
 async def serve(port: int, dim: int) -> None:
     """Serve until stdin closes, so the server cannot outlive a benchmark that was killed."""
-    app = make_app(CountingDispatcher(dim), token=TOKEN, max_body_bytes=DEFAULT_MAX_BODY_BYTES)
+    app = make_app(CountingDispatcher(dim), token=TOKEN, max_body_bytes=DEFAULT_MAX_BODY_BYTES, link_streams=True)
     async with trio.open_nursery() as nursery:
         bound = await nursery.start(serve_app, app, "127.0.0.1", port)
         print(f"http://127.0.0.1:{bound}", flush=True)
@@ -138,7 +149,31 @@ async def bench_dim(dim: int, seq_lens: list[int], n: int, warmup: int) -> list[
                 ms, wall_s = await time_requests(url, http2, body, n, warmup)
                 check_served(before, await served_counts(url), http2, n + warmup)
                 rows.append(summarize(protocol, dim, seq_len, body, ms, wall_s))
+            figures = await time_stream(url, wire.decode_activation(body, dim), n, warmup)
+            rows.append({"protocol": "HTTP/2 link stream, one way", "dim": dim, "seq_len": seq_len,
+                         "body_bytes": len(body), "n": figures["n"], "median_ms": round(figures["median_ms"], 4),
+                         "p10_ms": None, "p90_ms": None, "p99_ms": round(figures["p99_ms"], 4), "req_per_s": None})
     return rows
+
+
+async def time_stream(url: str, message, n: int, warmup: int, gap_s: float = 0.002) -> list[float]:
+    """One-way ms of n frames on one link stream, each sent alone (a gap after each): the server's figures."""
+    async with PeerClient(TOKEN) as client, trio.open_nursery() as nursery:
+        outbox = Outbox()
+        link = LinkStream("bench-server", source="bench", resolve=lambda _: url, client=client.http,
+                          stats=HopStats(), on_lost=lambda messages, error: print(error, file=sys.stderr))
+        nursery.start_soon(link.run, outbox)
+        for i in range(warmup + n):
+            if i == warmup:
+                await client.post(url, "/v1/hops/reset", b"")
+            outbox.put(message)
+            await trio.sleep(gap_s)
+        await trio.sleep(0.05)
+        figures = (await client.get(url, "/v1/hops")).json()["from bench"]["wire"]
+        nursery.cancel_scope.cancel()
+    if not n // 2 <= figures["n"] <= n:  # fewer when two messages queued together went as one frame
+        raise RuntimeError(f"server timed {figures['n']} frames; sent {n} messages")
+    return figures
 
 
 def check_served(before: dict, after: dict, http2: bool, sent: int) -> None:
@@ -154,16 +189,18 @@ def check_served(before: dict, after: dict, http2: bool, sent: int) -> None:
 def header(argv: list[str]) -> list[str]:
     return [f"Command: `python -m bench.transport {shlex.join(argv)}`",
             f"Machine: {platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
-            "Round trip of one POST /v1/activation (server in its own process, loopback, sequential)."]
+            "Round trip of one POST /v1/activation (server in its own process, loopback, sequential); "
+            "for the link stream, one way (encode to handler), frames 2 ms apart."]
 
 
 def table(rows: list[dict]) -> list[str]:
     lines = ["| protocol | dim | seq_len | body bytes | n | median ms | p10 ms | p90 ms | p99 ms | req/s |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        f = lambda v, spec: "—" if v is None else format(v, spec)  # noqa: E731
         lines.append(f"| {r['protocol']} | {r['dim']} | {r['seq_len']} | {r['body_bytes']} | {r['n']} | "
-                     f"{r['median_ms']:.3f} | {r['p10_ms']:.3f} | {r['p90_ms']:.3f} | {r['p99_ms']:.3f} | "
-                     f"{r['req_per_s']:.0f} |")
+                     f"{r['median_ms']:.3f} | {f(r['p10_ms'], '.3f')} | {f(r['p90_ms'], '.3f')} | {r['p99_ms']:.3f} | "
+                     f"{f(r['req_per_s'], '.0f')} |")
     return lines
 
 
