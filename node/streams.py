@@ -36,7 +36,7 @@ RETAIN_BYTES = 64 << 20
 OPEN_ATTEMPTS = 4
 FIRST_RETRY_S = 0.1
 KNOWN_LINKS = 64  # links a receiver remembers the last frame of
-HEARTBEAT_AFTER_S = 0.05  # after a frame, if nothing follows
+HEARTBEAT_AFTER_S = 0.25  # after a frame, if nothing follows: soon enough to resend it, rare enough to cost nothing
 HEARTBEAT_IDLE_S = 1.0
 
 
