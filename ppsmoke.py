@@ -49,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help=f"requests waiting at the entry for a free slot before it answers 429 "
                         f"(default {DEFAULT_MAX_QUEUE})")
+    p.add_argument("--beam", type=int, default=0,
+                   help="kernel search at each node's boot (tinygrad's BEAM width, e.g. 2): minutes the first time, "
+                        "cached on disk after; faster steps on larger models (default 0 = off)")
     p.add_argument("--serve", action="store_true",
                    help="keep the cluster up and serve the OpenAI API on stage 0 until Ctrl-C, instead of one prompt")
     p.add_argument("--port", type=int, help="--seed: stage 0's port, so the API's URL stays the same (default: any)")
@@ -79,6 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--json describes one answer; --serve answers many")
     if args.max_seqs < 1 or args.max_queue < 0:
         p.error("--max-seqs must be at least 1 and --max-queue at least 0")
+    if args.beam < 0:
+        p.error("--beam must be 0 (off) or a search width of at least 1")
     if args.vastai and not args.destroy_leftovers and not args.image:
         p.error("--vastai needs --image: build this repo's Dockerfile, push it, and name it here")
     return args
@@ -155,8 +160,8 @@ def _token(args, env) -> str | None:
 
 
 def serving_env(args) -> dict[str, str]:
-    """The settings every node gets the same: how many requests it serves at once."""
-    return {"PP_MAX_SEQS": str(args.max_seqs), "PP_MAX_QUEUE": str(args.max_queue)}
+    """The settings every node gets the same: how many requests it serves at once, and kernel search."""
+    return {"PP_MAX_SEQS": str(args.max_seqs), "PP_MAX_QUEUE": str(args.max_queue), "PP_BEAM": str(args.beam)}
 
 
 def _api_key(args, env) -> str:

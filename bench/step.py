@@ -3,6 +3,7 @@ what a batched step of B rows costs against one row.
 
   DEV=CPU python -m bench.step --model tiny --blocks 8 4 1
   DEV=CPU python -m bench.step --model small --blocks 3 --batch 1 4 8 16 32
+  DEV=CPU python -m bench.step --model small --blocks 3 --beam 2     # kernel search at warm-up
 """
 from __future__ import annotations
 
@@ -19,10 +20,13 @@ from worker.batching import Segment
 from worker.models import open_model
 
 
-def step_ms(model, blocks: int, steps: int, batch: int) -> float:
-    """Median ms of a step of `batch` decode rows, each its own sequence, after the graphs are captured."""
+def step_ms(model, blocks: int, steps: int, batch: int, beam: int = 0) -> tuple[float, float]:
+    """Median ms of a step of `batch` decode rows, each its own sequence, after the graphs are captured;
+    and the seconds the capture (with kernel search, if `beam`) took."""
     s = model.open_slice(range(blocks), embed=True, head=False, max_seqs=max(batch, 1))
-    s.warm_up()
+    started = time.perf_counter()
+    s.warm_up(beam)
+    warm_s = time.perf_counter() - started
     prompt = s.embed([1, 2, 3])
     for slot in range(batch):
         s.forward_batch(prompt, [Segment(slot, 0, 3)])
@@ -32,7 +36,7 @@ def step_ms(model, blocks: int, steps: int, batch: int) -> float:
         start = time.perf_counter()
         s.forward_batch(rows, [Segment(slot, pos, 1) for slot in range(batch)])
         times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times[5:])
+    return 1000 * statistics.median(times[5:]), warm_s
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,13 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blocks", nargs="+", type=int, default=[8, 4, 1])
     p.add_argument("--batch", nargs="+", type=int, default=[1], help="rows per step (default 1)")
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--beam", type=int, default=0, help="kernel search width at warm-up (tinygrad BEAM; 0 = off)")
     args = p.parse_args(argv)
     model = open_model(args.model, cache_dir=Path(tempfile.gettempdir()), ollama_models_dir=None)
     for blocks in args.blocks:
         for batch in args.batch:
-            ms = step_ms(model, blocks, args.steps, batch)
-            print(f"{args.model}, {blocks} blocks, {batch} rows: median {ms:.2f} ms per step, "
-                  f"{ms / batch:.2f} ms per row")
+            ms, warm_s = step_ms(model, blocks, args.steps, batch, args.beam)
+            print(f"{args.model}, {blocks} blocks, {batch} rows, beam {args.beam}: median {ms:.2f} ms per step, "
+                  f"{ms / batch:.2f} ms per row; warm-up {warm_s:.1f} s")
     return 0
 
 

@@ -51,7 +51,7 @@ def load_worker(config: NodeConfig, model_spec: str):
         worker = open_worker(model, config.stage, config.num_stages, max_seqs=config.max_seqs)
     except (ModelFileError, ValueError) as exc:  # a bad path, file or name: the user's to fix, not a crash
         raise ModelLoadError(f"stage {config.stage} cannot load model {config.model!r}: {exc}") from exc
-    worker.warm_up()
+    worker.warm_up(config.beam)
     return worker
 
 

@@ -1,4 +1,5 @@
-"""Kernels lowered by one process are found on disk by the next, which computes exactly the same."""
+"""Kernels lowered (and tuned by kernel search) by one process are found on disk by the next, which computes
+exactly the same and searches nothing again."""
 import json
 import os
 import subprocess
@@ -19,13 +20,40 @@ print(json.dumps({"disk_hits": kernel_cache.install().disk_hits, "logits": logit
 """
 
 
-def run(cache_db: Path) -> dict:
+def run(cache_db: Path, script: str = SCRIPT) -> dict:
     env = {**os.environ, "CACHEDB": str(cache_db), "DEV": "CPU", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_a_second_process_takes_the_lowered_kernels_from_disk_and_computes_the_same(tmp_path):
     first, second = run(tmp_path / "cache.db"), run(tmp_path / "cache.db")
     assert first["disk_hits"] == 0 and second["disk_hits"] > 0
+    assert second["logits"] == first["logits"]
+
+
+TUNED = """
+import json, sys
+import tinygrad.codegen.opt.search as search
+from worker import kernel_cache
+from worker.models import tinygrad_model
+from worker.tiny import TinySource
+searches = []
+real = search.beam_search
+def counted(*args, **kw):
+    searches.append(1)
+    return real(*args, **kw)
+search.beam_search = counted
+model = tinygrad_model(TinySource())
+s = model.open_slice(range(1), embed=True, head=True, max_seqs=1)
+s.warm_up(beam=1)
+logits = s.forward(s.embed([5, 6, 7]), 0)
+print(json.dumps({"searches": len(searches), "disk_hits": kernel_cache.install().disk_hits, "logits": logits.tolist()}))
+"""
+
+
+def test_a_second_boot_of_a_slice_finds_its_tuned_kernels_on_disk_and_searches_nothing(tmp_path):
+    first, second = run(tmp_path / "cache.db", TUNED), run(tmp_path / "cache.db", TUNED)
+    assert first["searches"] > 0 and first["disk_hits"] == 0
+    assert second["searches"] == 0 and second["disk_hits"] > 0
     assert second["logits"] == first["logits"]

@@ -27,11 +27,13 @@ takes a hidden state in and all slices compile the same kernels whatever their r
 """
 from __future__ import annotations
 
+import contextlib
+
 import time
 
 import attrs
 import numpy as np
-from tinygrad import Tensor, TinyJit, UOp, dtypes
+from tinygrad import Context, Tensor, TinyJit, UOp, dtypes
 from tinygrad.device import Buffer
 from tinygrad.uop.ops import KernelInfo
 
@@ -245,14 +247,20 @@ class StageModel:
         kv_len = UOp.variable("kv_len", 1, c.max_context).bind(int(positions.max()) + 1)
         return _read(self._graphs[bucket](inputs.floats, inputs.ints, kv_len))[:n]
 
-    def warm_up(self) -> None:
+    def warm_up(self, beam: int = 0) -> None:
         """Compile and capture every bucket's graph now, so that no request pays a compile, and time each
-        call to cut later steps into the cheapest calls. The calls write only the scratch slot."""
+        call to cut later steps into the cheapest calls. The calls write only the scratch slot.
+
+        `beam` > 0: tinygrad's kernel search (BEAM) picks each kernel's tiling by timing candidates while a
+        graph is captured. It costs minutes at a first boot; tinygrad keeps what it found in its on-disk
+        cache (table beam_search) and kernel_cache keeps the lowered programs, so the next boot of the same
+        slice pays neither."""
         cost = {}
         for bucket in self.buckets:
             zeros = np.zeros((bucket, self.config.dim), dtype=np.float32)
             args = (zeros, np.full(bucket, self.scratch_slot), np.arange(bucket) % self.config.max_context)
-            self._run(*args)
+            with Context(BEAM=beam) if beam else contextlib.nullcontext():  # else tinygrad's own BEAM setting
+                self._run(*args)  # the first call captures the graph
             times = []
             for _ in range(WARM_UP_TIMINGS):
                 started = time.perf_counter()

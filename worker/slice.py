@@ -31,7 +31,8 @@ class Slice(Protocol):
 
     def forward(self, hidden: np.ndarray, position: int) -> np.ndarray: ...  # one sequence in slot 0
 
-    def warm_up(self) -> None: ...  # compile what the first request would, before it arrives
+    # compile what the first request would, before it arrives; beam > 0: tinygrad's kernel search first
+    def warm_up(self, beam: int = 0) -> None: ...
 
 
 class TinygradSlice:
@@ -56,5 +57,5 @@ class TinygradSlice:
     def forward(self, hidden: np.ndarray, position: int) -> np.ndarray:
         return self.model.forward(hidden, position)
 
-    def warm_up(self) -> None:
-        self.model.warm_up()
+    def warm_up(self, beam: int = 0) -> None:
+        self.model.warm_up(beam)

@@ -158,9 +158,10 @@ class StageWorker:
             self._compute(accepted, starting, results)
         return results
 
-    def warm_up(self) -> None:
-        """Compile before the first request (a node calls this before it reports ready)."""
-        self.compute.warm_up()
+    def warm_up(self, beam: int = 0) -> None:
+        """Compile before the first request (a node calls this before it reports ready); with `beam`, search
+        for faster kernels first (tinygrad's BEAM; what it finds is cached on disk for the next boot)."""
+        self.compute.warm_up(beam)
 
     def release(self, request_id: str) -> None:
         """Free a request's slot; releasing an unknown one is a no-op so teardown can be repeated."""

@@ -62,7 +62,7 @@ class StubSlice:
         ids = np.asarray(token_ids, dtype=np.int64)[:, None]
         return ((ids * 7 + np.arange(STUB_DIM)) % _MOD).astype(np.float32)
 
-    def warm_up(self) -> None:
+    def warm_up(self, beam: int = 0) -> None:
         pass  # nothing to compile
 
     def forward_batch(self, hidden: np.ndarray, segments: list[Segment]) -> np.ndarray:
