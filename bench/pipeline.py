@@ -26,7 +26,7 @@ from .cluster import start_local_cluster
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def single_process(model: str, prompt: str, max_tokens: int, repeats: int) -> dict:
+def single_process(model: str, prompt: str, max_tokens: int, repeats: int, beam: int = 0) -> dict:
     """Runs in a child process (`--single`), so its RSS is its own: whole-model decode, warm JIT."""
     import resource
 
@@ -34,6 +34,7 @@ def single_process(model: str, prompt: str, max_tokens: int, repeats: int) -> di
     from worker.sampling import GREEDY, sample
     model_ = open_model(model, cache_dir=Path(tempfile.gettempdir()), ollama_models_dir=None)
     full = model_.open_slice(range(model_.total_blocks), embed=True, head=True)
+    full.warm_up(beam)
     ids = model_.tokenizer().encode_chat(prompt)
     runs = []
     for _ in range(repeats + 1):  # the first run compiles and captures the JIT
@@ -47,14 +48,14 @@ def single_process(model: str, prompt: str, max_tokens: int, repeats: int) -> di
         end = time.perf_counter()
         runs.append({"first_token_s": first - start, "decode_ms_per_token": 1000 * (end - first) / (max_tokens - 1)})
     return {"runs": runs[1:], "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "weight_bytes": full.weight_bytes}
+            "weight_bytes": full.weight_bytes, "kv_bytes": full.kv_bytes}
 
 
-async def pipeline(model: str, n: int, prompt: str, max_tokens: int, repeats: int) -> dict:
+async def pipeline(model: str, n: int, prompt: str, max_tokens: int, repeats: int, beam: int = 0) -> dict:
     started, token = time.monotonic(), secrets.token_urlsafe(16)
     auth = {"Authorization": f"Bearer {token}"}
     async with trio.open_nursery() as nursery:
-        orch, urls = await start_local_cluster(nursery, model, n, token=token)
+        orch, urls = await start_local_cluster(nursery, model, n, token=token, extra_env={"PP_BEAM": str(beam)})
         converge_s = time.monotonic() - started
         runs = []
         for i in range(repeats + 1):  # the first request compiles and captures each stage's JIT
@@ -73,7 +74,7 @@ async def pipeline(model: str, n: int, prompt: str, max_tokens: int, repeats: in
         nursery.cancel_scope.cancel()
     wire = sum(b for h in health for path, b in h["body_bytes"].items() if path != "/v1/inference")
     return {"converge_s": converge_s, "runs": runs[1:], "stages": [
-        {k: h[k] for k in ("stage", "layers", "weight_bytes", "peak_rss_bytes")} for h in health],
+        {k: h[k] for k in ("stage", "layers", "weight_bytes", "kv_bytes", "peak_rss_bytes")} for h in health],
         "wire_bytes_per_token": wire / ((repeats + 1) * max_tokens), "hops": hop_breakdown(figures)}
 
 
@@ -97,28 +98,32 @@ def summarize(model: str, n: int, result: dict, single_ms: float | None) -> dict
     ms = statistics.median(decode)
     row = {"model": model, "stages": n, "decode_ms_per_token": ms, "spread_ms": [min(decode), max(decode)],
            "tokens_per_s": 1000 / ms, "first_token_s": statistics.median(r["first_token_s"] for r in result["runs"]),
-           "converge_s": result.get("converge_s"), "peak_rss_mb": [], "weight_mb": []}
+           "converge_s": result.get("converge_s"), "peak_rss_mb": [], "weight_mb": [], "kv_mb": []}
     if n:
         row["hops"] = result["hops"]
         row["cost_per_hop_ms"] = (ms - single_ms) / n  # a token crosses n - 1 activation hops and the feedback
         row["wire_bytes_per_token"] = result["wire_bytes_per_token"]
         row["peak_rss_mb"] = [s["peak_rss_bytes"] / 2**20 for s in result["stages"]]
         row["weight_mb"] = [s["weight_bytes"] / 2**20 for s in result["stages"]]
+        row["kv_mb"] = [s["kv_bytes"] / 2**20 for s in result["stages"]]
     else:
         row["peak_rss_mb"], row["weight_mb"] = [result["peak_rss_bytes"] / 2**20], [result["weight_bytes"] / 2**20]
+        row["kv_mb"] = [result["kv_bytes"] / 2**20]
     return row
 
 
 def table(rows: list[dict]) -> str:
     out = ["| model | stages | decode ms/token (min–max) | tok/s | first token s | converge s | cost/hop ms | "
-           "wire B/token | peak RSS MB per stage | weights MB per stage |", "|" + "---|" * 10]
+           "wire B/token | peak RSS MB per stage | weights MB per stage | KV MB per stage | RSS ÷ (weights + KV) |",
+           "|" + "---|" * 12]
     for r in rows:
         f = lambda v, p=1: "—" if v is None else f"{v:.{p}f}"  # noqa: E731
         out.append(f"| {r['model']} | {r['stages'] or '1 process'} | {f(r['decode_ms_per_token'])} "
                    f"({f(r['spread_ms'][0])}–{f(r['spread_ms'][1])}) | {f(r['tokens_per_s'])} | "
                    f"{f(r['first_token_s'], 2)} | {f(r['converge_s'])} | {f(r.get('cost_per_hop_ms'), 2)} | "
                    f"{f(r.get('wire_bytes_per_token'), 0)} | {' / '.join(f'{v:.0f}' for v in r['peak_rss_mb'])} | "
-                   f"{' / '.join(f'{v:.1f}' for v in r['weight_mb'])} |")
+                   f"{' / '.join(f'{v:.1f}' for v in r['weight_mb'])} | {' / '.join(f'{v:.1f}' for v in r.get('kv_mb', []))} | "
+                   f"{' / '.join(f'{p / (w + k):.2f}' for p, w, k in zip(r['peak_rss_mb'], r['weight_mb'], r.get('kv_mb', [])))} |")
     return "\n".join(out)
 
 
@@ -145,20 +150,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3, help="timed requests per configuration, after one warm-up")
     p.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    p.add_argument("--beam", type=int, default=0, help="kernel search at warm-up, one process and every stage (PP_BEAM)")
     p.add_argument("--single", help=argparse.SUPPRESS)  # internal: run the one-process baseline for this model
     args = p.parse_args(argv)
     if args.single:
-        print(json.dumps(single_process(args.single, args.prompt, args.max_tokens, args.repeats)))
+        print(json.dumps(single_process(args.single, args.prompt, args.max_tokens, args.repeats, args.beam)))
         return 0
     rows = []
     for model in args.models:
         out = subprocess.run([sys.executable, "-m", "bench.pipeline", "--single", model, "--max-tokens",
-                              str(args.max_tokens), "--repeats", str(args.repeats), "--prompt", args.prompt],
+                              str(args.max_tokens), "--repeats", str(args.repeats), "--prompt", args.prompt,
+                              "--beam", str(args.beam)],
                              cwd=ROOT, check=True, capture_output=True, text=True).stdout
         rows.append(summarize(model, 0, json.loads(out), None))
         single_ms = rows[-1]["decode_ms_per_token"]
         for n in args.stages:
-            result = trio.run(pipeline, model, n, args.prompt, args.max_tokens, args.repeats)
+            result = trio.run(pipeline, model, n, args.prompt, args.max_tokens, args.repeats, args.beam)
             rows.append(summarize(model, n, result, single_ms))
             print(f"done: {model} x {n}", file=sys.stderr, flush=True)
     command = "python -m bench.pipeline " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -150,7 +150,7 @@ class StageNode:
         info = self.worker.info if self.worker is not None else None
         return {"ok": True, "node": self.node_id, "stage": self.stage, "role": self._role(),
                 "ready": info is not None, "layers": [info.layers.start, info.layers.stop] if info else None,
-                "weight_bytes": info.weight_bytes if info else None,
+                "weight_bytes": info.weight_bytes if info else None, "kv_bytes": info.kv_bytes if info else None,
                 "max_seqs": info.max_seqs if info else None, "max_batch": info.max_batch if info else None,
                 "slots_in_use": self.worker.slots_in_use if self.worker else None,
                 "steps": self._steps, "rows": self._rows, "compute_s": round(self._compute_s, 3),

@@ -164,7 +164,10 @@ class StageModel:
         self.config, self.layers, self.max_seqs = config, layers, max_seqs
         self.scratch_slot = max_seqs  # padding rows write here; no sequence ever reads it
         self.buckets = bucket_sizes(max_batch or default_max_batch(max_seqs))
-        dev = {name: Tensor(arr).realize() for name, arr in tensors.items() if name != "token_embd.weight"}
+        # Each array goes to the device and out of `tensors` in turn (the caller hands them over), so the host
+        # copy of a weight is freed as soon as the device holds it: the peak is the weights plus one tensor,
+        # not twice the weights. The embedding table stays on the host, where the first stage looks rows up.
+        dev = {name: Tensor(tensors.pop(name)).realize() for name in [n for n in tensors if n != "token_embd.weight"]}
         self.blocks = [Block(config, {k.split(".")[2]: v for k, v in dev.items() if k.startswith(f"blk.{i}.")},
                              max_seqs + 1) for i in layers]
         self.head = None
@@ -180,6 +183,10 @@ class StageModel:
     @property
     def max_batch(self) -> int:
         return self.buckets[-1]
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(b.cache.nbytes() for b in self.blocks)
 
     def _step(self, floats: Tensor, ints: Tensor, kv_len: UOp) -> Tensor:
         c, b = self.config, floats.shape[0]

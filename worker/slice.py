@@ -20,6 +20,7 @@ class Slice(Protocol):
     vocab_size: int
     max_context: int
     weight_bytes: int
+    kv_bytes: int  # the KV caches of every slot
     max_seqs: int  # sequence slots: 0 .. max_seqs - 1
     max_batch: int  # rows one step computes at once; longer batches run as several steps
 
@@ -47,6 +48,7 @@ class TinygradSlice:
         head_weight = (EMBEDDING if config.tie_embeddings else OUTPUT) if head else None
         self.model = StageModel(config, layers, tensors, head_weight=head_weight, max_seqs=max_seqs)
         self.max_seqs, self.max_batch = max_seqs, self.model.max_batch
+        self.kv_bytes = self.model.kv_bytes
 
     def embed(self, token_ids: list[int]) -> np.ndarray:
         return self._table[np.asarray(token_ids, dtype=np.int64)]

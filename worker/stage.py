@@ -35,6 +35,7 @@ class WorkerInfo:
     max_context: int
     stop_ids: frozenset[int]
     weight_bytes: int
+    kv_bytes: int = 0
     max_seqs: int = 1
     max_batch: int = 1
 
@@ -77,7 +78,7 @@ class StageWorker:
             stage=stage, num_stages=num_stages, role=self.role,
             layers=layer_range(total_blocks, stage, num_stages), total_blocks=total_blocks,
             hidden_dim=compute.hidden_dim, vocab_size=compute.vocab_size, max_context=compute.max_context,
-            stop_ids=frozenset(tokenizer.stop_ids), weight_bytes=compute.weight_bytes,
+            stop_ids=frozenset(tokenizer.stop_ids), weight_bytes=compute.weight_bytes, kv_bytes=compute.kv_bytes,
             max_seqs=compute.max_seqs, max_batch=compute.max_batch)
         self._requests: dict[str, _Request] = {}
 
