@@ -157,16 +157,16 @@ def _read(t: Tensor) -> np.ndarray:
 class StageModel:
     """Blocks `layers` of a model; with `head`, also final norm + output head (returns logits)."""
 
-    def __init__(self, config: ModelConfig, layers: range, tensors: dict[str, np.ndarray], *, head_weight: str | None,
+    def __init__(self, config: ModelConfig, layers: range, tensors, *, head_weight: str | None,
                  max_seqs: int = DEFAULT_MAX_SEQS, max_batch: int | None = None):
         if max_seqs < 1:
             raise ValueError(f"max_seqs must be at least 1, got {max_seqs}")
         self.config, self.layers, self.max_seqs = config, layers, max_seqs
         self.scratch_slot = max_seqs  # padding rows write here; no sequence ever reads it
         self.buckets = bucket_sizes(max_batch or default_max_batch(max_seqs))
-        # Each array goes to the device and out of `tensors` in turn (the caller hands them over), so the host
-        # copy of a weight is freed as soon as the device holds it: the peak is the weights plus one tensor,
-        # not twice the weights. The embedding table stays on the host, where the first stage looks rows up.
+        # Each array goes to the device and out of `tensors` in turn (the caller hands them over, and may read
+        # them only now: slice._OnDemand), so a weight's host copy is freed as soon as the device holds it.
+        # The embedding table is left to the caller, which looks rows up on the host.
         dev = {name: Tensor(tensors.pop(name)).realize() for name in [n for n in tensors if n != "token_embd.weight"]}
         self.blocks = [Block(config, {k.split(".")[2]: v for k, v in dev.items() if k.startswith(f"blk.{i}.")},
                              max_seqs + 1) for i in layers]
@@ -183,6 +183,14 @@ class StageModel:
     @property
     def max_batch(self) -> int:
         return self.buckets[-1]
+
+    def head_host_view(self) -> np.ndarray | None:
+        """The head's weight as a host array over the device's own memory, where the device is the CPU; else
+        None. A slice with both ends of a tied model looks embedding rows up here rather than in a second
+        copy of the table."""
+        if self.head is None or not _zero_copy(buffer := self.head[1].uop.buffer):
+            return None
+        return np.frombuffer(buffer.as_memoryview(force_zero_copy=True), dtype=np.float32).reshape(self.head[1].shape)
 
     @property
     def kv_bytes(self) -> int:

@@ -36,17 +36,46 @@ class Slice(Protocol):
     def warm_up(self, beam: int = 0) -> None: ...
 
 
+class _OnDemand:
+    """A slice's tensors, each read from the source only when taken, so that the host holds one weight at a
+    time on its way to the device rather than all of them at once. `nbytes` counts each tensor once."""
+
+    def __init__(self, source: WeightSource, names):
+        self._source, self._names = source, list(names)
+        self._counted: set[str] = set()
+        self.nbytes = 0
+
+    def __iter__(self):
+        return iter(list(self._names))
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._names:
+            raise KeyError(name)
+        array = self._source.load(name)
+        if name not in self._counted:
+            self._counted.add(name)
+            self.nbytes += array.nbytes
+        return array
+
+    def pop(self, name: str) -> np.ndarray:
+        array = self[name]
+        self._names.remove(name)
+        return array
+
+
 class TinygradSlice:
     def __init__(self, source: WeightSource, layers: range, *, embed: bool, head: bool,
                  max_seqs: int = DEFAULT_MAX_SEQS):
         config: ModelConfig = source.config
-        names = stage_tensor_names(config, layers, embed=embed, head=head)
-        tensors = {name: source.load(name) for name in names}
+        tensors = _OnDemand(source, stage_tensor_names(config, layers, embed=embed, head=head))
         self.hidden_dim, self.vocab_size, self.max_context = config.dim, config.vocab_size, config.max_context
-        self.weight_bytes = sum(t.nbytes for t in tensors.values())
-        self._table = tensors[EMBEDDING] if embed else None
         head_weight = (EMBEDDING if config.tie_embeddings else OUTPUT) if head else None
         self.model = StageModel(config, layers, tensors, head_weight=head_weight, max_seqs=max_seqs)
+        self._table = None
+        if embed:  # the table stays on the host, where rows are looked up; a tied head's device copy will do
+            view = self.model.head_host_view() if head_weight == EMBEDDING else None
+            self._table = view if view is not None else tensors[EMBEDDING]
+        self.weight_bytes = tensors.nbytes
         self.max_seqs, self.max_batch = max_seqs, self.model.max_batch
         self.kv_bytes = self.model.kv_bytes
 
