@@ -16,6 +16,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import ModelFileError
+from .weights import aligned_empty
 
 # ggml type id -> (name, elements per block, bytes per block); ggml.h's `ggml_type`.
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
@@ -328,7 +329,7 @@ class GGUFSource:
 
     def _raw(self, info: TensorInfo) -> np.ndarray:
         """Exactly the tensor's bytes [offset, offset + nbytes), nothing else."""
-        raw = np.empty(info.nbytes, dtype=np.uint8)
+        raw = aligned_empty(info.nbytes)  # float32 tensors are used in place from here (model._on_device)
         try:
             with open(self.path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size

@@ -33,14 +33,14 @@ import time
 
 import attrs
 import numpy as np
-from tinygrad import Context, Tensor, TinyJit, UOp, dtypes
+from tinygrad import Context, Device, Tensor, TinyJit, UOp, dtypes
 from tinygrad.device import Buffer
 from tinygrad.uop.ops import KernelInfo
 
 from . import kernel_cache
 from .batching import DEFAULT_MAX_SEQS, Segment, bucket_sizes, default_max_batch, split_rows, unmeasured_cost
 from .config import ModelConfig
-from .weights import OUTPUT_NORM
+from .weights import ALIGN, OUTPUT_NORM, aligned_empty
 
 # HF rotate-half RoPE: the first and second halves of each head form the rotary pairs.
 
@@ -133,6 +133,12 @@ class _StepInputs:
         _write(self.ints, ints)
 
 
+def _aligned_copy(array: np.ndarray) -> np.ndarray:
+    out = aligned_empty(array.nbytes).view(array.dtype).reshape(array.shape)
+    out[...] = array
+    return out
+
+
 def _zero_copy(buffer: Buffer) -> bool:
     return buffer.device.startswith("CPU") and hasattr(buffer.allocator, "_as_buffer")
 
@@ -167,12 +173,13 @@ class StageModel:
         # Each array goes to the device and out of `tensors` in turn (the caller hands them over, and may read
         # them only now: slice._OnDemand), so a weight's host copy is freed as soon as the device holds it.
         # The embedding table is left to the caller, which looks rows up on the host.
-        dev = {name: Tensor(tensors.pop(name)).realize() for name in [n for n in tensors if n != "token_embd.weight"]}
+        self._backing: list[np.ndarray] = []  # host arrays the CPU device uses in place (see _on_device)
+        dev = {name: self._on_device(tensors.pop(name)) for name in [n for n in tensors if n != "token_embd.weight"]}
         self.blocks = [Block(config, {k.split(".")[2]: v for k, v in dev.items() if k.startswith(f"blk.{i}.")},
                              max_seqs + 1) for i in layers]
         self.head = None
         if head_weight is not None:
-            head = dev[head_weight] if head_weight in dev else Tensor(tensors[head_weight]).realize()
+            head = dev[head_weight] if head_weight in dev else self._on_device(tensors[head_weight])
             self.head = (dev[OUTPUT_NORM], head)
         self.cos, self.sin = rope_tables(config)
         kernel_cache.install()
@@ -183,6 +190,17 @@ class StageModel:
     @property
     def max_batch(self) -> int:
         return self.buckets[-1]
+
+    def _on_device(self, array: np.ndarray) -> Tensor:
+        """A weight on the device. The CPU device computes on the host array itself (no copy, kept alive
+        here for as long as the model); any other device gets a copy."""
+        array = np.ascontiguousarray(array)
+        if not Device.DEFAULT.startswith("CPU") or array.dtype != np.float32:
+            return Tensor(array).realize()
+        if array.ctypes.data % ALIGN:  # kernels read whole cache lines; a misaligned weight is slower to stream
+            array = _aligned_copy(array)
+        self._backing.append(array)
+        return Tensor.from_blob(array.ctypes.data, array.shape, dtype=dtypes.float32, device=Device.DEFAULT)
 
     def head_host_view(self) -> np.ndarray | None:
         """The head's weight as a host array over the device's own memory, where the device is the CPU; else

@@ -47,3 +47,13 @@ def stage_tensor_names(config: ModelConfig, layers: range, *, embed: bool, head:
         if head_name not in names:
             names.append(head_name)
     return names
+
+
+ALIGN = 4096  # what tinygrad's own CPU buffers get: the CPU device can compute on such an array in place
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """An uninitialised byte array whose data starts on an ALIGN boundary."""
+    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start:start + nbytes]
