@@ -133,7 +133,8 @@ def test_a_bad_parameter_is_400_naming_it(served, extra, param):
 def test_past_the_queue_the_entry_answers_429(served):
     client = served.client(max_retries=0)
     streams = [client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
-                                              max_tokens=400, stream=True) for _ in range(3)]  # 2 slots, 1 waiting
+                                              max_tokens=400, temperature=0, stream=True)
+               for _ in range(3)]  # 2 slots, 1 waiting; greedy, so none ends early and frees its slot
     try:
         with pytest.raises(openai.RateLimitError) as info:
             client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=4)
@@ -147,7 +148,7 @@ def test_past_the_queue_the_entry_answers_429(served):
 
 def test_a_client_that_walks_away_mid_stream_frees_its_slots_on_every_stage(served):
     stream = served.client().chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=400, stream=True)
+        model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=400, temperature=0, stream=True)
     for _, _ in zip(range(3), stream):
         pass
     assert served.slots_in_use() == [1, 1]

@@ -192,7 +192,7 @@ async def test_a_stage_failing_mid_stream_ends_the_stream_with_an_error_event_an
             out = [WorkerError("injected fault") if i.position >= fail_from else o for i, o in zip(items, out)]
         return out
     monkeypatch.setattr(StageWorker, "run", failing_run)
-    body = {"model": "stub", "messages": messages, "max_tokens": 50, "stream": True}
+    body = {"model": "stub", "messages": messages, "max_tokens": 50, "stream": True, "temperature": 0}
     async with httpx.AsyncClient(http2=True, timeout=30) as client:
         with trio.fail_after(30):
             async with client.stream("POST", urls[0] + "/v1/chat/completions", json=body, headers=AUTH) as r:
