@@ -187,6 +187,9 @@ def _tensor_info(cur: _Cursor) -> tuple[str, tuple[int, ...], int, int, int]:
     return name, tuple(reversed(ne)), ggml_type, rel, n // block * block_bytes
 
 
+DECODE_CHUNK_ELEMENTS = 1 << 22  # 16 MiB of float32 per decoding step
+
+
 def dequantize(raw: np.ndarray, ggml_type: int, shape, *, path="<memory>", tensor="tensor") -> np.ndarray:
     """ggml-encoded bytes -> float32 array of `shape`; quantised types are decoded with tinygrad."""
     type_name, block, block_bytes = GGML_TYPES.get(ggml_type, (f"id {ggml_type}", 1, 0))
@@ -199,11 +202,23 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape, *, path="<memory>", tenso
     if ggml_type == 0:  # already float32: no device round trip needed
         return raw.view(np.float32).reshape(shape)
     # imported here so header-only users (and device selection via DEV) don't pay for tinygrad
-    from tinygrad import Tensor, dtypes
+    from tinygrad import Context, Tensor, dtypes
     from tinygrad.llm.gguf import ggml_data_to_tensor
-    # ggml_data_to_tensor bitcasts F16/BF16 without widening; numpy has no bfloat16, so cast here.
-    out = ggml_data_to_tensor(Tensor(np.ascontiguousarray(raw)), n, ggml_type).cast(dtypes.float32)
-    return out.numpy().reshape(shape)
+    # Decoded a chunk of blocks at a time straight into the page-aligned result, which the CPU device then
+    # uses in place: what decoding needs besides the result stays small. LRU=0: the chunks' device buffers
+    # are freed when done, not kept by tinygrad for reuse (they would hold memory for the process's life).
+    out = aligned_empty(n * 4).view(np.float32)
+    blocks = n // block
+    step = max(1, DECODE_CHUNK_ELEMENTS // block)
+    with Context(LRU=0):
+        for first in range(0, blocks, step):
+            count = min(step, blocks - first)
+            chunk = np.ascontiguousarray(raw[first * block_bytes:(first + count) * block_bytes])
+            # ggml_data_to_tensor bitcasts F16/BF16 without widening; numpy has no bfloat16, so cast here
+            decoded = ggml_data_to_tensor(Tensor(chunk), count * block, ggml_type).cast(dtypes.float32).realize()
+            out[first * block:(first + count) * block] = np.frombuffer(
+                decoded.uop.buffer.as_memoryview(allow_zero_copy=True), dtype=np.float32)
+    return out.reshape(shape)
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
