@@ -4,10 +4,13 @@ what a batched step of B rows costs against one row.
   DEV=CPU python -m bench.step --model tiny --blocks 8 4 1
   DEV=CPU python -m bench.step --model small --blocks 3 --batch 1 4 8 16 32
   DEV=CPU python -m bench.step --model small --blocks 3 --beam 2     # kernel search at warm-up
+  DEV=CPU python -m bench.step --model tiny --blocks 2 --steps 200 --profile
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import sys
 import tempfile
@@ -20,7 +23,7 @@ from worker.batching import Segment
 from worker.models import open_model
 
 
-def step_ms(model, blocks: int, steps: int, batch: int, beam: int = 0) -> tuple[float, float]:
+def step_ms(model, blocks: int, steps: int, batch: int, beam: int = 0, profile: bool = False) -> tuple[float, float]:
     """Median ms of a step of `batch` decode rows, each its own sequence, after the graphs are captured;
     and the seconds the capture (with kernel search, if `beam`) took."""
     s = model.open_slice(range(blocks), embed=True, head=False, max_seqs=max(batch, 1))
@@ -36,6 +39,12 @@ def step_ms(model, blocks: int, steps: int, batch: int, beam: int = 0) -> tuple[
         start = time.perf_counter()
         s.forward_batch(rows, [Segment(slot, pos, 1) for slot in range(batch)])
         times.append(time.perf_counter() - start)
+    if profile:  # where a step's time goes in Python: tinygrad's calls per kernel, per step
+        profiler = cProfile.Profile()
+        profiler.runcall(lambda: [s.forward_batch(rows, [Segment(slot, pos, 1) for slot in range(batch)])
+                                  for pos in range(3 + steps, 3 + 2 * steps)])
+        print(f"cProfile of {steps} more steps:")
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(15)
     return 1000 * statistics.median(times[5:]), warm_s
 
 
@@ -46,12 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blocks", nargs="+", type=int, default=[8, 4, 1])
     p.add_argument("--batch", nargs="+", type=int, default=[1], help="rows per step (default 1)")
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--profile", action="store_true", help="also print a cProfile of as many more steps")
     p.add_argument("--beam", type=int, default=0, help="kernel search width at warm-up (tinygrad BEAM; 0 = off)")
     args = p.parse_args(argv)
     model = open_model(args.model, cache_dir=Path(tempfile.gettempdir()), ollama_models_dir=None)
     for blocks in args.blocks:
         for batch in args.batch:
-            ms, warm_s = step_ms(model, blocks, args.steps, batch, args.beam)
+            ms, warm_s = step_ms(model, blocks, args.steps, batch, args.beam, args.profile)
             print(f"{args.model}, {blocks} blocks, {batch} rows, beam {args.beam}: median {ms:.2f} ms per step, "
                   f"{ms / batch:.2f} ms per row; warm-up {warm_s:.1f} s")
     return 0

@@ -44,7 +44,8 @@ class Dispatcher(Protocol):
 
 
 def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_streams: bool = False) -> QuartTrio:
-    """`link_streams`: serve /v1/link (a stage; the dispatcher then has `take_frame` and `links_in`)."""
+    """`link_streams`: serve /v1/link and /v1/hops (a stage; the dispatcher then has `take_frame`, `links_in`
+    and `hops`)."""
     h2_guard.install()
     app = QuartTrio("pp")
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
@@ -109,7 +110,7 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_st
 
     _gossip_routes(app, dispatcher)
     if link_streams:
-        _link_routes(app, dispatcher)
+        _stage_routes(app, dispatcher)
 
     @app.errorhandler(wire.WireError)
     async def malformed(exc):
@@ -146,8 +147,9 @@ def _sender() -> dict:
         raise wire.WireError(f"{wire.SENT_AT}: expected a number, got {sent_at!r}") from None
 
 
-def _link_routes(app: QuartTrio, dispatcher: Dispatcher) -> None:
-    """Link streams (node/streams.py): frames read as they arrive, for as long as the sender keeps writing."""
+def _stage_routes(app: QuartTrio, dispatcher: Dispatcher) -> None:
+    """What only a stage serves: its hop figures, and link streams (node/streams.py), whose frames are read
+    as they arrive for as long as the sender keeps writing."""
 
     @app.get("/v1/hops")
     async def hop_figures():

@@ -3,6 +3,7 @@ on loopback, each node started as ppsmoke does: in order, each with its predeces
 from __future__ import annotations
 
 import functools
+import time
 from pathlib import Path
 
 import trio
@@ -12,6 +13,9 @@ from node.gossip import SwimConfig
 from node.compute import open_compute_thread
 from node.main import run_node
 from node.orchestrator import Orchestrator, run_orchestrator
+from worker.models import stub_model
+from worker.reference import generate_full
+from worker.stub import StubSlice
 
 TOKEN = "test-cluster-token"
 # fast enough for tests, slow enough that a busy 2-core machine doesn't look dead
@@ -72,3 +76,19 @@ async def start_cluster_behind_nat(nursery: trio.Nursery, n: int, tmp: Path, *, 
             await orch.introduce(url)
         await orch.converge(n)
     return orch, urls
+
+
+def slow_stub(monkeypatch, seconds: float) -> None:
+    """Make every stand-in step take `seconds` longer, blocking the compute thread as a long tinygrad step would."""
+    real = StubSlice.forward_batch
+
+    def forward_batch(self, hidden, segments):
+        time.sleep(seconds)
+        return real(self, hidden, segments)
+    monkeypatch.setattr(StubSlice, "forward_batch", forward_batch)
+
+
+def stub_tokens(prompt: str, max_tokens: int) -> list[int]:
+    """The stand-in model's greedy tokens for a prompt, in one process: what a cluster must answer."""
+    model = stub_model()
+    return generate_full(model, model.tokenizer().encode_chat(prompt), max_tokens).token_ids

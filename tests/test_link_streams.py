@@ -3,32 +3,16 @@ is re-opened and the request goes on as if nothing happened (the stand-in model'
 lost, repeated or reordered); a stage that restarts mid-request fails it cleanly, naming the stage, and
 the chain serves the next request through the new stage."""
 import functools
-import time
 
 import attrs
 import httpx
 import trio
 
-from cluster import TOKEN, _node_until_listening, stage_config, start_cluster
+from cluster import TOKEN, _node_until_listening, slow_stub, stage_config, start_cluster, stub_tokens
 from node.orchestrator import StageDied
 from node.stage_node import StageNode
 from worker.models import stub_model
 from worker.reference import generate_full
-from worker.stub import StubSlice
-
-
-def slow_stub(monkeypatch, seconds):
-    real = StubSlice.forward_batch
-
-    def forward_batch(self, hidden, segments):
-        time.sleep(seconds)
-        return real(self, hidden, segments)
-    monkeypatch.setattr(StubSlice, "forward_batch", forward_batch)
-
-
-def stub_tokens(prompt, max_tokens):
-    model = stub_model()
-    return generate_full(model, model.tokenizer().encode_chat(prompt), max_tokens).token_ids
 
 
 def record_nodes(monkeypatch) -> list[StageNode]:

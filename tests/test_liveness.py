@@ -1,22 +1,10 @@
 """Liveness through gossip, at node level: a stage that computes for several protocol periods is
 never suspected, and a stage that stops mid-generation ends the runner's wait in seconds."""
-import time
-
 import trio
 
-from cluster import FAST_SWIM, start_cluster
+from cluster import FAST_SWIM, slow_stub, start_cluster
 from node.gossip import State
 from node.orchestrator import StageDied
-from worker.stub import StubSlice
-
-
-def slow_stub(monkeypatch, seconds):
-    real = StubSlice.forward_batch
-
-    def forward_batch(self, hidden, segments):
-        time.sleep(seconds)  # blocks the compute thread, as a long tinygrad step would
-        return real(self, hidden, segments)
-    monkeypatch.setattr(StubSlice, "forward_batch", forward_batch)
 
 
 async def test_a_stage_computing_for_several_protocol_periods_is_never_suspected(nursery, tmp_path, monkeypatch):

@@ -3,21 +3,19 @@ tokens it gets alone, slots are given back on every stage however a request ends
 is bounded."""
 import functools
 import json
-import time
 
 import httpx
 import pytest
 import trio
 
-from cluster import TOKEN, start_cluster
+from cluster import TOKEN, slow_stub, start_cluster, stub_tokens
 from node import wire
 from worker.errors import WorkerError
-from worker.models import stub_model, tinygrad_model
-from worker.reference import generate_full
+from worker.models import tinygrad_model
 from worker.sampling import GREEDY, sample
 from worker.stage import StageWorker
 from worker.stopping import generation_done
-from worker.stub import StubSlice, StubTokenizer
+from worker.stub import StubTokenizer
 from worker.tiny import TinySource
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -85,20 +83,6 @@ async def test_eight_requests_at_once_each_get_exactly_their_tokens_alone(nurser
     assert all(s < 8 * 16 for s in steps), steps
     await until_idle(urls)
     nursery.cancel_scope.cancel()
-
-
-def slow_stub(monkeypatch, seconds):
-    real = StubSlice.forward_batch
-
-    def forward_batch(self, hidden, segments):
-        time.sleep(seconds)
-        return real(self, hidden, segments)
-    monkeypatch.setattr(StubSlice, "forward_batch", forward_batch)
-
-
-def stub_tokens(prompt, max_tokens):
-    model = stub_model()
-    return generate_full(model, model.tokenizer().encode_chat(prompt), max_tokens).token_ids
 
 
 async def test_slots_come_back_on_every_stage_after_finish_failure_and_cancel(nursery, tmp_path, monkeypatch):
