@@ -27,6 +27,7 @@ from runner.vastai import VastOptions, destroy_leftovers, run_vastai
 from worker.batching import DEFAULT_MAX_SEQS
 from worker.fetch import REGISTRY, default_cache_dir, default_ollama_dir, resolve_model
 from worker.sampling import Sampling
+from worker.weights import PRECISIONS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--beam", type=int, default=0,
                    help="kernel search at each node's boot (tinygrad's BEAM width, e.g. 2): minutes the first time, "
                         "cached on disk after; faster steps on larger models (default 0 = off)")
+    p.add_argument("--precision", choices=PRECISIONS, default="file",
+                   help="file: weights as the model file holds them (F16, BF16 and Q8_0 stay narrow: less memory, "
+                        "faster with --beam); f32: every weight widened at load (default file)")
     p.add_argument("--serve", action="store_true",
                    help="keep the cluster up and serve the OpenAI API on stage 0 until Ctrl-C, instead of one prompt")
     p.add_argument("--port", type=int, help="--seed: stage 0's port, so the API's URL stays the same (default: any)")
@@ -160,8 +164,9 @@ def _token(args, env) -> str | None:
 
 
 def serving_env(args) -> dict[str, str]:
-    """The settings every node gets the same: how many requests it serves at once, and kernel search."""
-    return {"PP_MAX_SEQS": str(args.max_seqs), "PP_MAX_QUEUE": str(args.max_queue), "PP_BEAM": str(args.beam)}
+    """The settings every node gets the same: how many requests it serves at once, kernel search, precision."""
+    return {"PP_MAX_SEQS": str(args.max_seqs), "PP_MAX_QUEUE": str(args.max_queue), "PP_BEAM": str(args.beam),
+            "PP_PRECISION": args.precision}
 
 
 def _api_key(args, env) -> str:

@@ -21,18 +21,21 @@ from pathlib import Path
 import httpx
 import trio
 
+from worker.weights import PRECISIONS
+
 from .cluster import start_local_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def single_process(model: str, prompt: str, max_tokens: int, repeats: int, beam: int = 0) -> dict:
+def single_process(model: str, prompt: str, max_tokens: int, repeats: int, beam: int = 0,
+                   precision: str = "file") -> dict:
     """Runs in a child process (`--single`), so its RSS is its own: whole-model decode, warm JIT."""
     import resource
 
     from worker.models import open_model
     from worker.sampling import GREEDY, sample
-    model_ = open_model(model, cache_dir=Path(tempfile.gettempdir()), ollama_models_dir=None)
+    model_ = open_model(model, cache_dir=Path(tempfile.gettempdir()), ollama_models_dir=None, precision=precision)
     full = model_.open_slice(range(model_.total_blocks), embed=True, head=True)
     full.warm_up(beam)
     ids = model_.tokenizer().encode_chat(prompt)
@@ -51,11 +54,13 @@ def single_process(model: str, prompt: str, max_tokens: int, repeats: int, beam:
             "weight_bytes": full.weight_bytes, "kv_bytes": full.kv_bytes}
 
 
-async def pipeline(model: str, n: int, prompt: str, max_tokens: int, repeats: int, beam: int = 0) -> dict:
+async def pipeline(model: str, n: int, prompt: str, max_tokens: int, repeats: int, beam: int = 0,
+                   precision: str = "file") -> dict:
     started, token = time.monotonic(), secrets.token_urlsafe(16)
     auth = {"Authorization": f"Bearer {token}"}
     async with trio.open_nursery() as nursery:
-        orch, urls = await start_local_cluster(nursery, model, n, token=token, extra_env={"PP_BEAM": str(beam)})
+        orch, urls = await start_local_cluster(nursery, model, n, token=token, extra_env={"PP_BEAM": str(beam),
+                                                                                     "PP_PRECISION": precision})
         converge_s = time.monotonic() - started
         runs = []
         for i in range(repeats + 1):  # the first request compiles and captures each stage's JIT
@@ -151,27 +156,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed requests per configuration, after one warm-up")
     p.add_argument("--json", type=Path, help="also write the rows as JSON here")
     p.add_argument("--beam", type=int, default=0, help="kernel search at warm-up, one process and every stage (PP_BEAM)")
+    p.add_argument("--precision", choices=PRECISIONS, default="file",
+                   help="weights as the file holds them (default) or widened to float32 at load (PP_PRECISION)")
     p.add_argument("--single", help=argparse.SUPPRESS)  # internal: run the one-process baseline for this model
     args = p.parse_args(argv)
     if args.single:
-        print(json.dumps(single_process(args.single, args.prompt, args.max_tokens, args.repeats, args.beam)))
+        print(json.dumps(single_process(args.single, args.prompt, args.max_tokens, args.repeats, args.beam,
+                                        args.precision)))
         return 0
     rows = []
     for model in args.models:
         out = subprocess.run([sys.executable, "-m", "bench.pipeline", "--single", model, "--max-tokens",
                               str(args.max_tokens), "--repeats", str(args.repeats), "--prompt", args.prompt,
-                              "--beam", str(args.beam)],
+                              "--beam", str(args.beam), "--precision", args.precision],
                              cwd=ROOT, check=True, capture_output=True, text=True).stdout
         rows.append(summarize(model, 0, json.loads(out), None))
         single_ms = rows[-1]["decode_ms_per_token"]
         for n in args.stages:
-            result = trio.run(pipeline, model, n, args.prompt, args.max_tokens, args.repeats, args.beam)
+            result = trio.run(pipeline, model, n, args.prompt, args.max_tokens, args.repeats, args.beam,
+                              args.precision)
             rows.append(summarize(model, n, result, single_ms))
             print(f"done: {model} x {n}", file=sys.stderr, flush=True)
     command = "python -m bench.pipeline " + " ".join(argv if argv is not None else sys.argv[1:])
     header = (f"Command: `{command}`  \nMachine: {platform.platform()}, {os.cpu_count()} CPUs, Python "
               f"{platform.python_version()}, DEV={os.environ.get('DEV', '(tinygrad default)')}, "
-              f"PP_LINKS={os.environ.get('PP_LINKS', 'stream')}\n")
+              f"PP_LINKS={os.environ.get('PP_LINKS', 'stream')}, precision {args.precision}\n")
     print(header + "\n" + table(rows))
     print("\nPer hop, median / p99 ms (encode and answer on the sender; wire, queue and the step on the receiver; "
           f"links: {os.environ.get('PP_LINKS', 'stream')})\n\n" + hop_table(rows))

@@ -21,6 +21,7 @@ import numpy as np
 
 from worker.batching import Segment
 from worker.models import open_model
+from worker.weights import PRECISIONS
 
 
 def step_ms(model, blocks: int, steps: int, batch: int, beam: int = 0, profile: bool = False) -> tuple[float, float]:
@@ -57,12 +58,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--profile", action="store_true", help="also print a cProfile of as many more steps")
     p.add_argument("--beam", type=int, default=0, help="kernel search width at warm-up (tinygrad BEAM; 0 = off)")
+    p.add_argument("--precision", choices=PRECISIONS, default="file",
+                   help="matrices as the file holds them (default) or widened to float32 at load")
     args = p.parse_args(argv)
-    model = open_model(args.model, cache_dir=Path(tempfile.gettempdir()), ollama_models_dir=None)
+    model = open_model(args.model, cache_dir=Path(tempfile.gettempdir()), ollama_models_dir=None,
+                       precision=args.precision)
     for blocks in args.blocks:
         for batch in args.batch:
             ms, warm_s = step_ms(model, blocks, args.steps, batch, args.beam, args.profile)
-            print(f"{args.model}, {blocks} blocks, {batch} rows, beam {args.beam}: median {ms:.2f} ms per step, "
+            print(f"{args.model} ({args.precision}), {blocks} blocks, {batch} rows, beam {args.beam}: median {ms:.2f} ms per step, "
                   f"{ms / batch:.2f} ms per row; warm-up {warm_s:.1f} s")
     return 0
 

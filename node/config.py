@@ -18,6 +18,7 @@ from roles import DEFAULT_MAX_QUEUE
 from worker.batching import DEFAULT_MAX_SEQS
 from worker.fetch import default_cache_dir, default_ollama_dir
 from worker.partition import check_stage
+from worker.weights import PRECISIONS
 
 DEFAULT_MODEL = "tiny"
 DEFAULT_PORT = 8000
@@ -58,6 +59,7 @@ class NodeConfig:
     max_seqs: int = DEFAULT_MAX_SEQS    # requests whose KV caches a stage holds at once (its sequence slots)
     max_queue: int = DEFAULT_MAX_QUEUE  # stage 0: requests waiting for a slot before the entry answers 429
     beam: int = 0                       # PP_BEAM: tinygrad's kernel search width at boot (0 = off); cached on disk
+    precision: str = "file"             # PP_PRECISION: matrices as the file holds them (file) or widened at load (f32)
     link_streams: bool = True           # PP_LINKS=stream: one long-lived HTTP/2 stream to the next stage; post: a POST each
     exit_on_stdin_eof: bool = False     # PP_STDIN_LIFELINE=1: a local runner holds our stdin; EOF = it is gone
     log_level: str = DEFAULT_LOG_LEVEL
@@ -124,6 +126,7 @@ ENV_TABLE = (
     ("PP_MAX_SEQS", "--max-seqs", f"requests in flight at once: each holds a KV cache on every stage ({DEFAULT_MAX_SEQS})"),
     ("PP_MAX_QUEUE", "--max-queue", f"stage 0: requests waiting for a free slot; past it, 429 ({DEFAULT_MAX_QUEUE})"),
     ("PP_BEAM", "--beam", "kernel search at boot: tinygrad's BEAM width, e.g. 2; minutes once, cached on disk for the next boot (0 = off)"),
+    ("PP_PRECISION", "--precision", "file: weights as the file holds them (F16, BF16, Q8_0 read by the kernels); f32: widened at load (file)"),
     ("PP_LINKS", "--links", "stream: messages to the next stage as frames of one long-lived HTTP/2 stream; post: a POST each (stream)"),
     ("PP_STDIN_LIFELINE", "", "1: exit when stdin closes (set by ppsmoke --seed, so no node outlives it)"),
     ("PP_LOG_LEVEL", "--log-level", f"{', '.join(LOG_LEVELS)} ({DEFAULT_LOG_LEVEL})"),
@@ -167,6 +170,7 @@ def build_parser(prog: str = "python ppnode.py") -> argparse.ArgumentParser:
     p.add_argument("--max-seqs", metavar="K", help=f"requests in flight at once (PP_MAX_SEQS, default {DEFAULT_MAX_SEQS})")
     p.add_argument("--max-queue", metavar="Q", help=f"requests waiting at stage 0 (PP_MAX_QUEUE, default {DEFAULT_MAX_QUEUE})")
     p.add_argument("--beam", metavar="W", help="kernel search width at boot, 0 = off (PP_BEAM, default 0)")
+    p.add_argument("--precision", metavar="P", help="file or f32: weights as stored or widened (PP_PRECISION, default file)")
     p.add_argument("--links", metavar="KIND", help="stream or post: how messages go to the next stage (PP_LINKS)")
     p.add_argument("--log-level", metavar="LEVEL", help=f"{', '.join(LOG_LEVELS)} (PP_LOG_LEVEL)")
     return p
@@ -217,7 +221,15 @@ def _config_from(src: _Sources, *, home: Path, rng: random.Random | None) -> Nod
         max_body_bytes=_max_body(env), log_level=_log_level(*src.get("--log-level")),
         max_seqs=_count(src, "--max-seqs", DEFAULT_MAX_SEQS, lowest=1),
         max_queue=_count(src, "--max-queue", DEFAULT_MAX_QUEUE, lowest=0),
-        beam=_count(src, "--beam", 0, lowest=0), link_streams=_links(src), exit_on_stdin_eof=_flag(env, "PP_STDIN_LIFELINE"))
+        beam=_count(src, "--beam", 0, lowest=0), precision=_precision(src), link_streams=_links(src), exit_on_stdin_eof=_flag(env, "PP_STDIN_LIFELINE"))
+
+
+def _precision(src: _Sources) -> str:
+    raw, label = src.get("--precision")
+    value = (raw or "file").strip().lower()
+    if value not in PRECISIONS:
+        raise ConfigError(f"{label}={raw!r}: expected {' or '.join(PRECISIONS)}")
+    return value
 
 
 def _links(src: _Sources) -> bool:

@@ -77,10 +77,12 @@ def test_the_cluster_token_loses_surrounding_whitespace():
     (["--advertise-addr", "https://me.example:8443/"], "advertise_addr", "https://me.example:8443"),
     (["--node-id", "beta"], "node_id", "beta"),
     (["--log-level", "warning"], "log_level", "WARNING"),
+    (["--precision", "F32"], "precision", "f32"),
 ])
 def test_a_flag_wins_over_its_variable(argv, field, expected):
     env = {"NUM_STAGES": "6", "SEED_ADDR": "s:1", "PEER_DIRECT": "p:1", "MODEL": "tiny", "PP_PORT": "8100",
-           "PP_BIND": "10.0.0.1", "PP_ADVERTISE_ADDR": "x:1", "PP_NODE_ID": "alpha", "PP_LOG_LEVEL": "ERROR"}
+           "PP_BIND": "10.0.0.1", "PP_ADVERTISE_ADDR": "x:1", "PP_NODE_ID": "alpha", "PP_LOG_LEVEL": "ERROR",
+           "PP_PRECISION": "file"}
     assert getattr(parse(env, argv), field) == expected
 
 
@@ -114,6 +116,7 @@ def test_the_port_flag_also_selects_the_vast_port_mapping():
     ({"PP_ADVERTISE_ADDR": "http://"}, [], (), "PP_ADVERTISE_ADDR='http://' is not an http(s) address"),
     ({"PP_MAX_BODY": "0"}, [], (), "PP_MAX_BODY=0 must be a positive number of bytes"),
     ({"PP_LOG_LEVEL": "LOUD"}, [], (), "PP_LOG_LEVEL='LOUD' is not one of DEBUG, INFO"),
+    ({"PP_PRECISION": "q4"}, [], (), "PP_PRECISION='q4': expected file or f32"),
     ({"PP_NODE_ID": "my node"}, [], (), "PP_NODE_ID='my node': a node id must be printable and without spaces"),
 ])
 def test_a_bad_value_exits_with_a_message_naming_its_source(capsys, env, argv, drop, message):

@@ -16,6 +16,9 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import ModelFileError
+from .packed import Packed, permute_rows
+from .packed import dense as packed_dense
+from .packed import q8_0 as packed_q8_0
 from .weights import aligned_empty
 
 # ggml type id -> (name, elements per block, bytes per block); ggml.h's `ggml_type`.
@@ -302,6 +305,8 @@ def read_header(f, size: int, path, first_read: int = 1 << 24) -> GGUFHeader:
 
 
 _QK = re.compile(r"blk\.\d+\.attn_([qk])\.weight")
+_NARROW = {0: "f32", 1: "f16", 30: "bf16", 8: "q8_0"}  # ggml types kernels read as they are (worker/linear.py)
+_NUMPY = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
 
 
 class GGUFSource:
@@ -332,14 +337,36 @@ class GGUFSource:
             w = unpermute_qk(w, heads)
         return np.ascontiguousarray(w, dtype=np.float32)
 
+    def load_packed(self, name: str) -> Packed:
+        """One matrix in the file's precision where kernels can read it so (F32, F16, BF16, Q8_0); other
+        types widened to float32 here. Hugging Face layout, as `load`."""
+        info = self._info(name)
+        kind = _NARROW.get(info.ggml_type)
+        if kind is None or len(info.shape) != 2:
+            packed = packed_dense("f32", self.load(name))
+        else:
+            raw = self._raw(info)
+            packed = (packed_q8_0(raw, info.shape) if kind == "q8_0"
+                      else packed_dense(kind, raw.view(_NUMPY[kind]).reshape(info.shape)))
+            if m := _QK.fullmatch(name):
+                heads = self.config.n_heads if m.group(1) == "q" else self.config.n_kv_heads
+                if info.shape[0] != heads * self.config.head_dim:
+                    raise ModelFileError(self.path, f"{name} is {info.shape}, want ({heads * self.config.head_dim}, ...)")
+                packed = permute_rows(packed, unpermute_qk(np.arange(info.shape[0]), heads))
+        return packed
+
     def tokenizer(self):
         from .tokenizer import tokenizer_from_gguf_metadata
         return tokenizer_from_gguf_metadata(self.header.kv, self.path)
 
-    def _decoded(self, name: str) -> np.ndarray:
+    def _info(self, name: str) -> TensorInfo:
         info = self.header.tensors.get(name)
         if info is None:
             raise ModelFileError(self.path, f"tensor {name!r} is not in the file")
+        return info
+
+    def _decoded(self, name: str) -> np.ndarray:
+        info = self._info(name)
         return dequantize(self._raw(info), info.ggml_type, info.shape, path=self.path, tensor=repr(name))
 
     def _raw(self, info: TensorInfo) -> np.ndarray:

@@ -16,7 +16,9 @@ import numpy as np
 
 from .config import ModelConfig, RopeScaling, llama3_freq_factors
 from .errors import ModelFileError
-from .weights import EMBEDDING, OUTPUT, OUTPUT_NORM
+from .packed import Packed
+from .packed import dense as packed_dense
+from .weights import EMBEDDING, OUTPUT, OUTPUT_NORM, aligned_empty
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -39,6 +41,7 @@ _INTERNAL_BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)\.weight")
 
 # Raw numpy dtypes per safetensors dtype; BF16 is read as its bit pattern (numpy has no bf16).
 _DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+_KINDS = {"F32": "f32", "F16": "f16", "BF16": "bf16"}  # worker/packed.py's names
 _REQUIRED = object()
 
 
@@ -241,10 +244,18 @@ def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
 
 def read_tensor(entry: TensorEntry, name: str) -> np.ndarray:
     """float32 copy of one tensor, reading only its own bytes."""
+    raw = read_raw(entry, name)
+    if entry.dtype == "BF16":
+        return bf16_to_f32(raw)
+    return raw if entry.dtype == "F32" else raw.astype(np.float32)
+
+
+def read_raw(entry: TensorEntry, name: str) -> np.ndarray:
+    """One tensor as stored (BF16 as its uint16 bits), in a page-aligned array, reading only its own bytes."""
     if entry.dtype not in _DTYPES:
         raise ModelFileError(entry.path, f"tensor {name!r} has dtype {entry.dtype}; "
                                          "only F32, F16 and BF16 are supported")
-    buf = bytearray(entry.end - entry.start)
+    buf = aligned_empty(entry.end - entry.start)
     try:
         with entry.path.open("rb") as f:
             f.seek(entry.start)
@@ -254,10 +265,7 @@ def read_tensor(entry: TensorEntry, name: str) -> np.ndarray:
     if got != len(buf):
         raise ModelFileError(entry.path, f"truncated: tensor {name!r} needs bytes up to {entry.end}, "
                                          f"the file ended {len(buf) - got} bytes short")
-    raw = np.frombuffer(buf, dtype=_DTYPES[entry.dtype]).reshape(entry.shape)
-    if entry.dtype == "BF16":
-        return bf16_to_f32(raw)
-    return raw if entry.dtype == "F32" else raw.astype(np.float32)
+    return buf.view(_DTYPES[entry.dtype]).reshape(entry.shape)
 
 
 def _sharded_table(index_path: Path) -> dict[str, TensorEntry]:
@@ -313,10 +321,18 @@ class HFSource:
         return frozenset(self._entries)
 
     def load(self, name: str) -> np.ndarray:
+        return read_tensor(self._entry(name), name)
+
+    def load_packed(self, name: str) -> Packed:
+        """One matrix as stored (F32, F16 or BF16): the kernels widen it as they read it."""
+        entry = self._entry(name)
+        return packed_dense(_KINDS[entry.dtype], read_raw(entry, name))
+
+    def _entry(self, name: str) -> TensorEntry:
         entry = self._entries.get(name)
         if entry is None:
             raise ModelFileError(self._weights_path, f"has no tensor {name!r} (Hugging Face {hf_name(name)!r})")
-        return read_tensor(entry, name)
+        return entry
 
     def tokenizer(self):
         # imported late so weights work without it

@@ -40,7 +40,12 @@ from tinygrad.uop.ops import KernelInfo
 from . import kernel_cache
 from .batching import DEFAULT_MAX_SEQS, Segment, bucket_sizes, default_max_batch, split_rows, unmeasured_cost
 from .config import ModelConfig
-from .weights import ALIGN, OUTPUT_NORM, aligned_empty
+from .linear import DeviceWeight, linear, to_device
+from .packed import Packed
+from .weights import ALIGN, EMBEDDING, OUTPUT_NORM, aligned_empty
+
+# numpy types the CPU device can compute on in place, as tinygrad's
+_FROM_BLOB = {np.float32: dtypes.float32, np.float16: dtypes.float16, np.int8: dtypes.int8, np.uint16: dtypes.uint16}
 
 # HF rotate-half RoPE: the first and second halves of each head form the rotary pairs.
 
@@ -81,31 +86,34 @@ class Block:
         c = config
         self.cache = Tensor.zeros(slots * c.max_context, 2 * c.n_kv_heads * c.head_dim).contiguous().realize()
 
-    def __call__(self, x: Tensor, rows: _Rows, kv_len: UOp) -> Tensor:
+    def __call__(self, x: Tensor, rows: _Rows, kv_len: UOp, split: bool) -> Tensor:
         c, w = self.config, self.w
-        h = x + self._attention(_rms_norm(x, w["attn_norm"], c.norm_eps), rows, kv_len)
+
+        def mm(x: Tensor, name: str) -> Tensor:
+            return linear(x, w[name], split=split)
+        h = x + self._attention(_rms_norm(x, w["attn_norm"], c.norm_eps), rows, kv_len, mm)
         # Each matmul is its own kernel (contiguous): fused with its neighbours, tinygrad's CPU kernels
         # for several rows re-read the weights or recompute the norm and silu per output (one `small`
         # block: 46 → 35 ms at 16 rows, 24 → 16 ms at 8; a few more kernels cost tiny ~10 %).
         ffn_in = _rms_norm(h, w["ffn_norm"], c.norm_eps).contiguous()
-        ffn = ((ffn_in @ w["ffn_gate"].T).contiguous().silu() * (ffn_in @ w["ffn_up"].T).contiguous()).contiguous()
+        ffn = (mm(ffn_in, "ffn_gate").contiguous().silu() * mm(ffn_in, "ffn_up").contiguous()).contiguous()
         # contiguous: the block output is a buffer in every slicing, so kernels never fuse across blocks
-        return (h + ffn @ w["ffn_down"].T).contiguous()
+        return (h + mm(ffn, "ffn_down")).contiguous()
 
-    def _attention(self, x: Tensor, rows: _Rows, kv_len: UOp) -> Tensor:
-        c, w = self.config, self.w
+    def _attention(self, x: Tensor, rows: _Rows, kv_len: UOp, mm) -> Tensor:
+        c = self.config
         b, kvh, hd = x.shape[0], c.n_kv_heads, c.head_dim
         x = x.contiguous()
-        q = (x @ w["attn_q"].T).contiguous().reshape(b, c.n_heads, 1, hd)
-        k = (x @ w["attn_k"].T).contiguous().reshape(b, kvh, 1, hd)
-        v = (x @ w["attn_v"].T).contiguous().reshape(b, kvh, 1, hd)
+        q = mm(x, "attn_q").contiguous().reshape(b, c.n_heads, 1, hd)
+        k = mm(x, "attn_k").contiguous().reshape(b, kvh, 1, hd)
+        v = mm(x, "attn_v").contiguous().reshape(b, kvh, 1, hd)
         q, k = _rotate(q, rows.cos, rows.sin), _rotate(k, rows.cos, rows.sin)
         new = k.reshape(b, kvh * hd).cat(v.reshape(b, kvh * hd), dim=1).contiguous()
         cache = self.cache.custom_kernel(new, rows.cache_row, fxn=_kv_store)[0]
         seen = cache.reshape(self.slots, c.max_context, 2, kvh, hd)[rows.slot, 0:kv_len]  # (b, kv_len, 2, kvh, hd)
         keys, values = seen[:, :, 0].permute(0, 2, 1, 3), seen[:, :, 1].permute(0, 2, 1, 3)
         out = q.scaled_dot_product_attention(keys, values, attn_mask=rows.mask, enable_gqa=True)
-        return out.reshape(b, c.dim) @ w["attn_output"].T
+        return mm(out.reshape(b, c.dim), "attn_output")
 
 
 @attrs.frozen
@@ -168,22 +176,25 @@ class StageModel:
         if max_seqs < 1:
             raise ValueError(f"max_seqs must be at least 1, got {max_seqs}")
         self.config, self.layers, self.max_seqs = config, layers, max_seqs
+        self.split = False  # the matmul form (worker/linear.py): split once kernels are searched
         self.scratch_slot = max_seqs  # padding rows write here; no sequence ever reads it
         self.buckets = bucket_sizes(max_batch or default_max_batch(max_seqs))
         # Each array goes to the device and out of `tensors` in turn (the caller hands them over, and may read
         # them only now: slice._OnDemand), so a weight's host copy is freed as soon as the device holds it.
         # The embedding table is left to the caller, which looks rows up on the host.
-        self._backing: list[np.ndarray] = []  # host arrays the CPU device uses in place (see _on_device)
-        dev = {name: self._on_device(tensors.pop(name)) for name in [n for n in tensors if n != "token_embd.weight"]}
+        self._backing: list[np.ndarray] = []  # host arrays the CPU device uses in place (see _put)
+        dev = {name: self._on_device(tensors.pop(name)) for name in [n for n in tensors if n != EMBEDDING]}
         self.blocks = [Block(config, {k.split(".")[2]: v for k, v in dev.items() if k.startswith(f"blk.{i}.")},
                              max_seqs + 1) for i in layers]
-        self.head = None
+        self.head, self._head_host = None, None
         if head_weight is not None:
-            head = dev[head_weight] if head_weight in dev else self._on_device(tensors[head_weight])
-            self.head = (dev[OUTPUT_NORM], head)
+            host = tensors[head_weight] if head_weight not in dev else None  # a tied head: the embedding
+            self.head = (dev[OUTPUT_NORM], dev[head_weight] if host is None else self._on_device(host))
+            if Device.DEFAULT.startswith("CPU"):  # the device computes on these very arrays (_put)
+                self._head_host = host
         self.cos, self.sin = rope_tables(config)
         kernel_cache.install()
-        self._graphs = {b: _capture_on_first_call(TinyJit(self._step)) for b in self.buckets}
+        self._graphs = self._new_graphs()
         self._inputs = {b: _StepInputs(b, config.dim, config.head_dim) for b in self.buckets}
         self.bucket_cost = unmeasured_cost(self.buckets)  # seconds per call, once warm_up has timed them
 
@@ -191,24 +202,29 @@ class StageModel:
     def max_batch(self) -> int:
         return self.buckets[-1]
 
-    def _on_device(self, array: np.ndarray) -> Tensor:
-        """A weight on the device. The CPU device computes on the host array itself (no copy, kept alive
+    def _new_graphs(self) -> dict[int, TinyJit]:
+        return {b: _capture_on_first_call(TinyJit(self._step)) for b in self.buckets}
+
+    def _on_device(self, weight: np.ndarray | Packed) -> Tensor | DeviceWeight:
+        return to_device(weight, self._put) if isinstance(weight, Packed) else self._put(weight)
+
+    def _put(self, array: np.ndarray) -> Tensor:
+        """An array on the device. The CPU device computes on the host array itself (no copy, kept alive
         here for as long as the model); any other device gets a copy."""
         array = np.ascontiguousarray(array)
-        if not Device.DEFAULT.startswith("CPU") or array.dtype != np.float32:
+        if not Device.DEFAULT.startswith("CPU") or array.dtype.type not in _FROM_BLOB:
             return Tensor(array).realize()
         if array.ctypes.data % ALIGN:  # kernels read whole cache lines; a misaligned weight is slower to stream
             array = _aligned_copy(array)
         self._backing.append(array)
-        return Tensor.from_blob(array.ctypes.data, array.shape, dtype=dtypes.float32, device=Device.DEFAULT)
+        return Tensor.from_blob(array.ctypes.data, array.shape, dtype=_FROM_BLOB[array.dtype.type],
+                                device=Device.DEFAULT)
 
-    def head_host_view(self) -> np.ndarray | None:
-        """The head's weight as a host array over the device's own memory, where the device is the CPU; else
-        None. A slice with both ends of a tied model looks embedding rows up here rather than in a second
-        copy of the table."""
-        if self.head is None or not _zero_copy(buffer := self.head[1].uop.buffer):
-            return None
-        return np.frombuffer(buffer.as_memoryview(force_zero_copy=True), dtype=np.float32).reshape(self.head[1].shape)
+    def head_host_weight(self) -> Packed | None:
+        """The head's weight as host arrays the device itself computes on, where the device is the CPU;
+        else None. A slice with both ends of a tied model looks embedding rows up here rather than in a
+        second copy of the table."""
+        return self._head_host
 
     @property
     def kv_bytes(self) -> int:
@@ -223,10 +239,10 @@ class StageModel:
         rows = _Rows(floats[:, c.dim:c.dim + half].reshape(b, 1, 1, half),
                      floats[:, c.dim + half:].reshape(b, 1, 1, half), slot, cache_row, mask)
         for block in self.blocks:
-            x = block(x, rows, kv_len)
+            x = block(x, rows, kv_len, self.split)
         if self.head is not None:
             norm, out = self.head
-            x = _rms_norm(x, norm, c.norm_eps) @ out.T
+            x = linear(_rms_norm(x, norm, c.norm_eps), out, split=self.split)
         return x.realize()
 
     def forward_batch(self, hidden: np.ndarray, segments: list[Segment]) -> np.ndarray:
@@ -287,7 +303,9 @@ class StageModel:
         `beam` > 0: tinygrad's kernel search (BEAM) picks each kernel's tiling by timing candidates while a
         graph is captured. It costs minutes at a first boot; tinygrad keeps what it found in its on-disk
         cache (table beam_search) and kernel_cache keeps the lowered programs, so the next boot of the same
-        slice pays neither."""
+        slice pays neither. Searched kernels take the split matmul form (worker/linear.py)."""
+        if beam and not self.split:  # graphs captured before (by a call) are captured again in the new form
+            self.split, self._graphs = True, self._new_graphs()
         cost = {}
         for bucket in self.buckets:
             zeros = np.zeros((bucket, self.config.dim), dtype=np.float32)

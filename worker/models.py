@@ -24,9 +24,11 @@ class Model:
     tokenizer: Callable[[], object]
 
 
-def tinygrad_model(source: WeightSource) -> Model:
+def tinygrad_model(source: WeightSource, precision: str = "file") -> Model:
+    """`precision`: "file" keeps matrices as the file holds them where kernels can read them so (F16, BF16,
+    Q8_0); "f32" widens every weight at load, the reference path."""
     def open_slice(layers: range, *, embed: bool, head: bool, max_seqs: int = DEFAULT_MAX_SEQS) -> Slice:
-        return TinygradSlice(source, layers, embed=embed, head=head, max_seqs=max_seqs)
+        return TinygradSlice(source, layers, embed=embed, head=head, max_seqs=max_seqs, precision=precision)
     return Model(source.path, source.config.n_layers, open_slice, source.tokenizer)
 
 
@@ -43,16 +45,18 @@ def open_worker(model: Model, stage: int, num_stages: int, *, max_seqs: int = DE
     return StageWorker(compute, model.tokenizer(), stage=stage, num_stages=num_stages, total_blocks=model.total_blocks)
 
 
-def open_model(spec: str, *, cache_dir: Path, ollama_models_dir: Path | None, progress: bool = True) -> Model:
-    """The one model argument: `stub`, `tiny`, `small`, a .gguf file, a Hugging Face directory or a known name."""
+def open_model(spec: str, *, cache_dir: Path, ollama_models_dir: Path | None, progress: bool = True,
+               precision: str = "file") -> Model:
+    """The one model argument: `stub`, `tiny`, `small`, a .gguf file, a Hugging Face directory or a known name.
+    `precision` as tinygrad_model's."""
     name = spec.strip().lower()
     if name == "stub":
         return stub_model()
     if name in BUILT_IN:
-        return tinygrad_model(TinySource(BUILT_IN[name], path=name))
+        return tinygrad_model(TinySource(BUILT_IN[name], path=name), precision)
     ref = resolve_model(spec, cache_dir=cache_dir, ollama_models_dir=ollama_models_dir, progress=progress)
     if ref.kind is ModelKind.GGUF:
         from .gguf import GGUFSource
-        return tinygrad_model(GGUFSource(ref.path))
+        return tinygrad_model(GGUFSource(ref.path), precision)
     from .hf import HFSource
-    return tinygrad_model(HFSource(ref.path))
+    return tinygrad_model(HFSource(ref.path), precision)

@@ -12,7 +12,9 @@ import numpy as np
 from .config import ModelConfig
 from .batching import DEFAULT_MAX_SEQS, Segment
 from .model import StageModel
-from .weights import EMBEDDING, OUTPUT, WeightSource, stage_tensor_names
+from .packed import Packed
+from .packed import dense as packed_dense
+from .weights import EMBEDDING, OUTPUT, PRECISIONS, WeightSource, is_matrix, stage_tensor_names
 
 
 class Slice(Protocol):
@@ -38,26 +40,36 @@ class Slice(Protocol):
 
 class _OnDemand:
     """A slice's tensors, each read from the source only when taken, so that the host holds one weight at a
-    time on its way to the device rather than all of them at once. `nbytes` counts each tensor once."""
+    time on its way to the device rather than all of them at once. `nbytes` counts each tensor once.
 
-    def __init__(self, source: WeightSource, names):
-        self._source, self._names = source, list(names)
+    Matrices come as Packed: in the file's precision (`precision` "file") or widened to float32 ("f32");
+    norm weights as float32 arrays."""
+
+    def __init__(self, source: WeightSource, names, precision: str = "file"):
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        self._source, self._names, self._precision = source, list(names), precision
         self._counted: set[str] = set()
         self.nbytes = 0
 
     def __iter__(self):
         return iter(list(self._names))
 
-    def __getitem__(self, name: str) -> np.ndarray:
+    def __getitem__(self, name: str) -> np.ndarray | Packed:
         if name not in self._names:
             raise KeyError(name)
-        array = self._source.load(name)
+        if not is_matrix(name):
+            array = self._source.load(name)
+        elif self._precision == "file":
+            array = self._source.load_packed(name)
+        else:
+            array = packed_dense("f32", self._source.load(name))
         if name not in self._counted:
             self._counted.add(name)
             self.nbytes += array.nbytes
         return array
 
-    def pop(self, name: str) -> np.ndarray:
+    def pop(self, name: str) -> np.ndarray | Packed:
         array = self[name]
         self._names.remove(name)
         return array
@@ -65,22 +77,22 @@ class _OnDemand:
 
 class TinygradSlice:
     def __init__(self, source: WeightSource, layers: range, *, embed: bool, head: bool,
-                 max_seqs: int = DEFAULT_MAX_SEQS):
+                 max_seqs: int = DEFAULT_MAX_SEQS, precision: str = "file"):
         config: ModelConfig = source.config
-        tensors = _OnDemand(source, stage_tensor_names(config, layers, embed=embed, head=head))
+        tensors = _OnDemand(source, stage_tensor_names(config, layers, embed=embed, head=head), precision)
         self.hidden_dim, self.vocab_size, self.max_context = config.dim, config.vocab_size, config.max_context
         head_weight = (EMBEDDING if config.tie_embeddings else OUTPUT) if head else None
         self.model = StageModel(config, layers, tensors, head_weight=head_weight, max_seqs=max_seqs)
         self._table = None
         if embed:  # the table stays on the host, where rows are looked up; a tied head's device copy will do
-            view = self.model.head_host_view() if head_weight == EMBEDDING else None
-            self._table = view if view is not None else tensors[EMBEDDING]
+            view = self.model.head_host_weight() if head_weight == EMBEDDING else None
+            self._table: Packed = view if view is not None else tensors[EMBEDDING]
         self.weight_bytes = tensors.nbytes
         self.max_seqs, self.max_batch = max_seqs, self.model.max_batch
         self.kv_bytes = self.model.kv_bytes
 
     def embed(self, token_ids: list[int]) -> np.ndarray:
-        return self._table[np.asarray(token_ids, dtype=np.int64)]
+        return self._table.rows(np.asarray(token_ids, dtype=np.int64))
 
     def forward_batch(self, hidden: np.ndarray, segments: list[Segment]) -> np.ndarray:
         return self.model.forward_batch(hidden, segments)

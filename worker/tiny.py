@@ -11,6 +11,8 @@ import numpy as np
 
 from .config import ModelConfig, RopeScaling, llama3_freq_factors
 from .errors import ModelFileError
+from .packed import Packed
+from .packed import dense as packed_dense
 from .weights import BLOCK_TENSORS, EMBEDDING, OUTPUT_NORM
 
 # llama3.2's RoPE scaling, and its shape shrunk: 8 blocks so up to 8 stages each own one.
@@ -76,6 +78,9 @@ class TinySource:
         if name not in self._names:
             raise ModelFileError(self.path, f"no tensor {name!r}")
         return random_tensor(self.config, name)
+
+    def load_packed(self, name: str) -> Packed:
+        return packed_dense("f32", self.load(name))  # random weights are made in float32
 
     def tokenizer(self):
         from .tokenizer import byte_tokenizer

@@ -2,18 +2,23 @@
 
 Tensor names are llama.cpp's (`blk.3.attn_q.weight`); arrays are float32 numpy in Hugging Face
 layout: matrices are (out_features, in_features) and q/k rows are in rotate-half order, so a GGUF
-loader undoes llama.cpp's q/k permutation before handing them over.
+loader undoes llama.cpp's q/k permutation before handing them over. `load_packed` gives a matrix in
+the file's own precision instead (worker/packed.py), same layout.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from .config import ModelConfig
 
+if TYPE_CHECKING:  # packed.py builds on this module's aligned_empty
+    from .packed import Packed
+
 BLOCK_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
                  "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+PRECISIONS = ("file", "f32")  # matrices as the file holds them, or widened to float32 at load
 EMBEDDING = "token_embd.weight"
 OUTPUT_NORM = "output_norm.weight"
 OUTPUT = "output.weight"
@@ -27,9 +32,16 @@ class WeightSource(Protocol):
 
     def names(self) -> frozenset[str]: ...
 
-    def load(self, name: str) -> np.ndarray: ...
+    def load(self, name: str) -> np.ndarray: ...  # float32
+
+    def load_packed(self, name: str) -> Packed: ...  # a matrix as the file holds it, where kernels can read it so
 
     def tokenizer(self): ...
+
+
+def is_matrix(name: str) -> bool:
+    """Every tensor a stage loads is a matrix but the norm weights."""
+    return not name.endswith("_norm.weight")
 
 
 def block_tensor_names(layer: int) -> list[str]:

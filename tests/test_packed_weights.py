@@ -1,0 +1,107 @@
+"""Weights kept in the file's precision (F16, BF16, Q8_0 packed): exactly the values the f32 path widens
+them to, a stage holding the file's bytes rather than four per weight, and the same generation."""
+import attrs
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from ggufmake import write_llama_gguf
+from hfmake import write_hf_dir
+from test_gguf import QUANT_CONFIG, hf_weights
+from tokfiles import gguf_fields
+from worker.chain import run_chain
+from worker.gguf import GGUFSource
+from worker.hf import HFSource
+from worker.models import open_worker, tinygrad_model
+from worker.reference import generate_full
+from worker.tokenizer import byte_tokenizer
+from worker.weights import EMBEDDING, is_matrix, stage_tensor_names
+
+# every kind a kernel reads as it is, q and k rows (permuted in the file) among them, and a K-quant,
+# which is widened at load
+MIXED = {EMBEDDING: Q.Q8_0, "blk.0.attn_q.weight": Q.Q8_0, "blk.0.attn_k.weight": Q.F16,
+         "blk.0.attn_v.weight": Q.BF16, "blk.0.attn_output.weight": Q.Q8_0, "blk.0.ffn_gate.weight": Q.Q8_0,
+         "blk.0.ffn_up.weight": Q.F16, "blk.0.ffn_down.weight": Q.Q6_K,
+         "blk.1.attn_q.weight": Q.BF16, "blk.1.attn_k.weight": Q.Q8_0, "blk.1.attn_v.weight": Q.Q8_0,
+         "blk.1.attn_output.weight": Q.F16, "blk.1.ffn_gate.weight": Q.BF16, "blk.1.ffn_up.weight": Q.Q8_0,
+         "blk.1.ffn_down.weight": Q.Q8_0}
+KIND = {Q.Q8_0: "q8_0", Q.F16: "f16", Q.BF16: "bf16", Q.Q6_K: "f32", Q.F32: "f32"}
+CONFIG = attrs.evolve(QUANT_CONFIG, n_layers=2, vocab_size=byte_tokenizer().vocab_size, max_context=512)
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("packed") / "m.gguf"
+    write_llama_gguf(path, CONFIG, hf_weights(CONFIG), qtypes=MIXED, **gguf_fields(byte_tokenizer()))
+    return path
+
+
+def test_matrices_keep_the_file_precision_and_widen_to_exactly_what_load_gives(gguf_path):
+    source = GGUFSource(gguf_path)
+    for name in [n for n in source.names() if is_matrix(n)]:
+        packed = source.load_packed(name)
+        qtype = MIXED.get(name, Q.F32)
+        assert packed.kind == KIND[qtype], name
+        np.testing.assert_array_equal(packed.widened().view(np.uint32), source.load(name).view(np.uint32),
+                                      err_msg=name)
+        if qtype != Q.Q6_K:  # kept as the file holds it: the same bytes
+            assert packed.nbytes == source.header.tensors[name].nbytes, name
+
+
+@pytest.mark.parametrize("dtype, kind", [("F16", "f16"), ("BF16", "bf16"), ("F32", "f32")])
+def test_safetensors_matrices_keep_their_dtype(tmp_path, dtype, kind):
+    config = attrs.evolve(QUANT_CONFIG, tie_embeddings=False)
+    source = HFSource(write_hf_dir(tmp_path / "hf", config, hf_weights(config), dtype=dtype))
+    for name in ["blk.0.attn_q.weight", "blk.0.ffn_down.weight", "output.weight", EMBEDDING]:
+        packed = source.load_packed(name)
+        assert packed.kind == kind
+        np.testing.assert_array_equal(packed.widened(), source.load(name))
+
+
+def test_a_stage_holds_the_files_bytes_not_four_per_weight(gguf_path):
+    source = GGUFSource(gguf_path)
+    names = stage_tensor_names(CONFIG, range(2), embed=True, head=True)
+    file_bytes = sum(source.header.tensors[n].nbytes for n in names)
+    widened_q6k = 4 * CONFIG.dim * CONFIG.ffn_dim - source.header.tensors["blk.0.ffn_down.weight"].nbytes
+    held = tinygrad_model(source).open_slice(range(2), embed=True, head=True).weight_bytes
+    assert held == file_bytes + widened_q6k
+    assert tinygrad_model(source, "f32").open_slice(range(2), embed=True, head=True).weight_bytes == \
+        4 * sum(np.prod(source.header.tensors[n].shape) for n in names)
+
+
+@pytest.fixture(scope="module")
+def file_model(gguf_path):
+    return tinygrad_model(GGUFSource(gguf_path))
+
+
+def test_sliced_equals_whole_exactly_in_the_files_precision(file_model):
+    prompt = list(range(3, 20))
+    whole = generate_full(file_model, prompt, 12)
+    chain = run_chain([open_worker(file_model, s, 2) for s in range(2)], prompt, 12)
+    assert chain.token_ids == whole.token_ids
+    assert all(np.array_equal(a, b) for a, b in zip(chain.logits, whole.logits))
+
+
+def test_the_files_precision_generates_what_the_widened_f32_path_does(file_model, gguf_path):
+    prompt = list(range(3, 20))
+    narrow = generate_full(file_model, prompt, 12)
+    wide = generate_full(tinygrad_model(GGUFSource(gguf_path), "f32"), prompt, 12)
+    assert narrow.token_ids == wide.token_ids
+    for a, b in zip(narrow.logits, wide.logits):  # the same weights; the sums may differ in order only
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max())
+
+
+def test_the_split_matmul_form_matches_the_plain_one_and_slices_exactly(file_model):
+    # the form searched kernels take (worker/linear.py); kernel search itself is too slow to run here
+    def opened(layers, embed, head, split):
+        s = file_model.open_slice(layers, embed=embed, head=head)
+        s.model.split = split
+        return s
+    prompt = list(range(3, 20))
+    plain = opened(range(2), True, True, False)
+    whole = opened(range(2), True, True, True)
+    first, last = opened(range(1), True, False, True), opened(range(1, 2), False, True, True)
+    want = whole.forward(whole.embed(prompt), 0)
+    assert np.array_equal(last.forward(first.forward(first.embed(prompt), 0), 0), want)
+    np.testing.assert_allclose(want, plain.forward(plain.embed(prompt), 0), rtol=1e-4,
+                               atol=1e-4 * np.abs(want).max())
