@@ -53,9 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--beam", type=int, default=0,
                    help="kernel search at each node's boot (tinygrad's BEAM width, e.g. 2): minutes the first time, "
                         "cached on disk after; faster steps on larger models (default 0 = off)")
-    p.add_argument("--precision", choices=PRECISIONS, default="file",
-                   help="file: weights as the model file holds them (F16, BF16 and Q8_0 stay narrow: less memory, "
-                        "faster with --beam); f32: every weight widened at load (default file)")
+    p.add_argument("--precision", choices=PRECISIONS, default="auto",
+                   help="which weights stay as the model file holds them, read by the kernels (less memory; faster "
+                        "with --beam): auto = Q8_0, and F16/BF16 too with --beam; file = all of them; f32 = none, "
+                        "every weight widened at load (default auto)")
     p.add_argument("--serve", action="store_true",
                    help="keep the cluster up and serve the OpenAI API on stage 0 until Ctrl-C, instead of one prompt")
     p.add_argument("--port", type=int, help="--seed: stage 0's port, so the API's URL stays the same (default: any)")

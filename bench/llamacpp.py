@@ -25,6 +25,8 @@ from pathlib import Path
 
 import trio
 
+from worker.weights import PRECISIONS
+
 from .pipeline import ROOT, pipeline, summarize
 
 
@@ -60,9 +62,9 @@ def rpc_servers(binary: Path, n: int):
             proc.wait(timeout=10)
 
 
-def pp_one_process(gguf: Path, tokens: int, repeats: int, beam: int) -> dict:
+def pp_one_process(gguf: Path, tokens: int, repeats: int, beam: int, precision: str) -> dict:
     out = subprocess.run([sys.executable, "-m", "bench.pipeline", "--single", str(gguf), "--max-tokens", str(tokens),
-                          "--repeats", str(repeats), "--beam", str(beam)], cwd=ROOT, check=True,
+                          "--repeats", str(repeats), "--beam", str(beam), "--precision", precision], cwd=ROOT, check=True,
                          capture_output=True, text=True).stdout
     return json.loads(out)
 
@@ -78,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--beam", type=int, default=0, help="pp: kernel search at warm-up (PP_BEAM)")
+    p.add_argument("--precision", choices=PRECISIONS, default="auto",
+                   help="pp: which weights keep the file's precision (PP_PRECISION; weights.narrow_kinds)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     rows = []
@@ -87,14 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.rpc_server:
         with rpc_servers(args.rpc_server, 2) as servers:
             rows.append(llama_bench(args.llama_bench, args.gguf, 1, args.max_tokens, rpc=servers))
-    single = pp_one_process(args.gguf, args.max_tokens, args.repeats, args.beam)
+    single = pp_one_process(args.gguf, args.max_tokens, args.repeats, args.beam, args.precision)
     base = summarize(str(args.gguf), 0, single, None)
-    rows.append({"engine": f"pp, one process (beam {args.beam})", "threads": None, "tokens_per_s": base["tokens_per_s"],
+    rows.append({"engine": f"pp, one process (beam {args.beam}, {args.precision})", "threads": None, "tokens_per_s": base["tokens_per_s"],
                  "peak_rss_mb": base["peak_rss_mb"][0], "weight_mb": base["weight_mb"][0], "kv_mb": base["kv_mb"][0]})
     for n in args.stages:
-        result = trio.run(pipeline, str(args.gguf), n, "Say hello", args.max_tokens, args.repeats, args.beam)
+        result = trio.run(pipeline, str(args.gguf), n, "Say hello", args.max_tokens, args.repeats, args.beam,
+                          args.precision)
         row = summarize(str(args.gguf), n, result, base["decode_ms_per_token"])
-        rows.append({"engine": f"pp, N = {n} (beam {args.beam})", "threads": None, "tokens_per_s": row["tokens_per_s"],
+        rows.append({"engine": f"pp, N = {n} (beam {args.beam}, {args.precision})", "threads": None, "tokens_per_s": row["tokens_per_s"],
                      "peak_rss_mb": max(row["peak_rss_mb"]), "weight_mb": row["weight_mb"], "kv_mb": row["kv_mb"],
                      "rss_mb": row["peak_rss_mb"]})
         print(f"done: pp x {n}", file=sys.stderr, flush=True)

@@ -17,6 +17,7 @@ from pathlib import Path
 from worker.batching import DEFAULT_MAX_SEQS
 from worker.models import open_model
 from worker.partition import Role, layer_range, role_of
+from worker.weights import PRECISIONS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,8 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stage", type=int, default=0)
     p.add_argument("--stages", type=int, default=1, help="1: the whole model in one slice")
     p.add_argument("--max-seqs", type=int, default=DEFAULT_MAX_SEQS)
+    p.add_argument("--precision", choices=PRECISIONS, default="auto",
+                   help="which weights keep the file's precision (weights.narrow_kinds)")
     args = p.parse_args(argv)
-    model = open_model(args.model, cache_dir=Path(tempfile.gettempdir()), ollama_models_dir=None)
+    model = open_model(args.model, cache_dir=Path(tempfile.gettempdir()), ollama_models_dir=None,
+                       precision=args.precision)
     if args.stages == 1:
         layers, embed, head = range(model.total_blocks), True, True
     else:
@@ -39,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     s.warm_up()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     mb = 2 ** 20
-    print(json.dumps({"model": args.model, "stage": args.stage, "stages": args.stages, "max_seqs": args.max_seqs,
+    print(json.dumps({"model": args.model, "precision": args.precision, "stage": args.stage, "stages": args.stages, "max_seqs": args.max_seqs,
                       "load_s": round(loaded_s, 1), "weight_mb": round(s.weight_bytes / mb),
                       "kv_mb": round(s.kv_bytes / mb), "peak_rss_mb": round(peak / mb),
                       "rss_over_weights_and_kv": round(peak / (s.weight_bytes + s.kv_bytes), 2)}))

@@ -29,13 +29,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def single_process(model: str, prompt: str, max_tokens: int, repeats: int, beam: int = 0,
-                   precision: str = "file") -> dict:
+                   precision: str = "auto") -> dict:
     """Runs in a child process (`--single`), so its RSS is its own: whole-model decode, warm JIT."""
     import resource
 
     from worker.models import open_model
     from worker.sampling import GREEDY, sample
-    model_ = open_model(model, cache_dir=Path(tempfile.gettempdir()), ollama_models_dir=None, precision=precision)
+    model_ = open_model(model, cache_dir=Path(tempfile.gettempdir()), ollama_models_dir=None, precision=precision,
+                        tuned=beam > 0)
     full = model_.open_slice(range(model_.total_blocks), embed=True, head=True)
     full.warm_up(beam)
     ids = model_.tokenizer().encode_chat(prompt)
@@ -55,7 +56,7 @@ def single_process(model: str, prompt: str, max_tokens: int, repeats: int, beam:
 
 
 async def pipeline(model: str, n: int, prompt: str, max_tokens: int, repeats: int, beam: int = 0,
-                   precision: str = "file") -> dict:
+                   precision: str = "auto") -> dict:
     started, token = time.monotonic(), secrets.token_urlsafe(16)
     auth = {"Authorization": f"Bearer {token}"}
     async with trio.open_nursery() as nursery:
@@ -156,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed requests per configuration, after one warm-up")
     p.add_argument("--json", type=Path, help="also write the rows as JSON here")
     p.add_argument("--beam", type=int, default=0, help="kernel search at warm-up, one process and every stage (PP_BEAM)")
-    p.add_argument("--precision", choices=PRECISIONS, default="file",
-                   help="weights as the file holds them (default) or widened to float32 at load (PP_PRECISION)")
+    p.add_argument("--precision", choices=PRECISIONS, default="auto",
+                   help="which weights keep the file's precision (PP_PRECISION; weights.narrow_kinds)")
     p.add_argument("--single", help=argparse.SUPPRESS)  # internal: run the one-process baseline for this model
     args = p.parse_args(argv)
     if args.single:

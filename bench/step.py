@@ -58,11 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--profile", action="store_true", help="also print a cProfile of as many more steps")
     p.add_argument("--beam", type=int, default=0, help="kernel search width at warm-up (tinygrad BEAM; 0 = off)")
-    p.add_argument("--precision", choices=PRECISIONS, default="file",
-                   help="matrices as the file holds them (default) or widened to float32 at load")
+    p.add_argument("--precision", choices=PRECISIONS, default="auto",
+                   help="which weights keep the file's precision (weights.narrow_kinds)")
     args = p.parse_args(argv)
     model = open_model(args.model, cache_dir=Path(tempfile.gettempdir()), ollama_models_dir=None,
-                       precision=args.precision)
+                       precision=args.precision, tuned=args.beam > 0)
     for blocks in args.blocks:
         for batch in args.batch:
             ms, warm_s = step_ms(model, blocks, args.steps, batch, args.beam, args.profile)

@@ -59,7 +59,7 @@ class NodeConfig:
     max_seqs: int = DEFAULT_MAX_SEQS    # requests whose KV caches a stage holds at once (its sequence slots)
     max_queue: int = DEFAULT_MAX_QUEUE  # stage 0: requests waiting for a slot before the entry answers 429
     beam: int = 0                       # PP_BEAM: tinygrad's kernel search width at boot (0 = off); cached on disk
-    precision: str = "file"             # PP_PRECISION: matrices as the file holds them (file) or widened at load (f32)
+    precision: str = "auto"             # PP_PRECISION: which matrices keep the file's precision (worker.weights.narrow_kinds)
     link_streams: bool = True           # PP_LINKS=stream: one long-lived HTTP/2 stream to the next stage; post: a POST each
     exit_on_stdin_eof: bool = False     # PP_STDIN_LIFELINE=1: a local runner holds our stdin; EOF = it is gone
     log_level: str = DEFAULT_LOG_LEVEL
@@ -126,7 +126,7 @@ ENV_TABLE = (
     ("PP_MAX_SEQS", "--max-seqs", f"requests in flight at once: each holds a KV cache on every stage ({DEFAULT_MAX_SEQS})"),
     ("PP_MAX_QUEUE", "--max-queue", f"stage 0: requests waiting for a free slot; past it, 429 ({DEFAULT_MAX_QUEUE})"),
     ("PP_BEAM", "--beam", "kernel search at boot: tinygrad's BEAM width, e.g. 2; minutes once, cached on disk for the next boot (0 = off)"),
-    ("PP_PRECISION", "--precision", "file: weights as the file holds them (F16, BF16, Q8_0 read by the kernels); f32: widened at load (file)"),
+    ("PP_PRECISION", "--precision", "auto: Q8_0 weights stay as the file holds them, F16/BF16 too with --beam; file: all of them always; f32: every weight widened at load (auto)"),
     ("PP_LINKS", "--links", "stream: messages to the next stage as frames of one long-lived HTTP/2 stream; post: a POST each (stream)"),
     ("PP_STDIN_LIFELINE", "", "1: exit when stdin closes (set by ppsmoke --seed, so no node outlives it)"),
     ("PP_LOG_LEVEL", "--log-level", f"{', '.join(LOG_LEVELS)} ({DEFAULT_LOG_LEVEL})"),
@@ -170,7 +170,7 @@ def build_parser(prog: str = "python ppnode.py") -> argparse.ArgumentParser:
     p.add_argument("--max-seqs", metavar="K", help=f"requests in flight at once (PP_MAX_SEQS, default {DEFAULT_MAX_SEQS})")
     p.add_argument("--max-queue", metavar="Q", help=f"requests waiting at stage 0 (PP_MAX_QUEUE, default {DEFAULT_MAX_QUEUE})")
     p.add_argument("--beam", metavar="W", help="kernel search width at boot, 0 = off (PP_BEAM, default 0)")
-    p.add_argument("--precision", metavar="P", help="file or f32: weights as stored or widened (PP_PRECISION, default file)")
+    p.add_argument("--precision", metavar="P", help="auto, file or f32: which weights stay as the file holds them (PP_PRECISION, default auto)")
     p.add_argument("--links", metavar="KIND", help="stream or post: how messages go to the next stage (PP_LINKS)")
     p.add_argument("--log-level", metavar="LEVEL", help=f"{', '.join(LOG_LEVELS)} (PP_LOG_LEVEL)")
     return p
@@ -226,9 +226,9 @@ def _config_from(src: _Sources, *, home: Path, rng: random.Random | None) -> Nod
 
 def _precision(src: _Sources) -> str:
     raw, label = src.get("--precision")
-    value = (raw or "file").strip().lower()
+    value = (raw or "auto").strip().lower()
     if value not in PRECISIONS:
-        raise ConfigError(f"{label}={raw!r}: expected {' or '.join(PRECISIONS)}")
+        raise ConfigError(f"{label}={raw!r}: expected {', '.join(PRECISIONS)}")
     return value
 
 

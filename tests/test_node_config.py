@@ -116,7 +116,7 @@ def test_the_port_flag_also_selects_the_vast_port_mapping():
     ({"PP_ADVERTISE_ADDR": "http://"}, [], (), "PP_ADVERTISE_ADDR='http://' is not an http(s) address"),
     ({"PP_MAX_BODY": "0"}, [], (), "PP_MAX_BODY=0 must be a positive number of bytes"),
     ({"PP_LOG_LEVEL": "LOUD"}, [], (), "PP_LOG_LEVEL='LOUD' is not one of DEBUG, INFO"),
-    ({"PP_PRECISION": "q4"}, [], (), "PP_PRECISION='q4': expected file or f32"),
+    ({"PP_PRECISION": "q4"}, [], (), "PP_PRECISION='q4': expected auto, file, f32"),
     ({"PP_NODE_ID": "my node"}, [], (), "PP_NODE_ID='my node': a node id must be printable and without spaces"),
 ])
 def test_a_bad_value_exits_with_a_message_naming_its_source(capsys, env, argv, drop, message):

@@ -15,7 +15,7 @@ from worker.hf import HFSource
 from worker.models import open_worker, tinygrad_model
 from worker.reference import generate_full
 from worker.tokenizer import byte_tokenizer
-from worker.weights import EMBEDDING, is_matrix, stage_tensor_names
+from worker.weights import EMBEDDING, is_matrix, narrow_kinds, stage_tensor_names
 
 # every kind a kernel reads as it is, q and k rows (permuted in the file) among them, and a K-quant,
 # which is widened at load
@@ -58,20 +58,32 @@ def test_safetensors_matrices_keep_their_dtype(tmp_path, dtype, kind):
         np.testing.assert_array_equal(packed.widened(), source.load(name))
 
 
-def test_a_stage_holds_the_files_bytes_not_four_per_weight(gguf_path):
+@pytest.mark.parametrize("precision, tuned, kept", [
+    ("file", False, {"f16", "bf16", "q8_0"}),
+    ("file", True, {"f16", "bf16", "q8_0"}),
+    ("auto", True, {"f16", "bf16", "q8_0"}),
+    ("auto", False, {"q8_0"}),  # untuned CPU kernels read f16 slower than f32
+    ("f32", True, set()),
+    ("f32", False, set()),
+])
+def test_a_stage_holds_the_files_bytes_for_the_kinds_it_keeps_and_four_per_weight_for_the_rest(
+        gguf_path, precision, tuned, kept):
     source = GGUFSource(gguf_path)
     names = stage_tensor_names(CONFIG, range(2), embed=True, head=True)
-    file_bytes = sum(source.header.tensors[n].nbytes for n in names)
-    widened_q6k = 4 * CONFIG.dim * CONFIG.ffn_dim - source.header.tensors["blk.0.ffn_down.weight"].nbytes
-    held = tinygrad_model(source).open_slice(range(2), embed=True, head=True).weight_bytes
-    assert held == file_bytes + widened_q6k
-    assert tinygrad_model(source, "f32").open_slice(range(2), embed=True, head=True).weight_bytes == \
-        4 * sum(np.prod(source.header.tensors[n].shape) for n in names)
+    want = sum(info.nbytes if KIND[MIXED.get(n, Q.F32)] in kept | {"f32"} and MIXED.get(n) != Q.Q6_K
+               else 4 * int(np.prod(info.shape)) for n in names for info in [source.header.tensors[n]])
+    held = tinygrad_model(source, precision, tuned=tuned).open_slice(range(2), embed=True, head=True).weight_bytes
+    assert held == want
+
+
+def test_an_unknown_precision_is_refused():
+    with pytest.raises(ValueError, match="precision must be one of auto, file, f32, got 'q4'"):
+        narrow_kinds("q4", False)
 
 
 @pytest.fixture(scope="module")
 def file_model(gguf_path):
-    return tinygrad_model(GGUFSource(gguf_path))
+    return tinygrad_model(GGUFSource(gguf_path), "file")
 
 
 def test_sliced_equals_whole_exactly_in_the_files_precision(file_model):

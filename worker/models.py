@@ -13,7 +13,7 @@ from .slice import Slice, TinygradSlice
 from .stage import StageWorker
 from .stub import STUB_BLOCKS, StubSlice, StubTokenizer
 from .tiny import BUILT_IN, TinySource
-from .weights import WeightSource
+from .weights import WeightSource, narrow_kinds
 
 
 @attrs.frozen
@@ -24,11 +24,13 @@ class Model:
     tokenizer: Callable[[], object]
 
 
-def tinygrad_model(source: WeightSource, precision: str = "file") -> Model:
-    """`precision`: "file" keeps matrices as the file holds them where kernels can read them so (F16, BF16,
-    Q8_0); "f32" widens every weight at load, the reference path."""
+def tinygrad_model(source: WeightSource, precision: str = "auto", *, tuned: bool = False) -> Model:
+    """`precision` and `tuned` (kernels will be searched: beam > 0) pick which matrices keep the file's
+    precision (F16, BF16, Q8_0): weights.narrow_kinds. "f32" widens every weight at load, the reference path."""
+    keep = narrow_kinds(precision, tuned)
+
     def open_slice(layers: range, *, embed: bool, head: bool, max_seqs: int = DEFAULT_MAX_SEQS) -> Slice:
-        return TinygradSlice(source, layers, embed=embed, head=head, max_seqs=max_seqs, precision=precision)
+        return TinygradSlice(source, layers, embed=embed, head=head, max_seqs=max_seqs, keep=keep)
     return Model(source.path, source.config.n_layers, open_slice, source.tokenizer)
 
 
@@ -46,17 +48,17 @@ def open_worker(model: Model, stage: int, num_stages: int, *, max_seqs: int = DE
 
 
 def open_model(spec: str, *, cache_dir: Path, ollama_models_dir: Path | None, progress: bool = True,
-               precision: str = "file") -> Model:
+               precision: str = "auto", tuned: bool = False) -> Model:
     """The one model argument: `stub`, `tiny`, `small`, a .gguf file, a Hugging Face directory or a known name.
-    `precision` as tinygrad_model's."""
+    `precision` and `tuned` as tinygrad_model's."""
     name = spec.strip().lower()
     if name == "stub":
         return stub_model()
     if name in BUILT_IN:
-        return tinygrad_model(TinySource(BUILT_IN[name], path=name), precision)
+        return tinygrad_model(TinySource(BUILT_IN[name], path=name), precision, tuned=tuned)
     ref = resolve_model(spec, cache_dir=cache_dir, ollama_models_dir=ollama_models_dir, progress=progress)
     if ref.kind is ModelKind.GGUF:
         from .gguf import GGUFSource
-        return tinygrad_model(GGUFSource(ref.path), precision)
+        return tinygrad_model(GGUFSource(ref.path), precision, tuned=tuned)
     from .hf import HFSource
-    return tinygrad_model(HFSource(ref.path), precision)
+    return tinygrad_model(HFSource(ref.path), precision, tuned=tuned)

@@ -14,7 +14,7 @@ from .batching import DEFAULT_MAX_SEQS, Segment
 from .model import StageModel
 from .packed import Packed
 from .packed import dense as packed_dense
-from .weights import EMBEDDING, OUTPUT, PRECISIONS, WeightSource, is_matrix, stage_tensor_names
+from .weights import EMBEDDING, NARROW_KINDS, OUTPUT, WeightSource, is_matrix, stage_tensor_names
 
 
 class Slice(Protocol):
@@ -42,13 +42,11 @@ class _OnDemand:
     """A slice's tensors, each read from the source only when taken, so that the host holds one weight at a
     time on its way to the device rather than all of them at once. `nbytes` counts each tensor once.
 
-    Matrices come as Packed: in the file's precision (`precision` "file") or widened to float32 ("f32");
-    norm weights as float32 arrays."""
+    Matrices come as Packed, in the file's precision where it is one of `keep` (weights.narrow_kinds),
+    else widened to float32; norm weights as float32 arrays."""
 
-    def __init__(self, source: WeightSource, names, precision: str = "file"):
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-        self._source, self._names, self._precision = source, list(names), precision
+    def __init__(self, source: WeightSource, names, keep: frozenset[str] = NARROW_KINDS):
+        self._source, self._names, self._keep = source, list(names), keep
         self._counted: set[str] = set()
         self.nbytes = 0
 
@@ -60,10 +58,12 @@ class _OnDemand:
             raise KeyError(name)
         if not is_matrix(name):
             array = self._source.load(name)
-        elif self._precision == "file":
-            array = self._source.load_packed(name)
-        else:
+        elif not self._keep:  # the f32 path: the source widens, as it always has
             array = packed_dense("f32", self._source.load(name))
+        else:
+            array = self._source.load_packed(name)
+            if array.kind != "f32" and array.kind not in self._keep:
+                array = packed_dense("f32", array.widened())
         if name not in self._counted:
             self._counted.add(name)
             self.nbytes += array.nbytes
@@ -77,9 +77,9 @@ class _OnDemand:
 
 class TinygradSlice:
     def __init__(self, source: WeightSource, layers: range, *, embed: bool, head: bool,
-                 max_seqs: int = DEFAULT_MAX_SEQS, precision: str = "file"):
+                 max_seqs: int = DEFAULT_MAX_SEQS, keep: frozenset[str] = NARROW_KINDS):
         config: ModelConfig = source.config
-        tensors = _OnDemand(source, stage_tensor_names(config, layers, embed=embed, head=head), precision)
+        tensors = _OnDemand(source, stage_tensor_names(config, layers, embed=embed, head=head), keep)
         self.hidden_dim, self.vocab_size, self.max_context = config.dim, config.vocab_size, config.max_context
         head_weight = (EMBEDDING if config.tie_embeddings else OUTPUT) if head else None
         self.model = StageModel(config, layers, tensors, head_weight=head_weight, max_seqs=max_seqs)
