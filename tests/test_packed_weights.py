@@ -107,7 +107,7 @@ def test_the_split_matmul_form_matches_the_plain_one_and_slices_exactly(file_mod
     # the form searched kernels take (worker/linear.py); kernel search itself is too slow to run here
     def opened(layers, embed, head, split):
         s = file_model.open_slice(layers, embed=embed, head=head)
-        s.model.split = split
+        s.model.searched = split
         return s
     prompt = list(range(3, 20))
     plain = opened(range(2), True, True, False)
@@ -117,3 +117,25 @@ def test_the_split_matmul_form_matches_the_plain_one_and_slices_exactly(file_mod
     assert np.array_equal(last.forward(first.forward(first.embed(prompt), 0), 0), want)
     np.testing.assert_allclose(want, plain.forward(plain.embed(prompt), 0), rtol=1e-4,
                                atol=1e-4 * np.abs(want).max())
+
+
+def _packed(kind: str, w: np.ndarray):
+    from worker import packed
+    if kind == "q8_0":
+        from ggufmake import quantize
+        return packed.q8_0(quantize(w, Q.Q8_0).view(np.uint8).ravel(), w.shape)
+    bits = {"f32": w, "f16": w.astype(np.float16), "bf16": (w.view(np.uint32) >> 16).astype(np.uint16)}[kind]
+    return packed.dense(kind, bits)
+
+
+@pytest.mark.parametrize("searched", [False, True], ids=["plain", "searched"])
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16", "q8_0"])
+def test_linear_computes_x_times_the_widened_weight_for_every_kind_and_form(kind, searched):
+    from tinygrad import Tensor
+
+    from worker.linear import linear, to_device
+    rng = np.random.default_rng(3)
+    w, x = rng.standard_normal((48, 96)).astype(np.float32), rng.standard_normal((3, 96)).astype(np.float32)
+    packed = _packed(kind, w)
+    got = linear(Tensor(x), to_device(packed, lambda a: Tensor(a)), searched=searched).numpy()
+    np.testing.assert_allclose(got, x @ packed.widened().T, rtol=1e-5, atol=1e-5)

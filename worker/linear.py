@@ -1,14 +1,15 @@
 """Weights on the device in their file's precision, and the matmul that widens them as it reads them.
 
-Two forms of x @ W.T, picked by the model for the whole graph:
-- plain: tinygrad's own matmul over the widened weight; its hand-picked kernels are the faster form
-  when kernels are not searched.
+Two forms of x @ W.T:
+- plain: tinygrad's own matmul over the widened weight.
 - split: the reduction over `in` cut into blocks of 32 whose partial sums are kept per lane and added
-  at the end. A searched (BEAM) kernel then keeps many independent accumulators instead of one chain of
-  dependent adds; measured on one (2816 × 1024) weight, one row, BEAM=2: f32 0.98 → 0.75 ms, f16
-  2.2 → 0.58 ms, Q8_0 1.13 → 0.55 ms. Without search the same form is slower (f32 1.25 → 2.1 ms).
-Both read each weight once per step and widen it in registers; the sums differ from each other only in
-their order.
+  at the end, so that a searched (BEAM) kernel keeps many independent accumulators instead of one chain
+  of dependent adds while it widens each weight.
+Measured with BEAM=2 on the 312 M model (docs/benchmarks.md), one row: the 128k-row head from Q8_0
+72 → 19 ms plain → split, from F16 95 → 45 ms, but from F32 43 → 58 ms, and F32 blocks the same either
+way. So a weight takes the split form only when kernels are searched and it is narrow; untuned, the
+plain form is the faster for every kind. Both read each weight once a step and widen it in registers;
+their sums differ only in order.
 """
 from __future__ import annotations
 
@@ -44,10 +45,10 @@ def blocked(w: DeviceWeight) -> Tensor:
     return _widened(w).reshape(out, inp // SPLIT, SPLIT)
 
 
-def linear(x: Tensor, w: DeviceWeight, *, split: bool) -> Tensor:
-    """x (rows, in) float32 @ W.T -> (rows, out) float32."""
+def linear(x: Tensor, w: DeviceWeight, *, searched: bool) -> Tensor:
+    """x (rows, in) float32 @ W.T -> (rows, out) float32; `searched`: the kernels will be searched (BEAM)."""
     out, inp = w.shape
-    if not split or inp % SPLIT:
+    if not searched or w.kind == "f32" or inp % SPLIT:
         full = blocked(w).reshape(out, inp) if w.kind == "q8_0" else _widened(w)
         return x @ full.T
     rows = x.shape[0]

@@ -17,6 +17,9 @@ Why it is built this way (tinygrad 0.14, measured in docs/benchmarks.md):
 - New keys and values are written by one small scatter kernel per block (`_kv_store`): tinygrad's
   indexed setitem rewrites the whole cache, which at 1B scale would move ~1 GB per step.
 - Reads gather each row's slot with an index tensor, which tinygrad folds into direct loads.
+- Matrices stay in the file's precision where it is F16, BF16 or Q8_0 (worker/packed.py) and are widened
+  inside the matmul kernels (worker/linear.py): decode reads every weight once a step, so fewer bytes a
+  weight is speed, and a stage holds about the file's bytes.
 - Each row's arithmetic is the same whatever the bucket and whatever else is in the batch (row-wise
   matmuls, a row's masked keys add exact zeros): the same request gives bit-identical logits alone
   or batched (tests/test_batching.py), and so prompts chunked through the step graph equal stepping
@@ -86,11 +89,11 @@ class Block:
         c = config
         self.cache = Tensor.zeros(slots * c.max_context, 2 * c.n_kv_heads * c.head_dim).contiguous().realize()
 
-    def __call__(self, x: Tensor, rows: _Rows, kv_len: UOp, split: bool) -> Tensor:
+    def __call__(self, x: Tensor, rows: _Rows, kv_len: UOp, searched: bool) -> Tensor:
         c, w = self.config, self.w
 
         def mm(x: Tensor, name: str) -> Tensor:
-            return linear(x, w[name], split=split)
+            return linear(x, w[name], searched=searched)
         h = x + self._attention(_rms_norm(x, w["attn_norm"], c.norm_eps), rows, kv_len, mm)
         # Each matmul is its own kernel (contiguous): fused with its neighbours, tinygrad's CPU kernels
         # for several rows re-read the weights or recompute the norm and silu per output (one `small`
@@ -176,7 +179,7 @@ class StageModel:
         if max_seqs < 1:
             raise ValueError(f"max_seqs must be at least 1, got {max_seqs}")
         self.config, self.layers, self.max_seqs = config, layers, max_seqs
-        self.split = False  # the matmul form (worker/linear.py): split once kernels are searched
+        self.searched = False  # kernels are searched (BEAM) as graphs are captured: linear() picks its form by it
         self.scratch_slot = max_seqs  # padding rows write here; no sequence ever reads it
         self.buckets = bucket_sizes(max_batch or default_max_batch(max_seqs))
         # Each array goes to the device and out of `tensors` in turn (the caller hands them over, and may read
@@ -239,10 +242,10 @@ class StageModel:
         rows = _Rows(floats[:, c.dim:c.dim + half].reshape(b, 1, 1, half),
                      floats[:, c.dim + half:].reshape(b, 1, 1, half), slot, cache_row, mask)
         for block in self.blocks:
-            x = block(x, rows, kv_len, self.split)
+            x = block(x, rows, kv_len, self.searched)
         if self.head is not None:
             norm, out = self.head
-            x = linear(_rms_norm(x, norm, c.norm_eps), out, split=self.split)
+            x = linear(_rms_norm(x, norm, c.norm_eps), out, searched=self.searched)
         return x.realize()
 
     def forward_batch(self, hidden: np.ndarray, segments: list[Segment]) -> np.ndarray:
@@ -303,9 +306,9 @@ class StageModel:
         `beam` > 0: tinygrad's kernel search (BEAM) picks each kernel's tiling by timing candidates while a
         graph is captured. It costs minutes at a first boot; tinygrad keeps what it found in its on-disk
         cache (table beam_search) and kernel_cache keeps the lowered programs, so the next boot of the same
-        slice pays neither. Searched kernels take the split matmul form (worker/linear.py)."""
-        if beam and not self.split:  # graphs captured before (by a call) are captured again in the new form
-            self.split, self._graphs = True, self._new_graphs()
+        slice pays neither. Narrow weights then take the split matmul form (worker/linear.py)."""
+        if beam and not self.searched:  # graphs captured before (by a call) are captured again in that form
+            self.searched, self._graphs = True, self._new_graphs()
         cost = {}
         for bucket in self.buckets:
             zeros = np.zeros((bucket, self.config.dim), dtype=np.float32)
