@@ -38,10 +38,12 @@ def main(argv: list[str] | None = None) -> int:
         role = role_of(args.stage, args.stages)
         layers, embed, head = layer_range(model.total_blocks, args.stage, args.stages), role is Role.FIRST, role is Role.LAST
     started = time.perf_counter()
+    tokenizer = model.tokenizer()  # first, and kept, as a node's stage does (worker.models.open_worker)
     s = model.open_slice(layers, embed=embed, head=head, max_seqs=args.max_seqs)
     loaded_s = time.perf_counter() - started
     s.warm_up()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    del tokenizer
     mb = 2 ** 20
     print(json.dumps({"model": args.model, "precision": args.precision, "stage": args.stage, "stages": args.stages, "max_seqs": args.max_seqs,
                       "load_s": round(loaded_s, 1), "weight_mb": round(s.weight_bytes / mb),

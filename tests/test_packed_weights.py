@@ -48,6 +48,15 @@ def test_matrices_keep_the_file_precision_and_widen_to_exactly_what_load_gives(g
             assert packed.nbytes == source.header.tensors[name].nbytes, name
 
 
+def test_q8_0_read_a_few_rows_at_a_time_is_the_whole_tensor(gguf_path, monkeypatch):
+    from worker import gguf
+    source = GGUFSource(gguf_path)
+    whole = source.load_packed(EMBEDDING)
+    monkeypatch.setattr(gguf, "DECODE_CHUNK_ELEMENTS", 7 * CONFIG.dim // 32 * 34)  # 7 rows a read
+    chunked = source.load_packed(EMBEDDING)
+    assert all(np.array_equal(a, b) for a, b in zip(whole.parts, chunked.parts))
+
+
 @pytest.mark.parametrize("dtype, kind", [("F16", "f16"), ("BF16", "bf16"), ("F32", "f32")])
 def test_safetensors_matrices_keep_their_dtype(tmp_path, dtype, kind):
     config = attrs.evolve(QUANT_CONFIG, tie_embeddings=False)
@@ -121,9 +130,11 @@ def test_the_split_matmul_form_matches_the_plain_one_and_slices_exactly(file_mod
 
 def _packed(kind: str, w: np.ndarray):
     from worker import packed
-    if kind == "q8_0":
+    if kind == "q8_0":  # ggml's blocks: an f16 scale, then 32 int8
         from ggufmake import quantize
-        return packed.q8_0(quantize(w, Q.Q8_0).view(np.uint8).ravel(), w.shape)
+        blocks = quantize(w, Q.Q8_0).view(np.uint8).reshape(w.shape[0], -1, 34)
+        return packed.Packed("q8_0", (packed.aligned(blocks[:, :, 2:]).view(np.int8),
+                                      packed.aligned(blocks[:, :, :2]).view(np.float16)))
     bits = {"f32": w, "f16": w.astype(np.float16), "bf16": (w.view(np.uint32) >> 16).astype(np.uint16)}[kind]
     return packed.dense(kind, bits)
 

@@ -16,9 +16,8 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import ModelFileError
-from .packed import Packed, permute_rows
+from .packed import Q8_BLOCK, Q8_BLOCK_BYTES, Packed, permute_rows
 from .packed import dense as packed_dense
-from .packed import q8_0 as packed_q8_0
 from .weights import aligned_empty
 
 # ggml type id -> (name, elements per block, bytes per block); ggml.h's `ggml_type`.
@@ -343,16 +342,16 @@ class GGUFSource:
         info = self._info(name)
         kind = _NARROW.get(info.ggml_type)
         if kind is None or len(info.shape) != 2:
-            packed = packed_dense("f32", self.load(name))
+            return packed_dense("f32", self.load(name))  # load undoes the q/k permutation itself
+        if kind == "q8_0":
+            packed = self._q8_0(info)
         else:
-            raw = self._raw(info)
-            packed = (packed_q8_0(raw, info.shape) if kind == "q8_0"
-                      else packed_dense(kind, raw.view(_NUMPY[kind]).reshape(info.shape)))
-            if m := _QK.fullmatch(name):
-                heads = self.config.n_heads if m.group(1) == "q" else self.config.n_kv_heads
-                if info.shape[0] != heads * self.config.head_dim:
-                    raise ModelFileError(self.path, f"{name} is {info.shape}, want ({heads * self.config.head_dim}, ...)")
-                packed = permute_rows(packed, unpermute_qk(np.arange(info.shape[0]), heads))
+            packed = packed_dense(kind, self._raw(info).view(_NUMPY[kind]).reshape(info.shape))
+        if m := _QK.fullmatch(name):
+            heads = self.config.n_heads if m.group(1) == "q" else self.config.n_kv_heads
+            if info.shape[0] != heads * self.config.head_dim:
+                raise ModelFileError(self.path, f"{name} is {info.shape}, want ({heads * self.config.head_dim}, ...)")
+            packed = permute_rows(packed, unpermute_qk(np.arange(info.shape[0]), heads))
         return packed
 
     def tokenizer(self):
@@ -369,19 +368,36 @@ class GGUFSource:
         info = self._info(name)
         return dequantize(self._raw(info), info.ggml_type, info.shape, path=self.path, tensor=repr(name))
 
-    def _raw(self, info: TensorInfo) -> np.ndarray:
-        """Exactly the tensor's bytes [offset, offset + nbytes), nothing else."""
-        raw = aligned_empty(info.nbytes)  # float32 tensors are used in place from here (model._on_device)
+    def _q8_0(self, info: TensorInfo) -> Packed:
+        """A Q8_0 matrix read a chunk of rows at a time straight into its int8 weights and f16 scales, so
+        that loading holds no second copy of the tensor."""
+        rows, cols = info.shape
+        blocks, row_bytes = cols // Q8_BLOCK, cols // Q8_BLOCK * Q8_BLOCK_BYTES
+        q = aligned_empty(rows * cols).view(np.int8).reshape(rows, blocks, Q8_BLOCK)
+        scale = aligned_empty(rows * blocks * 2).view(np.float16).reshape(rows, blocks, 1)
+        step = max(1, DECODE_CHUNK_ELEMENTS // row_bytes)
+        for first in range(0, rows, step):
+            n = min(step, rows - first)
+            chunk = self._raw(info, first * row_bytes, n * row_bytes).reshape(n, blocks, Q8_BLOCK_BYTES)
+            scale[first:first + n] = chunk[:, :, :2].view(np.float16)
+            q[first:first + n] = chunk[:, :, 2:].view(np.int8)
+        return Packed("q8_0", (q, scale))
+
+    def _raw(self, info: TensorInfo, start: int = 0, nbytes: int | None = None) -> np.ndarray:
+        """Exactly the tensor's bytes [offset + start, offset + start + nbytes) (all of them by default),
+        nothing else."""
+        nbytes = info.nbytes - start if nbytes is None else nbytes
+        raw = aligned_empty(nbytes)  # float32 tensors are used in place from here (model._on_device)
         try:
             with open(self.path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 if info.offset + info.nbytes > size:
                     raise ModelFileError(self.path, f"tensor {info.name!r} needs bytes up to "
                                                     f"{info.offset + info.nbytes} but the file has {size}: truncated")
-                f.seek(info.offset)
+                f.seek(info.offset + start)
                 got = f.readinto(memoryview(raw))
         except OSError as e:
             raise ModelFileError(self.path, f"cannot read tensor {info.name!r}: {e.strerror}") from None
-        if got != info.nbytes:  # the file shrank between fstat and read
-            raise ModelFileError(self.path, f"tensor {info.name!r}: read {got} of {info.nbytes} bytes: truncated")
+        if got != nbytes:  # the file shrank between fstat and read
+            raise ModelFileError(self.path, f"tensor {info.name!r}: read {got} of {nbytes} bytes: truncated")
         return raw

@@ -43,8 +43,11 @@ def open_worker(model: Model, stage: int, num_stages: int, *, max_seqs: int = DE
     caches for `max_seqs` requests at once."""
     role = role_of(stage, num_stages)
     layers = layer_range(model.total_blocks, stage, num_stages)
+    # the tokenizer first: what building it needs for a while (~50 MB for Llama 3's) is freed before the
+    # weights arrive, rather than adding to the stage's peak
+    tokenizer = model.tokenizer()
     compute = model.open_slice(layers, embed=role is Role.FIRST, head=role is Role.LAST, max_seqs=max_seqs)
-    return StageWorker(compute, model.tokenizer(), stage=stage, num_stages=num_stages, total_blocks=model.total_blocks)
+    return StageWorker(compute, tokenizer, stage=stage, num_stages=num_stages, total_blocks=model.total_blocks)
 
 
 def open_model(spec: str, *, cache_dir: Path, ollama_models_dir: Path | None, progress: bool = True,

@@ -74,17 +74,6 @@ def dense(kind: str, array: np.ndarray) -> Packed:
     return Packed(kind, (array if _is_aligned(array) else aligned(array),))
 
 
-def q8_0(raw: np.ndarray, shape: tuple[int, int]) -> Packed:
-    """ggml's Q8_0 bytes of a (out, in) matrix, split into its int8 weights and f16 scales."""
-    out_features, in_features = shape
-    if in_features % Q8_BLOCK or raw.nbytes != out_features * in_features // Q8_BLOCK * Q8_BLOCK_BYTES:
-        raise ValueError(f"{raw.nbytes} bytes are not Q8_0 data of shape {shape}")
-    blocks = raw.view(np.uint8).reshape(out_features, in_features // Q8_BLOCK, Q8_BLOCK_BYTES)
-    scale = aligned(blocks[:, :, :2]).view(np.float16)  # (out, in // 32, 1)
-    q = aligned(blocks[:, :, 2:]).view(np.int8)
-    return Packed("q8_0", (q, scale))
-
-
 def permute_rows(packed: Packed, order: np.ndarray) -> Packed:
     """The same matrix with its rows in `order` (GGUF q/k rows back in rotate-half order)."""
     return Packed(packed.kind, tuple(aligned(p[order]) for p in packed.parts))
