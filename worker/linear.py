@@ -27,16 +27,13 @@ class DeviceWeight:
     parts: tuple[Tensor, ...]
     shape: tuple[int, int]  # (out, in)
 
-    def nbytes(self) -> int:
-        return sum(p.nbytes() for p in self.parts)
-
 
 def to_device(packed: Packed, put) -> DeviceWeight:
     """`put(array) -> Tensor` places each part (in place on the CPU, a copy elsewhere)."""
     return DeviceWeight(packed.kind, tuple(put(p) for p in packed.parts), packed.shape)
 
 
-def blocked(w: DeviceWeight) -> Tensor:
+def _blocked(w: DeviceWeight) -> Tensor:
     """The weight widened to float32, lazily, as (out, in // SPLIT, SPLIT)."""
     out, inp = w.shape
     if w.kind == "q8_0":
@@ -49,10 +46,10 @@ def linear(x: Tensor, w: DeviceWeight, *, searched: bool) -> Tensor:
     """x (rows, in) float32 @ W.T -> (rows, out) float32; `searched`: the kernels will be searched (BEAM)."""
     out, inp = w.shape
     if not searched or w.kind == "f32" or inp % SPLIT:
-        full = blocked(w).reshape(out, inp) if w.kind == "q8_0" else _widened(w)
+        full = _blocked(w).reshape(out, inp) if w.kind == "q8_0" else _widened(w)
         return x @ full.T
     rows = x.shape[0]
-    return (x.reshape(rows, 1, inp // SPLIT, SPLIT) * blocked(w)).sum(-2).sum(-1)
+    return (x.reshape(rows, 1, inp // SPLIT, SPLIT) * _blocked(w)).sum(-2).sum(-1)
 
 
 def _widened(w: DeviceWeight) -> Tensor:
