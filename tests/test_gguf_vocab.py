@@ -1,0 +1,73 @@
+"""A GGUF vocabulary through Hugging Face `tokenizers`, built as llama.cpp reads it: the same ids as
+llama.cpp itself (recorded once by record_llamacpp_ids.py into llamacpp_ids.json) and as the same
+vocabulary's tokenizer.json, on a hard text."""
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from tokfiles import llama3_tokenizer, tokenizer_json
+from vocabfiles import HARD, JSON_VOCABS, LLAMA3_TEMPLATE, TEMPLATE, VOCABS, gguf_fields_of, trained_bpe
+from worker.errors import ModelFileError
+from worker.hf_tokenizers import vocab_from_gguf
+
+RECORDED = json.loads((Path(__file__).with_name("llamacpp_ids.json")).read_text())["vocabs"]
+
+
+def metadata(name: str, **extra) -> dict:
+    f = gguf_fields_of(name)
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": name, "tokenizer.ggml.tokens": f["tokens"],
+            "tokenizer.ggml.token_type": f["token_types"], "tokenizer.ggml.merges": f["merges"],
+            "tokenizer.ggml.bos_token_id": f["bos_id"], "tokenizer.ggml.eos_token_id": f["eos_id"], **extra}
+
+
+def template_of(name: str) -> str:
+    return LLAMA3_TEMPLATE if name == "llama-bpe" else TEMPLATE
+
+
+@pytest.fixture(scope="module", params=VOCABS)
+def vocab(request):
+    return request.param, vocab_from_gguf(metadata(request.param), "m.gguf")
+
+
+def test_a_hard_text_gives_llama_cpps_ids(vocab):
+    name, v = vocab
+    assert v.encode(HARD, specials=False) == RECORDED[name]["hard"]
+
+
+def test_special_tokens_in_a_template_give_llama_cpps_ids(vocab):
+    name, v = vocab
+    assert v.encode(template_of(name), specials=True) == RECORDED[name]["template"]
+
+
+def test_the_ids_decode_back_to_the_text(vocab):
+    name, v = vocab
+    assert v.tokenizer.decode(RECORDED[name]["hard"], skip_special_tokens=False) == HARD
+
+
+@pytest.mark.parametrize("name", JSON_VOCABS)
+def test_the_tokenizer_json_of_the_same_vocabulary_gives_the_same_ids(name):
+    tok = (Tokenizer.from_str(json.dumps(tokenizer_json(llama3_tokenizer()))) if name == "llama-bpe"
+           else trained_bpe(name))
+    tok.encode_special_tokens = True
+    assert tok.encode(HARD, add_special_tokens=False).ids == RECORDED[name]["hard"]
+
+
+@pytest.mark.parametrize("name, add_bos", [("llama-bpe", True), ("smollm", False), ("gpt-2", False)])
+def test_bos_follows_llama_cpps_default_for_the_pre_tokenizer(name, add_bos):
+    assert vocab_from_gguf(metadata(name), "m.gguf").add_bos is add_bos
+    said = {"tokenizer.ggml.add_bos_token": not add_bos}
+    assert vocab_from_gguf(metadata(name, **said), "m.gguf").add_bos is (not add_bos)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("tokenizer.ggml.model", "bert", "tokenizer.ggml.model is 'bert'; supported: 'gpt2'"),
+    ("tokenizer.ggml.pre", "qwen2", "tokenizer.ggml.pre is 'qwen2'; supported: default, gpt-2, llama-bpe"),
+    ("tokenizer.ggml.merges", ["ab"], "tokenizer.ggml.merges[0] is 'ab', not two tokens"),
+    ("tokenizer.ggml.token_type", [1], "token_type has 1 entries for"),
+])
+def test_what_llama_cpp_would_not_read_is_refused_naming_file_and_value(key, value, message):
+    with pytest.raises(ModelFileError, match=message.replace("[", r"\[").replace("]", r"\]")) as e:
+        vocab_from_gguf(metadata("gpt-2", **{key: value}), "m.gguf")
+    assert e.value.path == "m.gguf"

@@ -1,0 +1,105 @@
+"""A GGUF file's vocabulary as a Hugging Face `tokenizers.Tokenizer`, built the way llama.cpp reads it.
+
+Not transformers' GGUF conversion: that ignores `tokenizer.ggml.pre` (it splits every byte-level BPE by
+GPT-2's regex) and the BOS settings (../shared/notes/tokenizers-and-models.md). Here:
+- `tokenizer.ggml.model` "gpt2": byte-level BPE over tokens + merges; the splitting regexes are chosen by
+  `tokenizer.ggml.pre` exactly as llama.cpp's llm_tokenizer_bpe chooses them (src/llama-vocab.cpp), each
+  regex re-splitting the pieces of the one before; Llama 3's pre-tokenizer also takes a whole piece that
+  is in the vocabulary as one token (llama.cpp's ignore_merges).
+- Control and user-defined tokens are added tokens, matched only in text that may hold special tokens
+  (llama.cpp's parse_special; see `encode`).
+Anything else is refused, naming the file and the value.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from .errors import ModelFileError
+
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@attrs.frozen
+class _Pre:
+    regexes: tuple[str, ...]
+    ignore_merges: bool = False
+    add_bos: bool = False  # llama.cpp's default when the file does not say
+
+
+_LLAMA3_PRE = _Pre((_LLAMA3,), ignore_merges=True, add_bos=True)
+# tokenizer.ggml.pre → what llama.cpp does with it (the names these models use; more map the same way there)
+PRE_TOKENIZERS: dict[str, _Pre] = {
+    **{name: _LLAMA3_PRE for name in ("llama-bpe", "llama3", "llama-v3")},
+    "smollm": _Pre((r"\p{N}", _GPT2)),
+    "gpt-2": _Pre((_GPT2,)),
+    "default": _Pre((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]")),
+}
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # gguf-py's TokenType
+
+
+@attrs.frozen(eq=False)
+class GGUFVocab:
+    """The tokenizer and the settings llama.cpp takes from the same keys."""
+
+    tokenizer: Tokenizer
+    add_bos: bool
+    add_eos: bool
+    bos_id: int | None
+    eos_id: int | None
+    eot_id: int | None
+
+    def encode(self, text: str, *, specials: bool) -> list[int]:
+        """Token ids of `text`, without BOS/EOS; `specials`: control-token texts in it are those tokens
+        (for rendered templates), else they are plain text (for what a user typed)."""
+        self.tokenizer.encode_special_tokens = not specials
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def vocab_from_gguf(kv: Mapping, path) -> GGUFVocab:
+    path = str(path)
+    model = kv.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ModelFileError(path, f"tokenizer.ggml.model is {model!r}; supported: 'gpt2'")
+    pre_name = kv.get("tokenizer.ggml.pre", "default")  # llama.cpp: a missing key means 'default'
+    pre = PRE_TOKENIZERS.get(pre_name)
+    if pre is None:
+        raise ModelFileError(path, f"tokenizer.ggml.pre is {pre_name!r}; supported: {', '.join(sorted(PRE_TOKENIZERS))}")
+    tokens, types = _list(kv, "tokenizer.ggml.tokens", path), kv.get("tokenizer.ggml.token_type")
+    types = types if types is not None else [NORMAL] * len(tokens)
+    if len(types) != len(tokens):
+        raise ModelFileError(path, f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+    vocab = {text: i for i, text in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise ModelFileError(path, "tokenizer.ggml.tokens repeats a token")
+    merges = [_merge(m, n, path) for n, m in enumerate(kv.get("tokenizer.ggml.merges", []))]
+    tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=pre.ignore_merges))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                            for i, kind in enumerate(types) if kind in (CONTROL, USER_DEFINED)])
+    return GGUFVocab(tok, add_bos=bool(kv.get("tokenizer.ggml.add_bos_token", pre.add_bos)),
+                     add_eos=bool(kv.get("tokenizer.ggml.add_eos_token", False)),
+                     bos_id=kv.get("tokenizer.ggml.bos_token_id"), eos_id=kv.get("tokenizer.ggml.eos_token_id"),
+                     eot_id=kv.get("tokenizer.ggml.eot_token_id"))
+
+
+def _list(kv: Mapping, key: str, path: str) -> list:
+    value = kv.get(key)
+    if not isinstance(value, list) or not value:
+        raise ModelFileError(path, f"metadata key {key!r} is missing or not a list")
+    return value
+
+
+def _merge(text, n: int, path: str) -> tuple[str, str]:
+    # llama.cpp splits at the first space after the first character, so a merge may start with a space
+    cut = text.find(" ", 1) if isinstance(text, str) else -1
+    if cut < 0:
+        raise ModelFileError(path, f"tokenizer.ggml.merges[{n}] is {text!r}, not two tokens separated by a space")
+    return text[:cut], text[cut + 1:]
