@@ -82,7 +82,8 @@ _QK = re.compile(r"blk\.\d+\.attn_([qk])\.weight")
 def write_llama_gguf(path, config: ModelConfig, weights: dict[str, np.ndarray], *, tokens: list[str],
                      token_types: list[int], merges: list[str], bos_id: int, eos_id: int,
                      qtypes: dict[str, Q] | None = None, architecture: str = "llama", pre: str = "llama-bpe",
-                     add_bos: bool | None = None) -> None:
+                     add_bos: bool | None = None, model: str = "gpt2", scores: list[float] | None = None,
+                     unk_id: int | None = None) -> None:
     """Write `weights` (HF layout, llama.cpp names) and `config` as llama.cpp's converter would.
 
     `architecture` other than "llama" renames the metadata prefix too, as a foreign file would have.
@@ -102,13 +103,18 @@ def write_llama_gguf(path, config: ModelConfig, weights: dict[str, np.ndarray], 
     w.add_rope_freq_base(config.rope_theta)
     w.add_rope_dimension_count(config.head_dim)
     w.add_vocab_size(config.vocab_size)
-    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_model(model)
     w.add_tokenizer_pre(pre)
     if add_bos is not None:
         w.add_add_bos_token(add_bos)
     w.add_token_list(tokens)
     w.add_token_types(token_types)
-    w.add_token_merges(merges)
+    if merges:
+        w.add_token_merges(merges)
+    if scores is not None:
+        w.add_token_scores(scores)
+    if unk_id is not None:
+        w.add_unk_token_id(unk_id)
     w.add_bos_token_id(bos_id)
     w.add_eos_token_id(eos_id)
     if config.rope_freq_factors is not None:

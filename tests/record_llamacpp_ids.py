@@ -11,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from vocabfiles import HARD, LLAMA3_TEMPLATE, TEMPLATE, VOCABS, write_vocab_gguf
+from vocabfiles import HARD, VOCABS, template_of, write_vocab_gguf
 
 
 def ids(binary: str, gguf: Path, text: str, *, special: bool) -> list[int]:
@@ -30,9 +30,8 @@ def main(binary: str) -> None:
         for name in VOCABS:
             gguf = Path(tmp) / f"{name}.gguf"
             write_vocab_gguf(gguf, name)
-            template = LLAMA3_TEMPLATE if name == "llama-bpe" else TEMPLATE
             record["vocabs"][name] = {"hard": ids(binary, gguf, HARD, special=False),
-                                      "template": ids(binary, gguf, template, special=True)}
+                                      "template": ids(binary, gguf, template_of(name), special=True)}
     out = Path(__file__).with_name("llamacpp_ids.json")
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {out}")

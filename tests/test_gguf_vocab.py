@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from tokfiles import llama3_tokenizer, tokenizer_json
-from vocabfiles import HARD, JSON_VOCABS, LLAMA3_TEMPLATE, TEMPLATE, VOCABS, gguf_fields_of, trained_bpe
+from vocabfiles import HARD, JSON_VOCABS, VOCABS, gguf_fields_of, template_of, trained_bpe, trained_spm
 from worker.errors import ModelFileError
 from worker.hf_tokenizers import vocab_from_gguf
 
@@ -16,14 +16,16 @@ RECORDED = json.loads((Path(__file__).with_name("llamacpp_ids.json")).read_text(
 
 
 def metadata(name: str, **extra) -> dict:
+    """The tokenizer keys write_llama_gguf writes for vocabulary `name`, as a GGUF reader returns them."""
     f = gguf_fields_of(name)
-    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": name, "tokenizer.ggml.tokens": f["tokens"],
-            "tokenizer.ggml.token_type": f["token_types"], "tokenizer.ggml.merges": f["merges"],
-            "tokenizer.ggml.bos_token_id": f["bos_id"], "tokenizer.ggml.eos_token_id": f["eos_id"], **extra}
-
-
-def template_of(name: str) -> str:
-    return LLAMA3_TEMPLATE if name == "llama-bpe" else TEMPLATE
+    kv = {"tokenizer.ggml.model": f.get("model", "gpt2"), "tokenizer.ggml.tokens": f["tokens"],
+          "tokenizer.ggml.token_type": f["token_types"], "tokenizer.ggml.bos_token_id": f["bos_id"],
+          "tokenizer.ggml.eos_token_id": f["eos_id"]}
+    kv.update({key: f[field] for key, field in [("tokenizer.ggml.pre", "pre"), ("tokenizer.ggml.scores", "scores"),
+                                                ("tokenizer.ggml.unknown_token_id", "unk_id")] if field in f})
+    if f["merges"]:
+        kv["tokenizer.ggml.merges"] = f["merges"]
+    return {**kv, **extra}
 
 
 @pytest.fixture(scope="module", params=VOCABS)
@@ -49,12 +51,12 @@ def test_the_ids_decode_back_to_the_text(vocab):
 @pytest.mark.parametrize("name", JSON_VOCABS)
 def test_the_tokenizer_json_of_the_same_vocabulary_gives_the_same_ids(name):
     tok = (Tokenizer.from_str(json.dumps(tokenizer_json(llama3_tokenizer()))) if name == "llama-bpe"
-           else trained_bpe(name))
+           else trained_spm() if name == "spm" else trained_bpe(name))
     tok.encode_special_tokens = True
     assert tok.encode(HARD, add_special_tokens=False).ids == RECORDED[name]["hard"]
 
 
-@pytest.mark.parametrize("name, add_bos", [("llama-bpe", True), ("smollm", False), ("gpt-2", False)])
+@pytest.mark.parametrize("name, add_bos", [("llama-bpe", True), ("smollm", False), ("gpt-2", False), ("spm", True)])
 def test_bos_follows_llama_cpps_default_for_the_pre_tokenizer(name, add_bos):
     assert vocab_from_gguf(metadata(name), "m.gguf").add_bos is add_bos
     said = {"tokenizer.ggml.add_bos_token": not add_bos}
@@ -62,7 +64,7 @@ def test_bos_follows_llama_cpps_default_for_the_pre_tokenizer(name, add_bos):
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("tokenizer.ggml.model", "bert", "tokenizer.ggml.model is 'bert'; supported: 'gpt2'"),
+    ("tokenizer.ggml.model", "bert", "tokenizer.ggml.model is 'bert'; supported: 'gpt2', 'llama'"),
     ("tokenizer.ggml.pre", "qwen2", "tokenizer.ggml.pre is 'qwen2'; supported: default, gpt-2, llama-bpe"),
     ("tokenizer.ggml.merges", ["ab"], "tokenizer.ggml.merges[0] is 'ab', not two tokens"),
     ("tokenizer.ggml.token_type", [1], "token_type has 1 entries for"),

@@ -8,7 +8,7 @@ import json
 
 import attrs
 import numpy as np
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from ggufmake import write_llama_gguf
 from tokfiles import gguf_fields, llama3_tokenizer
@@ -64,12 +64,21 @@ def bpe_gguf_fields(tok: Tokenizer) -> dict:
             "merges": merges, "bos_id": vocab["<|im_start|>"], "eos_id": vocab["<|im_end|>"]}
 
 
-VOCABS = ("gpt-2", "smollm", "default", "llama-bpe")  # tokenizer.ggml.pre of each; "default": the gpt-2 one
-JSON_VOCABS = ("gpt-2", "smollm", "llama-bpe")  # those that also exist as a model's tokenizer.json
+# tokenizer.ggml.pre of each ("default": the gpt-2 one), and "spm": tokenizer.ggml.model "llama"
+VOCABS = ("gpt-2", "smollm", "default", "llama-bpe", "spm")
+JSON_VOCABS = ("gpt-2", "smollm", "llama-bpe", "spm")  # those that also exist as a model's tokenizer.json
 
 
 def gguf_fields_of(name: str) -> dict:
-    return gguf_fields(llama3_tokenizer()) if name == "llama-bpe" else bpe_gguf_fields(trained_bpe(name))
+    """write_llama_gguf's tokenizer keywords for vocabulary `name`."""
+    if name == "spm":
+        return spm_gguf_fields(trained_spm())
+    fields = gguf_fields(llama3_tokenizer()) if name == "llama-bpe" else bpe_gguf_fields(trained_bpe(name))
+    return {**fields, "pre": name}
+
+
+def template_of(name: str) -> str:
+    return {"llama-bpe": LLAMA3_TEMPLATE, "spm": SPM_TEMPLATE}.get(name, TEMPLATE)
 
 
 def write_vocab_gguf(path, name: str) -> None:
@@ -79,4 +88,46 @@ def write_vocab_gguf(path, name: str) -> None:
     config = attrs.evolve(ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=1,
                                       max_context=128), vocab_size=len(fields["tokens"]))
     weights = {n: w.astype(np.float32) for n, w in hf_weights(config).items()}
-    write_llama_gguf(path, config, weights, pre=name, **fields)
+    write_llama_gguf(path, config, weights, **fields)
+
+
+SPM_SPECIALS = ["<unk>", "<s>", "</s>"]
+UNKNOWN, BYTE = 2, 6
+SPM_TEMPLATE = "<s>Say hello</s>"
+
+
+def trained_spm() -> Tokenizer:
+    """A SentencePiece-style BPE with byte fallback, laid out as Llama 2's (and TinyLlama's) tokenizer.json:
+    <unk> <s> </s>, the 256 byte pieces <0x00>..<0xFF>, then pieces; "▁" for spaces, one prepended. The
+    alphabet is cut short so that emoji, most CJK and some letters fall back to bytes."""
+    trainee = Tokenizer(models.BPE(unk_token="<unk>"))
+    trainee.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    trainee.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never")  # words
+    # a fixed alphabet, always kept whole, and single characters in code point order: the trainer's own
+    # order of equally frequent characters changes from run to run
+    alphabet = sorted({c for c in TRAIN_TEXT.replace(" ", "▁") if c.isascii() and c not in "HQ"} | set("▁éï日本語"))
+    trainee.train_from_iterator([TRAIN_TEXT], trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPM_SPECIALS, initial_alphabet=alphabet, limit_alphabet=len(alphabet),
+        show_progress=False))
+    trained = json.loads(trainee.to_str())["model"]
+    learned = [t for t, _ in sorted(trained["vocab"].items(), key=lambda kv: kv[1]) if len(t) > 1 and t not in SPM_SPECIALS]
+    pieces = sorted(t for t in trained["vocab"] if len(t) == 1) + learned
+    vocab = {t: i for i, t in enumerate(SPM_SPECIALS + [f"<0x{b:02X}>" for b in range(256)] + pieces)}
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in trained["merges"]]
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    tok.normalizer = trainee.normalizer  # Llama 2's tokenizer.json has no pre-tokenizer: this does the spaces
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(SPM_SPECIALS)
+    return tok
+
+
+def spm_gguf_fields(tok: Tokenizer) -> dict:
+    """tokens, token types and scores as llama.cpp's converter writes a SentencePiece vocabulary: no merges;
+    each piece scored as SentencePiece scores BPE pieces, the later learned the lower."""
+    vocab = json.loads(tok.to_str())["model"]["vocab"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    types = [UNKNOWN if t == "<unk>" else CONTROL if t in SPM_SPECIALS else BYTE if i < 259 else NORMAL
+             for i, t in enumerate(tokens)]
+    return {"tokens": tokens, "token_types": types, "scores": [0.0 if i < 259 else -float(i) for i in range(len(tokens))],
+            "merges": [], "bos_id": 1, "eos_id": 2, "unk_id": 0, "model": "llama"}

@@ -6,6 +6,7 @@ GPT-2's regex) and the BOS settings (../shared/notes/tokenizers-and-models.md). 
   `tokenizer.ggml.pre` exactly as llama.cpp's llm_tokenizer_bpe chooses them (src/llama-vocab.cpp), each
   regex re-splitting the pieces of the one before; Llama 3's pre-tokenizer also takes a whole piece that
   is in the vocabulary as one token (llama.cpp's ignore_merges).
+- "llama": SentencePiece (tokens, scores, token types, <0xNN> byte fallback, "▁" for spaces), see _spm.
 - Control and user-defined tokens are added tokens, matched only in text that may hold special tokens
   (llama.cpp's parse_special; see `encode`).
 Anything else is refused, naming the file and the value.
@@ -15,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import attrs
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from .errors import ModelFileError
 
@@ -63,12 +64,8 @@ class GGUFVocab:
 def vocab_from_gguf(kv: Mapping, path) -> GGUFVocab:
     path = str(path)
     model = kv.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ModelFileError(path, f"tokenizer.ggml.model is {model!r}; supported: 'gpt2'")
-    pre_name = kv.get("tokenizer.ggml.pre", "default")  # llama.cpp: a missing key means 'default'
-    pre = PRE_TOKENIZERS.get(pre_name)
-    if pre is None:
-        raise ModelFileError(path, f"tokenizer.ggml.pre is {pre_name!r}; supported: {', '.join(sorted(PRE_TOKENIZERS))}")
+    if model not in ("gpt2", "llama"):
+        raise ModelFileError(path, f"tokenizer.ggml.model is {model!r}; supported: 'gpt2', 'llama'")
     tokens, types = _list(kv, "tokenizer.ggml.tokens", path), kv.get("tokenizer.ggml.token_type")
     types = types if types is not None else [NORMAL] * len(tokens)
     if len(types) != len(tokens):
@@ -76,18 +73,57 @@ def vocab_from_gguf(kv: Mapping, path) -> GGUFVocab:
     vocab = {text: i for i, text in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise ModelFileError(path, "tokenizer.ggml.tokens repeats a token")
+    tok, add_bos = (_bpe if model == "gpt2" else _spm)(kv, path, tokens, types, vocab)
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                            for i, kind in enumerate(types) if kind in (CONTROL, USER_DEFINED)])
+    return GGUFVocab(tok, add_bos=bool(kv.get("tokenizer.ggml.add_bos_token", add_bos)),
+                     add_eos=bool(kv.get("tokenizer.ggml.add_eos_token", False)),
+                     bos_id=kv.get("tokenizer.ggml.bos_token_id"), eos_id=kv.get("tokenizer.ggml.eos_token_id"),
+                     eot_id=kv.get("tokenizer.ggml.eot_token_id"))
+
+
+def _bpe(kv: Mapping, path: str, tokens: list, types: list, vocab: dict) -> tuple[Tokenizer, bool]:
+    pre_name = kv.get("tokenizer.ggml.pre", "default")  # llama.cpp: a missing key means 'default'
+    pre = PRE_TOKENIZERS.get(pre_name)
+    if pre is None:
+        raise ModelFileError(path, f"tokenizer.ggml.pre is {pre_name!r}; supported: {', '.join(sorted(PRE_TOKENIZERS))}")
     merges = [_merge(m, n, path) for n, m in enumerate(kv.get("tokenizer.ggml.merges", []))]
     tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=pre.ignore_merges))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                            for i, kind in enumerate(types) if kind in (CONTROL, USER_DEFINED)])
-    return GGUFVocab(tok, add_bos=bool(kv.get("tokenizer.ggml.add_bos_token", pre.add_bos)),
-                     add_eos=bool(kv.get("tokenizer.ggml.add_eos_token", False)),
-                     bos_id=kv.get("tokenizer.ggml.bos_token_id"), eos_id=kv.get("tokenizer.ggml.eos_token_id"),
-                     eot_id=kv.get("tokenizer.ggml.eot_token_id"))
+    return tok, pre.add_bos
+
+
+def _spm(kv: Mapping, path: str, tokens: list, types: list, vocab: dict) -> tuple[Tokenizer, bool]:
+    """SentencePiece: llama.cpp merges, in a fragment, the adjacent pair whose join is the best-scored
+    token first; as BPE that is every split of a token into two tokens, ordered by the token's score
+    (as transformers derives them). Characters not in the vocabulary fall back to <0xNN> byte pieces;
+    spaces are "▁", and one is put before text that starts a fragment (add_space_prefix)."""
+    scores = _list(kv, "tokenizer.ggml.scores", path)
+    if len(scores) != len(tokens):
+        raise ModelFileError(path, f"tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
+    unk = kv.get("tokenizer.ggml.unknown_token_id", 0)
+    tok = Tokenizer(models.BPE(vocab, _merges_by_score(tokens, types, scores, vocab), unk_token=tokens[unk],
+                               fuse_unk=True, byte_fallback=True))
+    prefix = kv.get("tokenizer.ggml.add_space_prefix", True)
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁")] * bool(prefix) + [normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                    + [decoders.Strip(" ", 1, 0)] * bool(prefix))
+    return tok, True  # llama.cpp adds BOS to SentencePiece vocabularies unless the file says not to
+
+
+def _merges_by_score(tokens: list, types: list, scores: list, vocab: dict) -> list[tuple[str, str]]:
+    found = []
+    for piece, kind, score in zip(tokens, types, scores):
+        if kind not in (NORMAL, USER_DEFINED) or len(piece) < 2:
+            continue
+        splits = [(piece[:i], piece[i:]) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab]
+        splits.sort(key=lambda lr: (scores[vocab[lr[0]]], scores[vocab[lr[1]]]), reverse=True)
+        found.extend((score, pair) for pair in splits)
+    found.sort(key=lambda sp: sp[0], reverse=True)  # stable: a token's own splits keep their order
+    return [pair for _, pair in found]
 
 
 def _list(kv: Mapping, key: str, path: str) -> list:
