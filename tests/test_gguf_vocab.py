@@ -73,3 +73,48 @@ def test_what_llama_cpp_would_not_read_is_refused_naming_file_and_value(key, val
     with pytest.raises(ModelFileError, match=message.replace("[", r"\[").replace("]", r"\]")) as e:
         vocab_from_gguf(metadata("gpt-2", **{key: value}), "m.gguf")
     assert e.value.path == "m.gguf"
+
+
+# --- the same tiny random weights with each vocabulary, through the pipeline ----------------------------------
+
+@pytest.fixture(scope="module")
+def vocab_ggufs(tmp_path_factory):
+    from vocabfiles import write_vocab_gguf
+    directory = tmp_path_factory.mktemp("vocab-ggufs")
+    paths = {}
+    for name in ("spm", "smollm", "gpt-2", "default"):
+        write_vocab_gguf(paths.setdefault(name, directory / f"{name}.gguf"), name)
+    return paths
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+@pytest.mark.parametrize("name", ["spm", "smollm", "gpt-2", "default"])
+def test_each_vocabulary_generates_through_the_chain_what_one_process_does(vocab_ggufs, name, num_stages):
+    from worker.chain import run_chain
+    from worker.gguf import GGUFSource
+    from worker.models import open_worker, tinygrad_model
+    from worker.reference import generate_full
+    model = tinygrad_model(GGUFSource(vocab_ggufs[name]))
+    prompt = model.tokenizer().encode_chat("Say hello, wörld 🦙")
+    chain = run_chain([open_worker(model, s, num_stages) for s in range(num_stages)], prompt, 8)
+    assert chain.token_ids == generate_full(model, prompt, 8).token_ids
+    assert chain.text == model.tokenizer().decode(chain.token_ids)
+
+
+@pytest.mark.parametrize("name", ["spm", "smollm"])
+def test_ppsmoke_seed_runs_a_gguf_of_each_vocabulary(vocab_ggufs, name):
+    import uuid
+
+    from test_smoke_seed import assert_all_gone, start
+    from worker.gguf import GGUFSource
+    from worker.models import tinygrad_model
+    from worker.reference import generate_full
+    mark = uuid.uuid4().hex
+    proc = start(["-n", "2", "--model", str(vocab_ggufs[name]), "--max-tokens", "6", "--json"], mark)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    result = json.loads(out)
+    model = tinygrad_model(GGUFSource(vocab_ggufs[name]))
+    assert result["prompt_token_ids"] == model.tokenizer().encode_chat("Say hello")
+    assert result["token_ids"] == generate_full(model, result["prompt_token_ids"], 6).token_ids
+    assert_all_gone(mark)

@@ -191,8 +191,9 @@ def test_gguf_missing_key_is_refused_naming_it(key):
 
 
 @pytest.mark.parametrize("key, value, match", [
-    ("tokenizer.ggml.model", "llama", "only 'gpt2'"),
-    ("tokenizer.ggml.pre", "qwen2", "pre-tokenizer"),
+    ("tokenizer.ggml.model", "bert", "tokenizer.ggml.model is 'bert'; supported: 'gpt2', 'llama'"),
+    ("tokenizer.ggml.model", "llama", "'tokenizer.ggml.scores' is missing"),  # SentencePiece needs its scores
+    ("tokenizer.ggml.pre", "qwen2", "tokenizer.ggml.pre is 'qwen2'; supported"),
     ("tokenizer.ggml.bos_token_id", 9999, "bos token id 9999"),
     ("tokenizer.ggml.eos_token_id", "2", "eos_token_id"),
     ("tokenizer.ggml.tokens", "abc", "want an array"),

@@ -85,7 +85,7 @@ def write_vocab_gguf(path, name: str) -> None:
     """A small llama GGUF (random weights) carrying vocabulary `name`."""
     from test_gguf import hf_weights
     fields = gguf_fields_of(name)
-    config = attrs.evolve(ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=1,
+    config = attrs.evolve(ModelConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=1,
                                       max_context=128), vocab_size=len(fields["tokens"]))
     weights = {n: w.astype(np.float32) for n, w in hf_weights(config).items()}
     write_llama_gguf(path, config, weights, **fields)

@@ -13,6 +13,7 @@ Anything else is refused, naming the file and the value.
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 
 import attrs
@@ -139,3 +140,77 @@ def _merge(text, n: int, path: str) -> tuple[str, str]:
     if cut < 0:
         raise ModelFileError(path, f"tokenizer.ggml.merges[{n}] is {text!r}, not two tokens separated by a space")
     return text[:cut], text[cut + 1:]
+
+
+# llama.cpp's end-of-generation texts: a token spelled so stops generation too (llama-vocab.cpp)
+EOG_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+                       "<EOT>", "<|end_of_text|>", "</s>"})
+# A conversation as plain text, for a vocabulary without a template of its own (nor Llama 3's specials)
+PLAIN_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+class VocabTokenizer:
+    """worker.tokenizer.Tokenizer's interface over a GGUF vocabulary built by vocab_from_gguf."""
+
+    def __init__(self, path, kv: Mapping):
+        self.path = str(path)
+        self._vocab = vocab_from_gguf(kv, self.path)
+        tokens, types = kv["tokenizer.ggml.tokens"], kv.get("tokenizer.ggml.token_type") or [NORMAL] * len(kv["tokenizer.ggml.tokens"])
+        self.vocab_size = len(tokens)
+        for what, i in (("bos", self._vocab.bos_id), ("eos", self._vocab.eos_id)):
+            if not isinstance(i, int) or not 0 <= i < self.vocab_size:
+                raise ModelFileError(self.path, f"{what} token id {i!r} is not in the vocabulary")
+        self.bos_id, self.eos_id = self._vocab.bos_id, self._vocab.eos_id
+        self.special_ids = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind in (CONTROL, USER_DEFINED)}
+        self.stop_ids = frozenset({self.eos_id} | ({self._vocab.eot_id} if self._vocab.eot_id is not None else set())
+                                  | {i for t, i in self.special_ids.items() if t in EOG_TEXTS})
+        self._bytes = _token_bytes(kv["tokenizer.ggml.model"], tokens, types)
+        self.bos_token, self.eos_token = tokens[self.bos_id], tokens[self.eos_id]
+        template = kv.get("tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):
+            raise ModelFileError(self.path, f"metadata key 'tokenizer.chat_template' is {type(template).__name__}, want text")
+        self.chat_template = template or PLAIN_TEMPLATE
+
+    def encode(self, text: str, *, bos: bool = False) -> list[int]:
+        """Ordinary text only: special-token strings in `text` are encoded as text."""
+        return [self.bos_id] * bos + self._vocab.encode(text, specials=False)
+
+    def encode_special(self, text: str) -> list[int]:
+        return self._vocab.encode(text, specials=True)
+
+    def encode_messages(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+        from . import chat
+        text = chat.render(self.chat_template, messages, bos_token=self.bos_token, eos_token=self.eos_token,
+                           add_generation_prompt=add_generation_prompt)
+        ids = self.encode_special(text)
+        if self._vocab.add_bos and ids[:1] != [self.bos_id]:  # as llama.cpp: BOS unless the template wrote it
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def encode_chat(self, prompt: str) -> list[int]:
+        return self.encode_messages([{"role": "user", "content": prompt}])
+
+    def decode_bytes(self, ids) -> bytes:
+        out = []
+        for token in ids:
+            i = operator.index(token)
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"token id {i} is not in the vocabulary (size {self.vocab_size})")
+            out.append(self._bytes[i])
+        return b"".join(out)
+
+    def decode(self, ids) -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+
+def _token_bytes(model: str, tokens: list, types: list) -> list[bytes]:
+    """The bytes each id stands for: byte-level text mapped back (gpt2), or "▁" as a space and <0xNN> as
+    its byte (SentencePiece); control and user-defined tokens as their text."""
+    if model == "gpt2":
+        from .tokenizer import bytes_to_unicode
+        back = {u: b for b, u in bytes_to_unicode().items()}
+        return [t.encode() if kind in (CONTROL, USER_DEFINED) or any(c not in back for c in t)
+                else bytes(back[c] for c in t) for t, kind in zip(tokens, types)]
+    return [bytes([int(t[3:5], 16)]) if kind == BYTE else t.encode() if kind in (CONTROL, USER_DEFINED, UNKNOWN)
+            else t.replace("▁", " ").encode() for t, kind in zip(tokens, types)]

@@ -207,16 +207,15 @@ def ranks_from_bpe(path, vocab: Mapping[str, int], merges: Sequence[tuple[str, s
     return ranks
 
 
-def tokenizer_from_gguf_metadata(kv: Mapping, path) -> Tokenizer:
-    """The tokenizer described by a GGUF file's `tokenizer.ggml.*` metadata (llama.cpp's layout)."""
+def tokenizer_from_gguf_metadata(kv: Mapping, path):
+    """The tokenizer described by a GGUF file's `tokenizer.ggml.*` metadata (llama.cpp's layout): Llama 3's
+    through tiktoken here; every other vocabulary (SentencePiece, SmolLM's and GPT-2's splitting) through
+    Hugging Face tokenizers (worker/hf_tokenizers.py), which refuses what llama.cpp would not read."""
     model = _required(kv, "tokenizer.ggml.model", path)
-    if model != "gpt2":
-        raise ModelFileError(path, f"tokenizer.ggml.model is {model!r}; only 'gpt2' (byte-level BPE, "
-                                   f"as Llama 3 uses) is supported")
     pre = kv.get("tokenizer.ggml.pre")
-    if pre is not None and pre not in LLAMA3_PRE:
-        raise ModelFileError(path, f"tokenizer.ggml.pre is {pre!r}; only Llama 3's pre-tokenizer "
-                                   f"({', '.join(sorted(LLAMA3_PRE))}) is supported")
+    if model != "gpt2" or (pre is not None and pre not in LLAMA3_PRE):
+        from .hf_tokenizers import VocabTokenizer
+        return VocabTokenizer(path, kv)
     tokens = _required_list(kv, "tokenizer.ggml.tokens", path)
     types = _required_list(kv, "tokenizer.ggml.token_type", path)
     if len(types) != len(tokens):
