@@ -118,3 +118,30 @@ def test_ppsmoke_seed_runs_a_gguf_of_each_vocabulary(vocab_ggufs, name):
     assert result["prompt_token_ids"] == model.tokenizer().encode_chat("Say hello")
     assert result["token_ids"] == generate_full(model, result["prompt_token_ids"], 6).token_ids
     assert_all_gone(mark)
+
+
+@pytest.mark.parametrize("name", ["smollm", "spm", "gpt-2"])
+def test_a_hugging_face_directory_with_that_tokenizer_json_tokenizes_as_llama_cpp_and_generates(tmp_path, name):
+    import numpy as np
+
+    from hfmake import write_hf_dir
+    from test_gguf import hf_weights
+    from worker.chain import run_chain
+    from worker.config import ModelConfig
+    from worker.hf import HFSource
+    from worker.models import open_worker, tinygrad_model
+    from worker.reference import generate_full
+    fields = gguf_fields_of(name)
+    config = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=len(fields["tokens"]),
+                         max_context=128)
+    directory = write_hf_dir(tmp_path / name, config, {n: w.astype(np.float32) for n, w in hf_weights(config).items()})
+    tok = trained_spm() if name == "spm" else trained_bpe(name)
+    (directory / "tokenizer.json").write_text(tok.to_str())
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": fields["tokens"][fields["bos_id"]], "eos_token": fields["tokens"][fields["eos_id"]]}))
+    source = HFSource(directory)
+    assert source.tokenizer().encode(HARD) == RECORDED[name]["hard"]
+    model = tinygrad_model(source)
+    prompt = model.tokenizer().encode_chat("Say hello")
+    assert run_chain([open_worker(model, s, 2) for s in range(2)], prompt, 6).token_ids == \
+        generate_full(model, prompt, 6).token_ids

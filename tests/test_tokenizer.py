@@ -257,10 +257,6 @@ def swap_vocab_ids(doc, a, b):
     (lambda doc: doc["model"]["vocab"].update(he="7"), "not a token id"),
     (lambda doc: doc["added_tokens"].pop(0), re.escape("<|begin_of_text|>")),
     (lambda doc: doc["added_tokens"].append({"content": "<|x|>"}), r"added_tokens\[6\]"),
-    (lambda doc: doc["pre_tokenizer"]["pretokenizers"].pop(0), "not Llama 3's regex"),
-    (lambda doc: doc["pre_tokenizer"]["pretokenizers"][1].update(use_regex=True), "GPT-2 regex"),
-    (lambda doc: doc["pre_tokenizer"]["pretokenizers"][0]["pattern"].update(Regex=r"\w+"), r"\\w\+"),
-    (lambda doc: doc.update(normalizer={"type": "NFC"}), "normalizer"),
     (lambda doc: swap_vocab_ids(doc, "he", "Ġworld"), "not merge ranks"),
     (lambda doc: doc["added_tokens"][1].update(id=10**12), "out of range"),
     (lambda doc: doc["model"]["vocab"].update(he=0), "repeated"),
@@ -268,6 +264,30 @@ def swap_vocab_ids(doc, a, b):
 ])
 def test_malformed_tokenizer_json_is_refused_naming_the_file_and_field(tmp_path, change, match):
     refused_json(tmp_path, change, match)
+
+
+@pytest.mark.parametrize("change", [
+    lambda doc: doc["pre_tokenizer"]["pretokenizers"].pop(0),
+    lambda doc: doc["pre_tokenizer"]["pretokenizers"][1].update(use_regex=True),
+    lambda doc: doc.update(normalizer={"type": "NFC"}),
+], ids=["no-split", "gpt2-regex", "normalizer"])
+def test_a_tokenizer_json_of_another_shape_goes_through_tokenizers_as_it_is(tmp_path, change):
+    from tokenizers import Tokenizer as HFTokenizer
+    doc = tokfiles.tokenizer_json(small_tokenizer())
+    change(doc)
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(doc), encoding="utf-8")
+    with pytest.raises(ModelFileError, match="no tokenizer_config.json beside it"):
+        tokenizer_from_json(path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|begin_of_text|>", "eos_token": {"content": "<|eot_id|>"}}), encoding="utf-8")
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2]}), encoding="utf-8")
+    tok, ref = tokenizer_from_json(path), HFTokenizer.from_file(str(path))
+    ref.encode_special_tokens = True
+    text = "hello world, <|eot_id|> héllo"
+    assert tok.encode(text) == ref.encode(text, add_special_tokens=False).ids
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.stop_ids == {1, 2, tok.eos_id} and tok.bos_id == tok.special_ids["<|begin_of_text|>"]
 
 
 def test_unreadable_tokenizer_json_is_refused_with_its_path(tmp_path):

@@ -150,41 +150,40 @@ PLAIN_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['
                   "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
-class VocabTokenizer:
-    """worker.tokenizer.Tokenizer's interface over a GGUF vocabulary built by vocab_from_gguf."""
+class HFTokenizer:
+    """worker.tokenizer.Tokenizer's interface over a Hugging Face `tokenizers.Tokenizer` (made by
+    gguf_tokenizer or json_tokenizer)."""
 
-    def __init__(self, path, kv: Mapping):
-        self.path = str(path)
-        self._vocab = vocab_from_gguf(kv, self.path)
-        tokens, types = kv["tokenizer.ggml.tokens"], kv.get("tokenizer.ggml.token_type") or [NORMAL] * len(kv["tokenizer.ggml.tokens"])
-        self.vocab_size = len(tokens)
-        for what, i in (("bos", self._vocab.bos_id), ("eos", self._vocab.eos_id)):
+    def __init__(self, path: str, tok: Tokenizer, token_bytes: list[bytes], *, special_ids: dict[str, int],
+                 bos_id: int, eos_id: int, stop_ids: frozenset[int], add_bos: bool, chat_template: str | None):
+        self.path, self._tok, self._bytes = path, tok, token_bytes
+        self.vocab_size = len(token_bytes)
+        for what, i in (("bos", bos_id), ("eos", eos_id)):
             if not isinstance(i, int) or not 0 <= i < self.vocab_size:
-                raise ModelFileError(self.path, f"{what} token id {i!r} is not in the vocabulary")
-        self.bos_id, self.eos_id = self._vocab.bos_id, self._vocab.eos_id
-        self.special_ids = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind in (CONTROL, USER_DEFINED)}
-        self.stop_ids = frozenset({self.eos_id} | ({self._vocab.eot_id} if self._vocab.eot_id is not None else set())
-                                  | {i for t, i in self.special_ids.items() if t in EOG_TEXTS})
-        self._bytes = _token_bytes(kv["tokenizer.ggml.model"], tokens, types)
-        self.bos_token, self.eos_token = tokens[self.bos_id], tokens[self.eos_id]
-        template = kv.get("tokenizer.chat_template")
-        if template is not None and not isinstance(template, str):
-            raise ModelFileError(self.path, f"metadata key 'tokenizer.chat_template' is {type(template).__name__}, want text")
-        self.chat_template = template or PLAIN_TEMPLATE
+                raise ModelFileError(path, f"{what} token id {i!r} is not in the vocabulary")
+        self.special_ids, self.bos_id, self.eos_id, self.stop_ids = special_ids, bos_id, eos_id, stop_ids
+        self._add_bos = add_bos
+        self.bos_token, self.eos_token = token_bytes[bos_id].decode(errors="replace"), token_bytes[eos_id].decode(errors="replace")
+        self.chat_template = chat_template or PLAIN_TEMPLATE
 
     def encode(self, text: str, *, bos: bool = False) -> list[int]:
         """Ordinary text only: special-token strings in `text` are encoded as text."""
-        return [self.bos_id] * bos + self._vocab.encode(text, specials=False)
+        return [self.bos_id] * bos + self._encode(text, specials=False)
 
     def encode_special(self, text: str) -> list[int]:
-        return self._vocab.encode(text, specials=True)
+        """Text where special-token strings are those tokens (a rendered chat template)."""
+        return self._encode(text, specials=True)
+
+    def _encode(self, text: str, *, specials: bool) -> list[int]:
+        self._tok.encode_special_tokens = not specials
+        return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_messages(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
         from . import chat
         text = chat.render(self.chat_template, messages, bos_token=self.bos_token, eos_token=self.eos_token,
                            add_generation_prompt=add_generation_prompt)
         ids = self.encode_special(text)
-        if self._vocab.add_bos and ids[:1] != [self.bos_id]:  # as llama.cpp: BOS unless the template wrote it
+        if self._add_bos and ids[:1] != [self.bos_id]:  # as llama.cpp: BOS unless the template wrote it
             ids = [self.bos_id, *ids]
         return ids
 
@@ -202,6 +201,55 @@ class VocabTokenizer:
 
     def decode(self, ids) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+
+def gguf_tokenizer(path, kv: Mapping) -> HFTokenizer:
+    """A GGUF file's tokenizer: stop ids are eos, eot and the tokens spelled as llama.cpp's end-of-generation
+    texts; chat through `tokenizer.chat_template`, else a plain one."""
+    path = str(path)
+    vocab = vocab_from_gguf(kv, path)
+    tokens = kv["tokenizer.ggml.tokens"]
+    types = kv.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+    specials = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind in (CONTROL, USER_DEFINED)}
+    template = kv.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise ModelFileError(path, f"metadata key 'tokenizer.chat_template' is {type(template).__name__}, want text")
+    stops = {vocab.eos_id, vocab.eot_id} - {None} | {i for t, i in specials.items() if t in EOG_TEXTS}
+    return HFTokenizer(path, vocab.tokenizer, _token_bytes(kv["tokenizer.ggml.model"], tokens, types),
+                       special_ids=specials, bos_id=vocab.bos_id, eos_id=vocab.eos_id, stop_ids=frozenset(stops),
+                       add_bos=vocab.add_bos, chat_template=template)
+
+
+def json_tokenizer(path, *, bos: str | None, eos: str | None, eos_ids: frozenset[int], add_bos: bool | None,
+                   chat_template: str | None) -> HFTokenizer:
+    """A Hugging Face `tokenizer.json` used as it is. `bos`/`eos` are tokenizer_config.json's token texts,
+    `eos_ids` the config's eos_token_id(s); stops are both. BOS is added where the file's own
+    post-processor would add it, unless `add_bos` says."""
+    path = str(path)
+    try:
+        tok = Tokenizer.from_file(path)
+    except Exception as exc:  # tokenizers raises plain Exceptions for unreadable or malformed files
+        raise ModelFileError(path, f"tokenizers cannot read it: {exc}") from None
+    vocab = tok.get_vocab(with_added_tokens=True)
+    size = max(vocab.values()) + 1
+    texts = [""] * size
+    for text, i in vocab.items():
+        texts[i] = text
+    special = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    byte_level = "Ġ" in vocab or "ĠĠ" in vocab or "<0x00>" not in vocab
+    types = [CONTROL if t in special else BYTE if not byte_level and t.startswith("<0x") and len(t) == 6 else NORMAL
+             for t in texts]
+    token_bytes = _token_bytes("gpt2" if byte_level else "llama", texts, types)
+    bos_id = vocab.get(bos) if bos else None
+    eos_id = vocab.get(eos) if eos else min(eos_ids, default=None)
+    if bos_id is None or eos_id is None:
+        raise ModelFileError(path, f"tokenizer_config.json's bos_token {bos!r} and eos_token {eos!r} must both "
+                                   f"be tokens of the vocabulary")
+    if add_bos is None:
+        with_specials = tok.encode("a", add_special_tokens=True).ids
+        add_bos = bos_id is not None and with_specials[:1] == [bos_id]
+    return HFTokenizer(path, tok, token_bytes, special_ids=special, bos_id=bos_id, eos_id=eos_id,
+                       stop_ids=frozenset(eos_ids | {eos_id}), add_bos=add_bos, chat_template=chat_template)
 
 
 def _token_bytes(model: str, tokens: list, types: list) -> list[bytes]:
