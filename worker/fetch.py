@@ -26,12 +26,23 @@ log = logging.getLogger(__name__)
 
 _HF = "https://huggingface.co/bartowski"
 
-# Public, ungated Q6_K quantisations (Meta's own repositories are gated).
+# Public, ungated GGUF files (Meta's and Mistral's own repositories are gated): Q6_K for Llama 3, Q8_0 for the
+# others (kept packed on the device: --precision). Where each comes from, by repository:
+# - bartowski: re-quantisations of the original instruct models (Llama 3.x, SmolLM2-1.7B, Mistral 7B v0.3);
+# - TheBloke/TinyLlama-1.1B-Chat-v1.0-GGUF (llama.cpp of Dec 2023; SentencePiece vocabulary);
+# - unsloth/SmolLM2-135M-Instruct-GGUF; HuggingFaceTB/SmolLM2-360M-Instruct-GGUF (the authors' own).
+# File names were read from the repositories' listings (../shared/notes/tokenizers-and-models.md §4).
+_HFCO = "https://huggingface.co"
 REGISTRY: Mapping[str, str] = MappingProxyType({
     "llama3.2:1b": f"{_HF}/Llama-3.2-1B-Instruct-GGUF/resolve/main/Llama-3.2-1B-Instruct-Q6_K.gguf",
     "llama3.2:3b": f"{_HF}/Llama-3.2-3B-Instruct-GGUF/resolve/main/Llama-3.2-3B-Instruct-Q6_K.gguf",
     "llama3.1:8b": f"{_HF}/Meta-Llama-3.1-8B-Instruct-GGUF/resolve/main/"
                    "Meta-Llama-3.1-8B-Instruct-Q6_K.gguf",
+    "tinyllama:1.1b": f"{_HFCO}/TheBloke/TinyLlama-1.1B-Chat-v1.0-GGUF/resolve/main/tinyllama-1.1b-chat-v1.0.Q8_0.gguf",
+    "smollm2:135m": f"{_HFCO}/unsloth/SmolLM2-135M-Instruct-GGUF/resolve/main/SmolLM2-135M-Instruct-Q8_0.gguf",
+    "smollm2:360m": f"{_HFCO}/HuggingFaceTB/SmolLM2-360M-Instruct-GGUF/resolve/main/smollm2-360m-instruct-q8_0.gguf",
+    "smollm2:1.7b": f"{_HF}/SmolLM2-1.7B-Instruct-GGUF/resolve/main/SmolLM2-1.7B-Instruct-Q8_0.gguf",
+    "mistral:7b": f"{_HF}/Mistral-7B-Instruct-v0.3-GGUF/resolve/main/Mistral-7B-Instruct-v0.3-Q8_0.gguf",
 })
 
 TINY = "tiny"
