@@ -13,13 +13,15 @@ Anything else is refused, naming the file and the value.
 """
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping
+from pathlib import Path
 
 import attrs
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from .errors import ModelFileError
+from .hf import read_json
+from .tokenizer import bytes_to_unicode, joined_bytes
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -46,20 +48,15 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # gguf-
 
 @attrs.frozen(eq=False)
 class GGUFVocab:
-    """The tokenizer and the settings llama.cpp takes from the same keys."""
+    """The tokenizer, the checked token list and types, and the settings llama.cpp takes from the same keys."""
 
     tokenizer: Tokenizer
+    tokens: list[str]
+    types: list[int]
     add_bos: bool
-    add_eos: bool
     bos_id: int | None
     eos_id: int | None
     eot_id: int | None
-
-    def encode(self, text: str, *, specials: bool) -> list[int]:
-        """Token ids of `text`, without BOS/EOS; `specials`: control-token texts in it are those tokens
-        (for rendered templates), else they are plain text (for what a user typed)."""
-        self.tokenizer.encode_special_tokens = not specials
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
 
 
 def vocab_from_gguf(kv: Mapping, path) -> GGUFVocab:
@@ -77,8 +74,7 @@ def vocab_from_gguf(kv: Mapping, path) -> GGUFVocab:
     tok, add_bos = (_bpe if model == "gpt2" else _spm)(kv, path, tokens, types, vocab)
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
                             for i, kind in enumerate(types) if kind in (CONTROL, USER_DEFINED)])
-    return GGUFVocab(tok, add_bos=bool(kv.get("tokenizer.ggml.add_bos_token", add_bos)),
-                     add_eos=bool(kv.get("tokenizer.ggml.add_eos_token", False)),
+    return GGUFVocab(tok, tokens, types, add_bos=bool(kv.get("tokenizer.ggml.add_bos_token", add_bos)),
                      bos_id=kv.get("tokenizer.ggml.bos_token_id"), eos_id=kv.get("tokenizer.ggml.eos_token_id"),
                      eot_id=kv.get("tokenizer.ggml.eot_token_id"))
 
@@ -175,6 +171,7 @@ class HFTokenizer:
         return self._encode(text, specials=True)
 
     def _encode(self, text: str, *, specials: bool) -> list[int]:
+        # llama.cpp's parse_special: added (control) tokens are matched only where specials may appear
         self._tok.encode_special_tokens = not specials
         return self._tok.encode(text, add_special_tokens=False).ids
 
@@ -191,13 +188,7 @@ class HFTokenizer:
         return self.encode_messages([{"role": "user", "content": prompt}])
 
     def decode_bytes(self, ids) -> bytes:
-        out = []
-        for token in ids:
-            i = operator.index(token)
-            if not 0 <= i < self.vocab_size:
-                raise ValueError(f"token id {i} is not in the vocabulary (size {self.vocab_size})")
-            out.append(self._bytes[i])
-        return b"".join(out)
+        return joined_bytes(self._bytes, ids)
 
     def decode(self, ids) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
@@ -208,8 +199,7 @@ def gguf_tokenizer(path, kv: Mapping) -> HFTokenizer:
     texts; chat through `tokenizer.chat_template`, else a plain one."""
     path = str(path)
     vocab = vocab_from_gguf(kv, path)
-    tokens = kv["tokenizer.ggml.tokens"]
-    types = kv.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+    tokens, types = vocab.tokens, vocab.types
     specials = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind in (CONTROL, USER_DEFINED)}
     template = kv.get("tokenizer.chat_template")
     if template is not None and not isinstance(template, str):
@@ -220,12 +210,20 @@ def gguf_tokenizer(path, kv: Mapping) -> HFTokenizer:
                        add_bos=vocab.add_bos, chat_template=template)
 
 
-def json_tokenizer(path, *, bos: str | None, eos: str | None, eos_ids: frozenset[int], add_bos: bool | None,
-                   chat_template: str | None) -> HFTokenizer:
-    """A Hugging Face `tokenizer.json` used as it is. `bos`/`eos` are tokenizer_config.json's token texts,
-    `eos_ids` the config's eos_token_id(s); stops are both. BOS is added where the file's own
-    post-processor would add it, unless `add_bos` says."""
-    path = str(path)
+def json_tokenizer(path, chat_template: str | None) -> HFTokenizer:
+    """A Hugging Face `tokenizer.json` used as it is. tokenizer_config.json beside it names BOS and EOS;
+    config.json / generation_config.json add stop ids (`eos_token_id`, one or a list). BOS is added where
+    the file's own post-processor would add it, unless tokenizer_config.json's add_bos_token says."""
+    directory, path = Path(path).parent, str(path)
+    if not (directory / "tokenizer_config.json").is_file():
+        raise ModelFileError(path, "is not Llama 3's tokenizer and has no tokenizer_config.json beside it to name "
+                                   "its BOS and EOS tokens")
+    config = read_json(directory / "tokenizer_config.json")
+    bos, eos, add_bos = _token_text(config.get("bos_token")), _token_text(config.get("eos_token")), config.get("add_bos_token")
+    eos_ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        value = read_json(directory / name).get("eos_token_id") if (directory / name).is_file() else None
+        eos_ids |= {i for i in (value if isinstance(value, list) else [value]) if _is_id(i)}
     try:
         tok = Tokenizer.from_file(path)
     except Exception as exc:  # tokenizers raises plain Exceptions for unreadable or malformed files
@@ -245,18 +243,25 @@ def json_tokenizer(path, *, bos: str | None, eos: str | None, eos_ids: frozenset
     if bos_id is None or eos_id is None:
         raise ModelFileError(path, f"tokenizer_config.json's bos_token {bos!r} and eos_token {eos!r} must both "
                                    f"be tokens of the vocabulary")
-    if add_bos is None:
-        with_specials = tok.encode("a", add_special_tokens=True).ids
-        add_bos = bos_id is not None and with_specials[:1] == [bos_id]
+    if not isinstance(add_bos, bool):
+        add_bos = tok.encode("a", add_special_tokens=True).ids[:1] == [bos_id]
     return HFTokenizer(path, tok, token_bytes, special_ids=special, bos_id=bos_id, eos_id=eos_id,
                        stop_ids=frozenset(eos_ids | {eos_id}), add_bos=add_bos, chat_template=chat_template)
+
+
+def _token_text(value) -> str | None:
+    """tokenizer_config.json names a token as its text or as {"content": text, ...}."""
+    return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
+
+
+def _is_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _token_bytes(model: str, tokens: list, types: list) -> list[bytes]:
     """The bytes each id stands for: byte-level text mapped back (gpt2), or "▁" as a space and <0xNN> as
     its byte (SentencePiece); control and user-defined tokens as their text."""
     if model == "gpt2":
-        from .tokenizer import bytes_to_unicode
         back = {u: b for b, u in bytes_to_unicode().items()}
         return [t.encode() if kind in (CONTROL, USER_DEFINED) or any(c not in back for c in t)
                 else bytes(back[c] for c in t) for t, kind in zip(tokens, types)]

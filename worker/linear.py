@@ -5,9 +5,9 @@ Two forms of x @ W.T:
 - split: the reduction over `in` cut into blocks of 32 whose partial sums are kept per lane and added
   at the end, so that a searched (BEAM) kernel keeps many independent accumulators instead of one chain
   of dependent adds while it widens each weight.
-Measured with BEAM=2 on the 312 M model (docs/benchmarks.md), one row: the 128k-row head from Q8_0
-72 → 19 ms plain → split, from F16 95 → 45 ms, but from F32 43 → 58 ms, and F32 blocks the same either
-way. So a weight takes the split form only when kernels are searched and it is narrow; untuned, the
+Measured with BEAM=2 on the 312 M model, one row (`python -m bench.matmul_form`, docs/benchmarks.md): one
+block + the 128k-row head from Q8_0 85 → 24 ms plain → split, from F16 102 → 44 ms, but from F32 51 → 68 ms,
+and 4 F32 blocks 18 → 26 ms. So a weight takes the split form only when kernels are searched and it is narrow; untuned, the
 plain form is the faster for every kind. Both read each weight once a step and widen it in registers;
 their sums differ only in order.
 """
@@ -44,12 +44,20 @@ def _blocked(w: DeviceWeight) -> Tensor:
 
 def linear(x: Tensor, w: DeviceWeight, *, searched: bool) -> Tensor:
     """x (rows, in) float32 @ W.T -> (rows, out) float32; `searched`: the kernels will be searched (BEAM)."""
+    if not searched or w.kind == "f32" or w.shape[1] % SPLIT:
+        return plain(x, w)
+    return split(x, w)
+
+
+def plain(x: Tensor, w: DeviceWeight) -> Tensor:
     out, inp = w.shape
-    if not searched or w.kind == "f32" or inp % SPLIT:
-        full = _blocked(w).reshape(out, inp) if w.kind == "q8_0" else _widened(w)
-        return x @ full.T
-    rows = x.shape[0]
-    return (x.reshape(rows, 1, inp // SPLIT, SPLIT) * _blocked(w)).sum(-2).sum(-1)
+    return x @ (_blocked(w).reshape(out, inp) if w.kind == "q8_0" else _widened(w)).T
+
+
+def split(x: Tensor, w: DeviceWeight) -> Tensor:
+    """`in` must be a multiple of SPLIT."""
+    inp = w.shape[1]
+    return (x.reshape(x.shape[0], 1, inp // SPLIT, SPLIT) * _blocked(w)).sum(-2).sum(-1)
 
 
 def _widened(w: DeviceWeight) -> Tensor:

@@ -123,16 +123,21 @@ class Tokenizer:
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         """The raw bytes of `ids` (specials as their text); for decoding UTF-8 incrementally."""
-        parts = []
-        for token in ids:
-            i = operator.index(token)
-            if not 0 <= i < self.vocab_size:
-                raise ValueError(f"token id {i} is not in the vocabulary (size {self.vocab_size})")
-            parts.append(self._bytes[i])
-        return b"".join(parts)
+        return joined_bytes(self._bytes, ids)
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+
+def joined_bytes(table: Sequence[bytes], ids: Iterable[int]) -> bytes:
+    """The bytes of each id in `table`, joined; an id outside it is a ValueError."""
+    parts = []
+    for token in ids:
+        i = operator.index(token)
+        if not 0 <= i < len(table):
+            raise ValueError(f"token id {i} is not in the vocabulary (size {len(table)})")
+        parts.append(table[i])
+    return b"".join(parts)
 
 
 def split_long_runs(text: str, max_chars: int = MAX_ENCODE_CHARS, max_run: int = MAX_RUN_CHARS) -> list[str]:
@@ -312,7 +317,8 @@ def tokenizer_from_json(path, *, chat_template: str | None = None) -> Tokenizer:
     if model.get("type") != "BPE":
         raise ModelFileError(path, f"model.type is {model.get('type')!r}; only 'BPE' is supported")
     if doc.get("normalizer") is not None or _splitters(doc.get("pre_tokenizer")) != [PAT_STR]:
-        return _other_json(path, chat_template)  # not Llama 3's shape: Hugging Face tokenizers, as it is
+        from .hf_tokenizers import json_tokenizer  # not Llama 3's shape: Hugging Face tokenizers, as it is
+        return json_tokenizer(path, chat_template)
     vocab = dict(_json_field(path, model, "vocab", dict, "model.vocab"))
     raw_merges = _json_field(path, model, "merges", list, "model.merges")
     added = _json_field(path, doc, "added_tokens", list)
@@ -335,33 +341,6 @@ def tokenizer_from_json(path, *, chat_template: str | None = None) -> Tokenizer:
     if BEGIN_OF_TEXT not in specials or eos is None:
         raise ModelFileError(path, f"added_tokens lacks {BEGIN_OF_TEXT} or both {END_OF_TEXT} and {EOT}")
     return Tokenizer(path, ranks, specials, bos_id=specials[BEGIN_OF_TEXT], eos_id=eos, chat_template=chat_template)
-
-
-def _other_json(path, chat_template: str | None):
-    """A tokenizer.json other than Llama 3's, through Hugging Face tokenizers; its BOS and EOS are named by
-    tokenizer_config.json beside it, and config.json / generation_config.json add stop ids."""
-    from pathlib import Path
-
-    from .hf_tokenizers import json_tokenizer
-    directory = Path(path).parent
-    config_file = directory / "tokenizer_config.json"
-    if not config_file.is_file():
-        raise ModelFileError(path, "is not Llama 3's tokenizer and has no tokenizer_config.json beside it to name "
-                                   "its BOS and EOS tokens")
-    config = _read_json(config_file)
-    eos_ids: set[int] = set()
-    for name in ("config.json", "generation_config.json"):
-        value = _read_json(directory / name).get("eos_token_id") if (directory / name).is_file() else None
-        eos_ids |= {value} if _is_int(value) else {i for i in value if _is_int(i)} if isinstance(value, list) else set()
-    add_bos = config.get("add_bos_token")
-    return json_tokenizer(path, bos=_token_text(config.get("bos_token")), eos=_token_text(config.get("eos_token")),
-                          eos_ids=frozenset(eos_ids), add_bos=add_bos if isinstance(add_bos, bool) else None,
-                          chat_template=chat_template)
-
-
-def _token_text(value) -> str | None:
-    """tokenizer_config.json names a token as its text or as {"content": text, ...}."""
-    return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
 
 
 def _read_json(path) -> dict:
