@@ -18,7 +18,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the GGUF and vocabulary writers
 
 from ggufmake import write_llama_gguf  # noqa: E402
-from tokfiles import gguf_fields, llama3_tokenizer  # noqa: E402
+from tokfiles import gguf_fields, llama3_vocab  # noqa: E402
 
 from worker.config import ModelConfig  # noqa: E402
 
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     config = bench_config(args)
     weights = random_weights(config, args.seed)
-    write_llama_gguf(args.path, config, weights, **gguf_fields(llama3_tokenizer()))
+    write_llama_gguf(args.path, config, weights, **gguf_fields(llama3_vocab()))
     params = sum(a.size for a in weights.values())
     print(f"{args.path}: {params / 1e6:.0f} M parameters, {args.path.stat().st_size / 2**20:.0f} MiB")
     return 0

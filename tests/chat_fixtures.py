@@ -1,7 +1,7 @@
 """A chat template of a model's own, a conversation for it, and the ids Hugging Face transformers makes of
 them, recorded once (transformers is not a dependency of this project):
 
-    write tokfiles.write_tokenizer_json(llama3_tokenizer(), d) and, in d/tokenizer_config.json,
+    write tokfiles.write_tokenizer_json(llama3_vocab(), d) and, in d/tokenizer_config.json,
     {"chat_template": TEMPLATE (or worker.chat.LLAMA3_TEMPLATE), "bos_token": "<|begin_of_text|>",
      "eos_token": "<|end_of_text|>", "tokenizer_class": "PreTrainedTokenizerFast"}; then, with
     transformers 5.24.0: AutoTokenizer.from_pretrained(d).apply_chat_template(CONVERSATION,

@@ -8,9 +8,8 @@ import threading
 import attrs
 
 from ggufmake import write_llama_gguf
-from tokfiles import gguf_fields
+from tokfiles import byte_vocab, gguf_fields
 from worker.tiny import TinySource
-from worker.tokenizer import byte_tokenizer
 from worker.weights import BLOCK_TENSORS
 
 
@@ -20,7 +19,7 @@ def write_gguf(path, config):
     order = ["token_embd.weight", *(f"blk.{i}.{t}.weight" for i in range(config.n_layers) for t in BLOCK_TENSORS),
              "output_norm.weight", "output.weight"]
     weights = {n: source.load(n) for n in order if n in source.names()}
-    write_llama_gguf(path, config, weights, **gguf_fields(byte_tokenizer()))
+    write_llama_gguf(path, config, weights, **gguf_fields(byte_vocab()))
     return path
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from chat_fixtures import (CONVERSATION, TEMPLATE, TRANSFORMERS_IDS_LLAMA3_TEMPLATE,
                            TRANSFORMERS_IDS_OWN_TEMPLATE)
-from tokfiles import gguf_metadata, llama3_tokenizer, write_tokenizer_json
+from tokfiles import gguf_metadata, llama3_vocab, write_tokenizer_json
 from worker import chat
 from worker.errors import WorkerError
 from worker.tokenizer import chat_template_from_config, tokenizer_from_gguf_metadata, tokenizer_from_json
@@ -15,7 +15,7 @@ from worker.tokenizer import chat_template_from_config, tokenizer_from_gguf_meta
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("hf")
-    write_tokenizer_json(llama3_tokenizer(), d)
+    write_tokenizer_json(llama3_vocab(), d)
     return d
 
 
@@ -44,7 +44,7 @@ def test_of_named_templates_the_default_is_taken(tmp_path):
 
 
 def test_a_template_in_gguf_metadata_gives_transformers_ids():
-    kv = {**gguf_metadata(llama3_tokenizer()), "tokenizer.chat_template": TEMPLATE}
+    kv = {**gguf_metadata(llama3_vocab()), "tokenizer.chat_template": TEMPLATE}
     assert tokenizer_from_gguf_metadata(kv, "m.gguf").encode_messages(CONVERSATION) == TRANSFORMERS_IDS_OWN_TEMPLATE
 
 

@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from tokfiles import llama3_tokenizer, tokenizer_json
+from tokfiles import llama3_vocab, tokenizer_json
 from vocabfiles import HARD, JSON_VOCABS, VOCABS, gguf_fields_of, template_of, trained_bpe, trained_spm
 from worker.errors import ModelFileError
-from worker.hf_tokenizers import gguf_tokenizer, vocab_from_gguf
+from worker.gguf_vocab import vocab_from_gguf
+from worker.tokenizer import tokenizer_from_gguf_metadata
 
 RECORDED = json.loads((Path(__file__).with_name("llamacpp_ids.json")).read_text())["vocabs"]
 
@@ -30,7 +31,7 @@ def metadata(name: str, **extra) -> dict:
 
 @pytest.fixture(scope="module", params=VOCABS)
 def vocab(request):
-    return request.param, gguf_tokenizer("m.gguf", metadata(request.param))
+    return request.param, tokenizer_from_gguf_metadata(metadata(request.param), "m.gguf")
 
 
 def test_a_hard_text_gives_llama_cpps_ids(vocab):
@@ -51,7 +52,7 @@ def test_the_ids_decode_back_to_the_text(vocab):
 
 @pytest.mark.parametrize("name", JSON_VOCABS)
 def test_the_tokenizer_json_of_the_same_vocabulary_gives_the_same_ids(name):
-    tok = (Tokenizer.from_str(json.dumps(tokenizer_json(llama3_tokenizer()))) if name == "llama-bpe"
+    tok = (Tokenizer.from_str(json.dumps(tokenizer_json(llama3_vocab()))) if name == "llama-bpe"
            else trained_spm() if name == "spm" else trained_bpe(name))
     tok.encode_special_tokens = True
     assert tok.encode(HARD, add_special_tokens=False).ids == RECORDED[name]["hard"]
@@ -68,7 +69,7 @@ def test_bos_follows_llama_cpps_default_for_the_pre_tokenizer(name, add_bos):
     ("tokenizer.ggml.model", "bert", "tokenizer.ggml.model is 'bert'; supported: 'gpt2', 'llama'"),
     ("tokenizer.ggml.pre", "qwen2", "tokenizer.ggml.pre is 'qwen2'; supported: default, gpt-2, llama-bpe"),
     ("tokenizer.ggml.merges", ["ab"], "tokenizer.ggml.merges[0] is 'ab', not two tokens"),
-    ("tokenizer.ggml.token_type", [1], "token_type has 1 entries for"),
+    ("tokenizer.ggml.token_type", [1], "token_type is not a list of 374 entries, one per token"),
 ])
 def test_what_llama_cpp_would_not_read_is_refused_naming_file_and_value(key, value, message):
     with pytest.raises(ModelFileError, match=message.replace("[", r"\[").replace("]", r"\]")) as e:

@@ -6,7 +6,7 @@ from gguf import GGMLQuantizationType as Q
 
 from ggufmake import write_llama_gguf
 from hfmake import write_hf_dir
-from tokfiles import gguf_fields, write_tokenizer_json
+from tokfiles import byte_vocab, gguf_fields, write_tokenizer_json
 from worker.gguf import GGUFSource
 from worker.hf import HFSource
 from worker.models import open_worker, tinygrad_model
@@ -22,7 +22,7 @@ def files(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("models")
     source = TinySource()
     weights = {name: source.load(name) for name in source.names()}
-    tok = byte_tokenizer()
+    tok = byte_vocab()
     hf_dir = write_hf_dir(tmp / "hf", TINY_CONFIG, weights, rope_form="parameters", rope_scaling=TINY_ROPE_SCALING)
     write_tokenizer_json(tok, hf_dir)
     gguf_path = tmp / "tiny.gguf"
@@ -67,7 +67,7 @@ def test_a_quantised_gguf_stage_chain_runs_end_to_end(tmp_path):
     path = tmp_path / "q.gguf"
     qtypes = {n: Q.Q8_0 for n in weights if n.endswith(("attn_q.weight", "attn_k.weight", "attn_v.weight"))}
     qtypes.update({n: Q.Q6_K for n in weights if n.endswith("ffn_down.weight")})  # K-quants need rows of 256
-    write_llama_gguf(path, TINY_CONFIG, weights, qtypes=qtypes, **gguf_fields(byte_tokenizer()))
+    write_llama_gguf(path, TINY_CONFIG, weights, qtypes=qtypes, **gguf_fields(byte_vocab()))
     model = tinygrad_model(GGUFSource(path))
     workers = [open_worker(model, s, 3) for s in range(3)]
     from worker.chain import run_chain

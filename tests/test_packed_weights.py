@@ -8,7 +8,7 @@ from gguf import GGMLQuantizationType as Q
 from ggufmake import write_llama_gguf
 from hfmake import write_hf_dir
 from test_gguf import QUANT_CONFIG, hf_weights
-from tokfiles import gguf_fields
+from tokfiles import byte_vocab, gguf_fields
 from worker.chain import run_chain
 from worker.gguf import GGUFSource
 from worker.hf import HFSource
@@ -32,7 +32,7 @@ CONFIG = attrs.evolve(QUANT_CONFIG, n_layers=2, vocab_size=byte_tokenizer().voca
 @pytest.fixture(scope="module")
 def gguf_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("packed") / "m.gguf"
-    write_llama_gguf(path, CONFIG, hf_weights(CONFIG), qtypes=MIXED, **gguf_fields(byte_tokenizer()))
+    write_llama_gguf(path, CONFIG, hf_weights(CONFIG), qtypes=MIXED, **gguf_fields(byte_vocab()))
     return path
 
 

@@ -1,14 +1,16 @@
-"""Tokenizers loaded from GGUF metadata and tokenizer.json encode like Meta's Llama 3 tokenizer."""
+"""Llama 3's vocabulary, loaded from GGUF metadata and from tokenizer.json through Hugging Face tokenizers,
+encodes like Meta's own tokenizer; the tiny model's byte vocabulary; what a malformed file gets."""
 import json
 import re
 
 import pytest
 from llama_models.llama3.tokenizer import Tokenizer as MetaTokenizer
+from tokenizers import Tokenizer as HFTokenizer
 
 from tests import tokfiles
 from worker.errors import ModelFileError
-from worker.tokenizer import (BYTE_SPECIALS, Tokenizer, byte_tokenizer, bytes_to_unicode, split_long_runs,
-                              tokenizer_from_gguf_metadata, tokenizer_from_json)
+from worker.gguf_vocab import bytes_to_unicode
+from worker.tokenizer import BYTE_SPECIALS, byte_tokenizer, tokenizer_from_gguf_metadata, tokenizer_from_json
 
 VARIED = [
     "Hello world",
@@ -30,7 +32,7 @@ def meta():
 @pytest.fixture(scope="module", params=["gguf", "json-strings", "json-pairs"])
 def loaded(request, tmp_path_factory):
     """The Llama 3 vocabulary written as a model file would carry it, then loaded back."""
-    llama3 = tokfiles.llama3_tokenizer()
+    llama3 = tokfiles.llama3_vocab()
     if request.param == "gguf":
         return tokenizer_from_gguf_metadata(tokfiles.gguf_metadata(llama3), "model.gguf")
     directory = tmp_path_factory.mktemp(request.param)
@@ -57,8 +59,9 @@ def test_vocabulary_has_llama3_size_and_special_ids(loaded, meta):
     assert (loaded.bos_id, loaded.special_ids["<|eot_id|>"]) == (128000, 128009)
 
 
-def test_stop_ids_are_end_of_turn_and_end_of_text(loaded):
-    assert loaded.stop_ids == {128001, 128009}
+def test_stop_ids_are_end_of_text_turn_and_message(loaded):
+    # llama.cpp's end-of-generation tokens; Llama 3.2's generation_config.json lists the same three
+    assert loaded.stop_ids == {128001, 128008, 128009}
 
 
 @pytest.mark.parametrize("text", VARIED)
@@ -66,9 +69,15 @@ def test_encoding_matches_meta_tokenizer(loaded, meta, text):
     assert loaded.encode(text) == meta.encode(text, bos=False, eos=False)
 
 
-def test_very_long_runs_are_encoded_like_meta(loaded, meta):
+def test_very_long_runs_are_one_piece_as_llama_cpp_and_transformers_read_them(loaded, meta):
+    short = "x" * 24_000 + " " * 20_000 + "tail"
+    assert loaded.encode(short) == meta.encode(short, bos=False, eos=False)
+    # Meta's reference cuts runs at 25,000 characters; llama.cpp and transformers (tokenizer.json) do not
     text = "x" * 60_000 + " " * 30_000 + "tail"
-    assert loaded.encode(text) == meta.encode(text, bos=False, eos=False)
+    as_transformers = HFTokenizer.from_str(json.dumps(tokfiles.tokenizer_json(tokfiles.llama3_vocab())))
+    assert loaded.encode(text) == as_transformers.encode(text, add_special_tokens=False).ids
+    assert loaded.encode(text) != meta.encode(text, bos=False, eos=False)
+    assert loaded.decode(loaded.encode(text)) == text
 
 
 @pytest.mark.parametrize("text", VARIED)
@@ -127,10 +136,11 @@ def test_byte_tokenizer_round_trips_and_replaces_invalid_utf8():
 
 
 def test_byte_tokenizer_loads_from_gguf_without_merges():
-    kv = tokfiles.gguf_metadata(byte_tokenizer())
+    kv = tokfiles.gguf_metadata(tokfiles.byte_vocab())
     del kv["tokenizer.ggml.merges"]  # GGUF writers drop empty arrays
     tok = tokenizer_from_gguf_metadata(kv, "tiny.gguf")
     assert (tok.vocab_size, tok.special_ids, tok.encode("hi")) == (261, byte_tokenizer().special_ids, [104, 105])
+    assert tok.encode_chat("hi 🦙") == byte_tokenizer().encode_chat("hi 🦙")
 
 
 def test_byte_tokenizer_chat_prompt():
@@ -139,40 +149,30 @@ def test_byte_tokenizer_chat_prompt():
                                      *b"\n\n"]
 
 
-# --- cutting long runs, as Meta does -----------------------------------------------------------
+# --- a small vocabulary: stop ids, both file kinds, and what is refused --------------------------
 
-@pytest.mark.parametrize("text", ["", "a", "aaaaaaa", "aaa   bbbbbbb", "  \n\t\t\t\t x", "ab cd ef", "xxxxxx      "])
-def test_long_runs_are_cut_where_meta_cuts_them(text):
-    assert split_long_runs(text, max_chars=1000, max_run=3) == list(
-        MetaTokenizer._split_whitespaces_or_nonwhitespaces(text, 3))
-
-
-def test_text_is_cut_into_chunks_of_at_most_max_chars():
-    assert split_long_runs("ab cd ef g", max_chars=4, max_run=100) == ["ab c", "d ef", " g"]
-
-
-# --- refusing files that would tokenize wrongly --------------------------------------------------
-
-def small_tokenizer(eos: str = "<|eot_id|>") -> Tokenizer:
+def small_vocab(eos: str = "<|eot_id|>") -> tokfiles.Vocab:
     ranks = {bytes([b]): b for b in range(256)}
     for word in (b"he", b"ll", b"hell", b"hello", b" w", b"or", b" wor", b"ld", b" world"):
         ranks[word] = len(ranks)
-    specials = {name: len(ranks) + n for n, name in enumerate((*BYTE_SPECIALS, "<|eom_id|>"))}
-    return Tokenizer("small", ranks, specials, bos_id=specials["<|begin_of_text|>"], eos_id=specials[eos])
+    return tokfiles.vocab(ranks, (*BYTE_SPECIALS, "<|eom_id|>"), eos=eos)
 
 
 def test_declared_eos_is_a_stop_id_too():
-    small = small_tokenizer(eos="<|eom_id|>")
-    tok = tokenizer_from_gguf_metadata(tokfiles.gguf_metadata(small), "small.gguf")
-    assert tok.stop_ids == {small.special_ids[n] for n in ("<|eom_id|>", "<|eot_id|>", "<|end_of_text|>")}
+    small = small_vocab(eos="<|eom_id|>")
+    kv = {**tokfiles.gguf_metadata(small), "tokenizer.ggml.eot_token_id": 3}
+    tok = tokenizer_from_gguf_metadata(kv, "small.gguf")
+    assert tok.stop_ids == {3} | {small.special_ids[n] for n in ("<|eom_id|>", "<|eot_id|>", "<|end_of_text|>")}
 
 
 def test_small_vocabulary_loads_from_both_file_kinds(tmp_path):
-    small = small_tokenizer()
+    small = small_vocab()
     from_gguf = tokenizer_from_gguf_metadata(tokfiles.gguf_metadata(small), "small.gguf")
     from_json = tokenizer_from_json(tokfiles.write_tokenizer_json(small, tmp_path))
     for tok in (from_gguf, from_json):
         assert tok.encode("hello world") == [small.mergeable_ranks[b"hello"], small.mergeable_ranks[b" world"]]
+        assert tok.encode_chat("hello") == from_gguf.encode_chat("hello")
+        assert tok.stop_ids == from_gguf.stop_ids
 
 
 def refused_gguf(kv, match):
@@ -181,11 +181,10 @@ def refused_gguf(kv, match):
     assert err.value.path == "/models/bad.gguf"
 
 
-@pytest.mark.parametrize("key", ["tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
-                                 "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id",
-                                 "tokenizer.ggml.eos_token_id"])
+@pytest.mark.parametrize("key", ["tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.merges",
+                                 "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"])
 def test_gguf_missing_key_is_refused_naming_it(key):
-    kv = tokfiles.gguf_metadata(small_tokenizer())
+    kv = tokfiles.gguf_metadata(small_vocab())
     del kv[key]
     refused_gguf(kv, key)
 
@@ -194,107 +193,82 @@ def test_gguf_missing_key_is_refused_naming_it(key):
     ("tokenizer.ggml.model", "bert", "tokenizer.ggml.model is 'bert'; supported: 'gpt2', 'llama'"),
     ("tokenizer.ggml.model", "llama", "'tokenizer.ggml.scores' is missing"),  # SentencePiece needs its scores
     ("tokenizer.ggml.pre", "qwen2", "tokenizer.ggml.pre is 'qwen2'; supported"),
-    ("tokenizer.ggml.bos_token_id", 9999, "bos token id 9999"),
-    ("tokenizer.ggml.eos_token_id", "2", "eos_token_id"),
-    ("tokenizer.ggml.tokens", "abc", "want an array"),
+    ("tokenizer.ggml.bos_token_id", 9999, "bos_token_id is 9999, not a token id"),
+    ("tokenizer.ggml.eos_token_id", "2", "eos_token_id is '2', not a token id"),
+    ("tokenizer.ggml.eot_token_id", -1, "eot_token_id is -1, not a token id"),
+    ("tokenizer.ggml.tokens", "abc", "'tokenizer.ggml.tokens' is missing or not a list"),
+    ("tokenizer.ggml.chat_template", 3, "chat_template' is int"),
 ])
 def test_gguf_unsupported_or_malformed_value_is_refused(key, value, match):
-    kv = tokfiles.gguf_metadata(small_tokenizer())
-    kv[key] = value
+    kv = tokfiles.gguf_metadata(small_vocab())
+    kv[key.replace("ggml.chat_template", "chat_template")] = value
     refused_gguf(kv, match)
 
 
-def test_gguf_ids_that_are_not_merge_ranks_are_refused():
-    kv = tokfiles.gguf_metadata(small_tokenizer())
-    tokens = kv["tokenizer.ggml.tokens"]
-    he, world = tokens.index("he"), tokens.index("Ġworld")
-    tokens[he], tokens[world] = tokens[world], tokens[he]
-    refused_gguf(kv, "not merge ranks")
-
-
-def test_gguf_merges_lacking_a_split_are_refused():
-    kv = tokfiles.gguf_metadata(small_tokenizer())
-    kv["tokenizer.ggml.merges"].remove("Ġwor ld")
-    refused_gguf(kv, "splits")
-
-
 @pytest.mark.parametrize("change, match", [
-    (lambda kv: kv["tokenizer.ggml.merges"].append("Ġ zz"), "not in the vocabulary"),
-    (lambda kv: kv["tokenizer.ggml.merges"].append("hello"), "not a pair"),
-    (lambda kv: kv["tokenizer.ggml.token_type"].__setitem__(258, 6), "type 6"),
-    (lambda kv: kv["tokenizer.ggml.tokens"].__setitem__(0, " "), "byte-level"),
-    (lambda kv: kv["tokenizer.ggml.tokens"].__setitem__(32, "!"), "repeats token"),
-    (lambda kv: kv["tokenizer.ggml.token_type"].pop(), "entries for"),
-    (lambda kv: kv["tokenizer.ggml.token_type"].__setitem__(ord("a"), 3), "single bytes"),
+    (lambda kv: kv["tokenizer.ggml.merges"].append("Ġ zz"), "Token `zz` out of vocabulary"),
+    (lambda kv: kv["tokenizer.ggml.merges"].append("hello"), "not two tokens"),
+    (lambda kv: kv["tokenizer.ggml.tokens"].__setitem__(0, " "), "lacks tokens for 1 single bytes"),
+    (lambda kv: kv["tokenizer.ggml.tokens"].__setitem__(5, 5), r"tokens\[5\] is 5"),
+    (lambda kv: kv["tokenizer.ggml.tokens"].__setitem__(32, "!"), "repeats a token"),
+    (lambda kv: kv["tokenizer.ggml.token_type"].pop(), "not a list of 271 entries"),
 ])
 def test_gguf_inconsistent_vocabulary_is_refused(change, match):
-    kv = tokfiles.gguf_metadata(small_tokenizer())
+    kv = tokfiles.gguf_metadata(small_vocab())
     change(kv)
     refused_gguf(kv, match)
 
 
-def refused_json(tmp_path, change, match):
-    doc = tokfiles.tokenizer_json(small_tokenizer())
-    change(doc)
+def write_json(tmp_path, doc, config: dict | None = None):
     path = tmp_path / "tokenizer.json"
     path.write_text(json.dumps(doc), encoding="utf-8")
+    if config is not None:
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("change, config, match", [
+    (lambda doc: doc.pop("model"), None, "tokenizers cannot read it"),
+    (lambda doc: doc["model"].pop("vocab"), None, "tokenizers cannot read it"),
+    (lambda doc: doc["model"]["vocab"].update(he="7"), None, "tokenizers cannot read it"),
+    (lambda doc: doc["added_tokens"].pop(0), None, "needs BOS and EOS named by a tokenizer_config.json"),
+    (lambda doc: None, {"bos_token": "<|begin_of_text|>", "eos_token": "<|nope|>"}, "needs BOS and EOS"),
+    (lambda doc: None, {"bos_token": {"content": 7}, "eos_token": "<|eot_id|>"}, "needs BOS and EOS"),
+])
+def test_malformed_tokenizer_json_is_refused_naming_the_file(tmp_path, change, config, match):
+    doc = tokfiles.tokenizer_json(small_vocab())
+    change(doc)
+    path = write_json(tmp_path, doc, config)
     with pytest.raises(ModelFileError, match=match) as err:
         tokenizer_from_json(path)
     assert err.value.path == str(path)
-
-
-def swap_vocab_ids(doc, a, b):
-    vocab = doc["model"]["vocab"]
-    vocab[a], vocab[b] = vocab[b], vocab[a]
-
-
-@pytest.mark.parametrize("change, match", [
-    (lambda doc: doc["model"].pop("vocab"), "model.vocab"),
-    (lambda doc: doc["model"].pop("merges"), "model.merges"),
-    (lambda doc: doc.pop("model"), "'model' is missing"),
-    (lambda doc: doc.pop("added_tokens"), "added_tokens"),
-    (lambda doc: doc["model"].update(type="WordPiece"), "only 'BPE'"),
-    (lambda doc: doc["model"]["vocab"].update(he="7"), "not a token id"),
-    (lambda doc: doc["added_tokens"].pop(0), re.escape("<|begin_of_text|>")),
-    (lambda doc: doc["added_tokens"].append({"content": "<|x|>"}), r"added_tokens\[6\]"),
-    (lambda doc: swap_vocab_ids(doc, "he", "Ġworld"), "not merge ranks"),
-    (lambda doc: doc["added_tokens"][1].update(id=10**12), "out of range"),
-    (lambda doc: doc["model"]["vocab"].update(he=0), "repeated"),
-    (lambda doc: doc["model"]["merges"].remove("Ġwor ld"), "splits"),
-])
-def test_malformed_tokenizer_json_is_refused_naming_the_file_and_field(tmp_path, change, match):
-    refused_json(tmp_path, change, match)
 
 
 @pytest.mark.parametrize("change", [
     lambda doc: doc["pre_tokenizer"]["pretokenizers"].pop(0),
     lambda doc: doc["pre_tokenizer"]["pretokenizers"][1].update(use_regex=True),
     lambda doc: doc.update(normalizer={"type": "NFC"}),
-], ids=["no-split", "gpt2-regex", "normalizer"])
-def test_a_tokenizer_json_of_another_shape_goes_through_tokenizers_as_it_is(tmp_path, change):
-    from tokenizers import Tokenizer as HFTokenizer
-    doc = tokfiles.tokenizer_json(small_tokenizer())
+    lambda doc: doc["model"]["merges"].remove("Ġwor ld"),  # ids no longer merge ranks: fine here
+], ids=["no-split", "gpt2-regex", "normalizer", "merge-missing"])
+def test_a_tokenizer_json_of_another_shape_is_used_as_it_is(tmp_path, change):
+    doc = tokfiles.tokenizer_json(small_vocab())
     change(doc)
-    path = tmp_path / "tokenizer.json"
-    path.write_text(json.dumps(doc), encoding="utf-8")
-    with pytest.raises(ModelFileError, match="no tokenizer_config.json beside it"):
-        tokenizer_from_json(path)
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|begin_of_text|>", "eos_token": {"content": "<|eot_id|>"}}), encoding="utf-8")
+    path = write_json(tmp_path, doc, {"bos_token": "<|begin_of_text|>", "eos_token": {"content": "<|eot_id|>"}})
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2]}), encoding="utf-8")
     tok, ref = tokenizer_from_json(path), HFTokenizer.from_file(str(path))
     ref.encode_special_tokens = True
     text = "hello world, <|eot_id|> héllo"
     assert tok.encode(text) == ref.encode(text, add_special_tokens=False).ids
     assert tok.decode(tok.encode(text)) == text
-    assert tok.stop_ids == {1, 2, tok.eos_id} and tok.bos_id == tok.special_ids["<|begin_of_text|>"]
+    assert tok.stop_ids == {1, 2} | {tok.special_ids[n] for n in ("<|eot_id|>", "<|end_of_text|>", "<|eom_id|>")}
+    assert tok.bos_id == tok.special_ids["<|begin_of_text|>"]
 
 
 def test_unreadable_tokenizer_json_is_refused_with_its_path(tmp_path):
     path = tmp_path / "tokenizer.json"
-    with pytest.raises(ModelFileError, match="cannot read") as err:
+    with pytest.raises(ModelFileError, match="cannot read tokenizer") as err:
         tokenizer_from_json(path)
     assert err.value.path == str(path)
     path.write_text("{not json", encoding="utf-8")
-    with pytest.raises(ModelFileError, match="not valid JSON"):
+    with pytest.raises(ModelFileError, match="tokenizers cannot read it"):
         tokenizer_from_json(path)

@@ -1,4 +1,4 @@
-"""Write a Tokenizer's vocabulary the way real model files carry it: GGUF tokenizer fields and a
+"""Write a byte-level BPE vocabulary the way real model files carry it: GGUF tokenizer fields and a
 Hugging Face tokenizer.json. Merges are every split of a token into two tokens, sorted by the id
 they make, as Hugging Face's tiktoken converter writes them (Llama 3's files have this shape)."""
 from __future__ import annotations
@@ -9,15 +9,46 @@ import json
 import os
 from pathlib import Path
 
+import attrs
 import pytest
 import tiktoken.load
 
-from worker.tokenizer import (BEGIN_OF_TEXT, CONTROL, END_OF_TEXT, NORMAL, PAT_STR, Tokenizer,
-                              bytes_to_unicode)
+from worker.gguf_vocab import CONTROL, NORMAL, bytes_to_unicode
+from worker.tokenizer import BEGIN_OF_TEXT, BYTE_SPECIALS, END_OF_TEXT
+
+# Meta's pre-tokenizer regex (llama_models/llama3/tokenizer.py), as Llama 3's tokenizer.json carries it
+PAT_STR = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 LLAMA3_RANKS_FILE = importlib.resources.files("llama_models.llama3") / "tokenizer.model"
 
 _BYTE_CHARS = bytes_to_unicode()
+
+
+@attrs.frozen(eq=False)
+class Vocab:
+    """A byte-level BPE vocabulary: token bytes -> id (ids are merge ranks), and special tokens."""
+
+    mergeable_ranks: dict[bytes, int]
+    special_ids: dict[str, int]
+    bos_id: int
+    eos_id: int
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.mergeable_ranks) + len(self.special_ids)
+
+
+def vocab(ranks: dict[bytes, int], special_names, *, eos: str = END_OF_TEXT) -> Vocab:
+    """`ranks` then the named specials, BOS <|begin_of_text|>."""
+    specials = {name: len(ranks) + n for n, name in enumerate(special_names)}
+    return Vocab(ranks, specials, bos_id=specials[BEGIN_OF_TEXT], eos_id=specials[eos])
+
+
+@functools.cache
+def byte_vocab() -> Vocab:
+    """The tiny model's vocabulary (worker.tokenizer.byte_tokenizer): id = byte value, then five specials."""
+    return vocab({bytes([b]): b for b in range(256)}, BYTE_SPECIALS)
 
 
 def byte_level(token: bytes) -> str:
@@ -33,11 +64,11 @@ def derive_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
 
 
 @functools.cache
-def _merge_strings(tok: Tokenizer) -> tuple[tuple[str, str], ...]:
+def _merge_strings(tok: Vocab) -> tuple[tuple[str, str], ...]:
     return tuple((byte_level(a), byte_level(b)) for a, b in derive_merges(tok.mergeable_ranks))
 
 
-def gguf_fields(tok: Tokenizer) -> dict:
+def gguf_fields(tok: Vocab) -> dict:
     """tokens, token_types, merges ("a b"), bos_id, eos_id: ggufmake.write_llama_gguf's keywords."""
     tokens, types = [""] * tok.vocab_size, [NORMAL] * tok.vocab_size
     for token, i in tok.mergeable_ranks.items():
@@ -48,7 +79,7 @@ def gguf_fields(tok: Tokenizer) -> dict:
             "bos_id": tok.bos_id, "eos_id": tok.eos_id}
 
 
-def gguf_metadata(tok: Tokenizer) -> dict:
+def gguf_metadata(tok: Vocab) -> dict:
     """The same fields under their GGUF metadata keys, as a GGUF reader returns them."""
     f = gguf_fields(tok)
     return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "llama-bpe",
@@ -57,7 +88,7 @@ def gguf_metadata(tok: Tokenizer) -> dict:
             "tokenizer.ggml.eos_token_id": f["eos_id"]}
 
 
-def tokenizer_json(tok: Tokenizer, *, pair_merges: bool = False) -> dict:
+def tokenizer_json(tok: Vocab, *, pair_merges: bool = False) -> dict:
     """A Hugging Face tokenizer.json document; merges as "a b" strings or, newer style, [a, b] pairs."""
     merges = _merge_strings(tok)
     added = [{"id": i, "content": name, "single_word": False, "lstrip": False, "rstrip": False,
@@ -76,7 +107,7 @@ def tokenizer_json(tok: Tokenizer, *, pair_merges: bool = False) -> dict:
     }
 
 
-def write_tokenizer_json(tok: Tokenizer, directory, *, pair_merges: bool = False) -> Path:
+def write_tokenizer_json(tok: Vocab, directory, *, pair_merges: bool = False) -> Path:
     """Write `directory`/tokenizer.json for `tok`; returns its path."""
     path = Path(directory) / "tokenizer.json"
     path.write_text(json.dumps(tokenizer_json(tok, pair_merges=pair_merges), ensure_ascii=False), encoding="utf-8")
@@ -84,7 +115,7 @@ def write_tokenizer_json(tok: Tokenizer, directory, *, pair_merges: bool = False
 
 
 @functools.cache
-def llama3_tokenizer() -> Tokenizer:
+def llama3_vocab() -> Vocab:
     """Meta's Llama 3 vocabulary (the ranks file llama_models ships) with its 256 specials, no network."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TIKTOKEN_CACHE_DIR", "")  # a local file: read it, don't copy it into a cache
@@ -92,7 +123,4 @@ def llama3_tokenizer() -> Tokenizer:
     named = [BEGIN_OF_TEXT, END_OF_TEXT, "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
              "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>", "<|end_header_id|>",
              "<|eom_id|>", "<|eot_id|>", "<|python_tag|>", "<|image|>"]
-    names = named + [f"<|reserved_special_token_{2 + i}|>" for i in range(256 - len(named))]
-    specials = {name: len(ranks) + n for n, name in enumerate(names)}
-    return Tokenizer(LLAMA3_RANKS_FILE, ranks, specials, bos_id=specials[BEGIN_OF_TEXT],
-                     eos_id=specials[END_OF_TEXT])
+    return vocab(ranks, named + [f"<|reserved_special_token_{2 + i}|>" for i in range(256 - len(named))])

@@ -11,7 +11,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from ggufmake import write_llama_gguf
-from tokfiles import gguf_fields, llama3_tokenizer
+from tokfiles import gguf_fields, llama3_vocab
 from worker.config import ModelConfig
 
 CONTROL, NORMAL = 3, 1
@@ -73,7 +73,7 @@ def gguf_fields_of(name: str) -> dict:
     """write_llama_gguf's tokenizer keywords for vocabulary `name`."""
     if name == "spm":
         return spm_gguf_fields(trained_spm())
-    fields = gguf_fields(llama3_tokenizer()) if name == "llama-bpe" else bpe_gguf_fields(trained_bpe(name))
+    fields = gguf_fields(llama3_vocab()) if name == "llama-bpe" else bpe_gguf_fields(trained_bpe(name))
     return {**fields, "pre": name}
 
 
