@@ -81,12 +81,15 @@ def test_what_llama_cpp_would_not_read_is_refused_naming_file_and_value(key, val
 
 @pytest.fixture(scope="module")
 def vocab_ggufs(tmp_path_factory):
+    """name -> a GGUF of the same tiny random blocks with that vocabulary (written on first use)."""
     from vocabfiles import write_vocab_gguf
-    directory = tmp_path_factory.mktemp("vocab-ggufs")
-    paths = {}
-    for name in ("spm", "smollm", "gpt-2", "default"):
-        write_vocab_gguf(paths.setdefault(name, directory / f"{name}.gguf"), name)
-    return paths
+    directory, paths = tmp_path_factory.mktemp("vocab-ggufs"), {}
+
+    def path(name: str) -> Path:
+        if name not in paths:
+            write_vocab_gguf(paths.setdefault(name, directory / f"{name}.gguf"), name)
+        return paths[name]
+    return path
 
 
 @pytest.mark.parametrize("num_stages", [2, 3])
@@ -96,29 +99,37 @@ def test_each_vocabulary_generates_through_the_chain_what_one_process_does(vocab
     from worker.gguf import GGUFSource
     from worker.models import open_worker, tinygrad_model
     from worker.reference import generate_full
-    model = tinygrad_model(GGUFSource(vocab_ggufs[name]))
+    model = tinygrad_model(GGUFSource(vocab_ggufs(name)))
     prompt = model.tokenizer().encode_chat("Say hello, wörld 🦙")
     chain = run_chain([open_worker(model, s, num_stages) for s in range(num_stages)], prompt, 8)
     assert chain.token_ids == generate_full(model, prompt, 8).token_ids
     assert chain.text == model.tokenizer().decode(chain.token_ids)
 
 
-@pytest.mark.parametrize("name", ["spm", "smollm"])
-def test_ppsmoke_seed_runs_a_gguf_of_each_vocabulary(vocab_ggufs, name):
+# a trained byte-level BPE (SmolLM's splitting), SentencePiece with byte fallback, Llama 3's: each at N = 2 and 3;
+# GPT-2's and the default splitting only differ from the first in the tokenizer, checked in-process above
+TOKENIZER_RUNS = [pytest.param(name, n, marks=[pytest.mark.slow] if name in ("gpt-2", "default") else [])
+                  for name in ("smollm", "spm", "llama-bpe", "gpt-2", "default") for n in (2, 3)]
+
+
+@pytest.mark.parametrize("name, num_stages", TOKENIZER_RUNS)
+def test_ppsmoke_seed_gives_generate_fulls_tokens_with_each_tokenizer(vocab_ggufs, name, num_stages):
     import uuid
 
     from test_smoke_seed import assert_all_gone, start
     from worker.gguf import GGUFSource
     from worker.models import tinygrad_model
     from worker.reference import generate_full
-    mark = uuid.uuid4().hex
-    proc = start(["-n", "2", "--model", str(vocab_ggufs[name]), "--max-tokens", "6", "--json"], mark)
+    mark, path = uuid.uuid4().hex, vocab_ggufs(name)
+    proc = start(["-n", str(num_stages), "--model", str(path), "--max-tokens", "6", "--json"], mark)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     result = json.loads(out)
-    model = tinygrad_model(GGUFSource(vocab_ggufs[name]))
+    model = tinygrad_model(GGUFSource(path))
     assert result["prompt_token_ids"] == model.tokenizer().encode_chat("Say hello")
     assert result["token_ids"] == generate_full(model, result["prompt_token_ids"], 6).token_ids
+    assert result["text"] == model.tokenizer().decode(
+        [t for t in result["token_ids"] if t not in model.tokenizer().stop_ids])
     assert_all_gone(mark)
 
 

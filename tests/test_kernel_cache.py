@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = """
 import json, numpy as np
@@ -52,6 +54,7 @@ print(json.dumps({"searches": len(searches), "disk_hits": kernel_cache.install()
 """
 
 
+@pytest.mark.slow  # a BEAM search of every step graph: about 2 minutes on 2 cores
 def test_a_second_boot_of_a_slice_finds_its_tuned_kernels_on_disk_and_searches_nothing(tmp_path):
     first, second = run(tmp_path / "cache.db", TUNED), run(tmp_path / "cache.db", TUNED)
     assert first["searches"] > 0 and first["disk_hits"] == 0
