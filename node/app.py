@@ -165,7 +165,7 @@ def _stage_routes(app: QuartTrio, dispatcher: Dispatcher) -> None:
     async def link_state(link_id: str):
         if dispatcher.hidden_dim is None:
             raise Refused(503, "this stage is still loading its weights")
-        return jsonify({"last_seq": dispatcher.links_in.last_seq(link_id)})
+        return jsonify({"last_seq": dispatcher.links_in.last_seq(link_id), "boot": dispatcher.links_in.boot})
 
     @app.post("/v1/link")
     async def link():

@@ -10,11 +10,12 @@ Losing a stream. httpx sends a whole request body before it reads the answer, so
 acknowledge frames; instead every frame of a link carries a sequence number, the receiver remembers the
 last one it delivered per link, and a sender whose stream broke asks for it (`GET /v1/link/<id>`)
 before it opens the next one and resends what did not arrive. Frames already written are kept in a
-bounded window for that. If the receiver does not know the link (it restarted: whatever it held of
-the requests is gone), the kept frames of requests still live are resent: the new peer takes those that
-start there and refuses the others, which then fail naming it. If the window no longer reaches back far
-enough, the kept frames are lost: their requests fail, naming the stage that could not be reached. A receiver that refuses a frame reports the
-failure of its requests to stage 0 itself, since nobody reads its answer (StageNode.refused_on_link).
+bounded window for that. If the receiver has taken nothing of the link yet, the kept frames of requests
+still live are resent. If the receiver restarted (the boot id it answers with changed), the kept frames
+are lost: the stages after it still hold those requests' beginnings, so a resent start would arrive
+there twice (and a refused batch fails every request in it); their requests fail, naming it. So do they
+when the window no longer reaches back far enough. A receiver that refuses a frame reports the failure
+of its requests to stage 0 itself, since nobody reads its answer (StageNode.refused_on_link).
 """
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ class LinkStream:
         self.dest, self.source, self._resolve, self._client = dest, source, resolve, client
         self._on_lost, self._stats, self._still_live = on_lost, stats, still_live
         self.link_id = secrets.token_hex(8)
+        self._peer_boot: str | None = None  # the receiver's boot id when this link last reached it
         self._seq = 0
         self._kept: collections.deque[tuple[int, object, int]] = collections.deque()  # (seq, message, bytes)
         self._kept_bytes = 0
@@ -78,12 +80,15 @@ class LinkStream:
                 resend = await self._resume(addr)
                 failures, delay = 0, FIRST_RETRY_S
                 await self._stream(addr, resend, outbox)
-            except (PeerError, LinkLost) as exc:
+            except LinkLost as exc:  # the peer is reachable: only what it lost fails, the rest goes on
+                log.warning("link to %s lost frames (%s)", self.dest, exc)
+                self._lose(self._take_kept(), str(exc))
+                failures, delay = 0, FIRST_RETRY_S
+            except PeerError as exc:
                 failures += 1
                 log.warning("link to %s broke (%s); attempt %d of %d", self.dest, exc, failures, OPEN_ATTEMPTS)
-                if isinstance(exc, LinkLost) or failures >= OPEN_ATTEMPTS:
-                    self._lose(self._take_kept(), str(exc))
                 if failures >= OPEN_ATTEMPTS:  # what waits now fails too; the next message tries anew
+                    self._lose(self._take_kept(), str(exc))
                     self._lose(outbox.drain(), str(exc))
                     failures, delay = 0, FIRST_RETRY_S
                     continue
@@ -107,8 +112,12 @@ class LinkStream:
         if r.status_code >= 400:
             raise PeerError(addr, f"HTTP {r.status_code} asking for the link's last frame: {r.text[:200]}",
                             r.status_code)
-        last = r.json()["last_seq"]
-        if last is None:  # a new peer (restarted): what it held of earlier requests is gone
+        state = r.json()
+        last, restarted = state["last_seq"], self._peer_boot not in (None, state["boot"])
+        self._peer_boot = state["boot"]
+        if restarted and self._kept:
+            raise LinkLost(f"{self.dest} restarted: what it held of this link's requests is gone")
+        if last is None:  # nothing of this link reached the peer yet
             self._keep_live_only()
             return [(seq, message) for seq, message, _ in self._kept]
         while self._kept and self._kept[0][0] <= last:
@@ -146,9 +155,8 @@ class LinkStream:
             self._drop_oldest()
 
     def _keep_live_only(self) -> None:
-        """For a peer that starts afresh: the kept frames' rows of requests still live here. It takes those
-        that start there and refuses (reporting the failure) those it lost the beginning of; rows and ends
-        of requests that ended here long ago must not reach it (they would start them again)."""
+        """For a peer that has taken nothing of the link: the kept frames' rows of requests still live here;
+        rows and ends of requests that ended here meanwhile must not reach it (they would start them again)."""
         kept = [(seq, self._still_live(message)) for seq, message, _ in self._kept]
         self._kept.clear()
         self._kept_bytes = 0
@@ -204,6 +212,7 @@ class LinkReceiver:
     """The receiving end's memory: the last frame delivered per link, so a resent frame is taken once."""
 
     def __init__(self, known: int = KNOWN_LINKS):
+        self.boot = secrets.token_hex(8)  # changes when the process does: senders learn it restarted
         self._last: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._known = known
 

@@ -1,16 +1,20 @@
 """Link streams between stages, through real in-process clusters: a stream whose connection drops mid-request
 is re-opened and the request goes on as if nothing happened (the stand-in model's tokens show any step
 lost, repeated or reordered); a stage that restarts mid-request fails it cleanly, naming the stage, and
-the chain serves the next request through the new stage."""
+the chain serves the next request through the new stage; what a sender resends when a stream opens again."""
 import functools
 
 import attrs
 import httpx
+import pytest
 import trio
 
 from cluster import TOKEN, _node_until_listening, slow_stub, stage_config, start_cluster, stub_tokens
+from node import hops
 from node.orchestrator import StageDied
 from node.stage_node import StageNode
+from node.streams import LinkLost, LinkStream
+from roles.messages import EndReason, EndRequest
 from worker.models import stub_model
 from worker.reference import generate_full
 
@@ -90,3 +94,46 @@ async def test_a_stage_restarted_mid_request_fails_it_naming_the_stage_then_the_
     want = generate_full(model, model.tokenizer().encode_messages(messages), 8).token_ids
     assert r.json()["choices"][0]["token_ids"] == list(want)
     nursery.cancel_scope.cancel()
+
+
+# --- what a sender resends when it opens a stream again (LinkStream._resume), against a stand-in peer --------
+
+def link_to(answers: list[dict]) -> tuple[LinkStream, list]:
+    """A link to a peer that answers GET /v1/link/<id> with `answers`, in turn; and the lost messages."""
+    replies, lost = iter(answers), []
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, json=next(replies)))
+    link = LinkStream("pp-stage-1", source="pp-stage-0", resolve=lambda name: "http://peer",
+                      client=httpx.AsyncClient(transport=transport), stats=hops.HopStats(),
+                      on_lost=lambda messages, error: lost.append((messages, error)))
+    return link, lost
+
+
+ENDS = [EndRequest(f"r{n}", EndReason.FINISHED) for n in range(3)]
+
+
+async def test_frames_a_peer_has_not_taken_are_resent_and_those_it_has_are_dropped():
+    link, _ = link_to([{"last_seq": None, "boot": "a"}, {"last_seq": 2, "boot": "a"}])
+    assert await link._resume("http://peer") == []
+    for message in ENDS:
+        link.frame(message)
+    assert await link._resume("http://peer") == [(3, ENDS[2])]
+
+
+async def test_a_peer_that_took_nothing_yet_gets_every_kept_frame():
+    link, _ = link_to([{"last_seq": None, "boot": "a"}, {"last_seq": None, "boot": "a"}])
+    await link._resume("http://peer")
+    for message in ENDS:
+        link.frame(message)
+    assert await link._resume("http://peer") == list(enumerate(ENDS, start=1))
+
+
+async def test_a_restarted_peer_is_sent_nothing_it_lost_the_start_of():
+    # the stages after it still hold those requests: a start resent through it would arrive there twice
+    link, _ = link_to([{"last_seq": None, "boot": "a"}, {"last_seq": None, "boot": "b"},
+                       {"last_seq": None, "boot": "b"}])
+    await link._resume("http://peer")
+    link.frame(ENDS[0])
+    with pytest.raises(LinkLost, match="pp-stage-1 restarted"):
+        await link._resume("http://peer")
+    link._take_kept()  # as run() does: those requests fail
+    assert await link._resume("http://peer") == []  # and the link goes on with the new peer
