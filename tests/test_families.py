@@ -2,6 +2,8 @@
 keeping what the families differ in (head counts, tied or untied head, RoPE theta and scaling, vocabulary size
 and kind): the GGUF and the Hugging Face directory load to the same config, and greedy generation, whole and
 through a chain of stages, gives the tokens and logits of an independent numpy forward pass."""
+import json
+
 import attrs
 import numpy as np
 import pytest
@@ -140,7 +142,11 @@ def family(request, tmp_path_factory):
     c, directory = config_of(f), tmp_path_factory.mktemp(request.param.replace(":", "-").replace(" ", "-"))
     w = weights_of(c)
     write_llama_gguf(directory / "m.gguf", c, w, **padded_vocabulary(f.vocabulary, f.vocab_size))
-    write_hf_dir(directory / "hf", c, w, rope_scaling=f.scaling)
+    hf = write_hf_dir(directory / "hf", c, w, rope_scaling=f.scaling)
+    if request.param.startswith("mistral"):  # as Mistral's own directory says it
+        config = json.loads((hf / "config.json").read_text())
+        config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=None)
+        (hf / "config.json").write_text(json.dumps(config))
     return c, w, directory
 
 

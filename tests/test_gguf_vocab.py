@@ -51,11 +51,19 @@ def test_the_ids_decode_back_to_the_text(vocab):
 
 
 @pytest.mark.parametrize("name", JSON_VOCABS)
-def test_the_tokenizer_json_of_the_same_vocabulary_gives_the_same_ids(name):
+def test_the_tokenizer_json_of_the_same_vocabulary_gives_the_same_ids(name, tmp_path):
+    """Through the loader a Hugging Face directory goes through, with BOS and EOS named beside it."""
+    from worker.tokenizer import tokenizer_from_json
     tok = (Tokenizer.from_str(json.dumps(tokenizer_json(llama3_vocab()))) if name == "llama-bpe"
            else trained_spm() if name == "spm" else trained_bpe(name))
-    tok.encode_special_tokens = True
-    assert tok.encode(HARD, add_special_tokens=False).ids == RECORDED[name]["hard"]
+    fields = gguf_fields_of(name)
+    (tmp_path / "tokenizer.json").write_text(tok.to_str())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": fields["tokens"][fields["bos_id"]], "eos_token": fields["tokens"][fields["eos_id"]]}))
+    loaded = tokenizer_from_json(tmp_path / "tokenizer.json")
+    assert loaded.encode(HARD) == RECORDED[name]["hard"]
+    assert loaded.encode_special(template_of(name)) == RECORDED[name]["template"]
+    assert loaded.stop_ids == tokenizer_from_gguf_metadata(metadata(name), "m.gguf").stop_ids
 
 
 @pytest.mark.parametrize("name, add_bos", [("llama-bpe", True), ("smollm", False), ("gpt-2", False), ("spm", True)])
@@ -158,3 +166,13 @@ def test_a_hugging_face_directory_with_that_tokenizer_json_tokenizes_as_llama_cp
     prompt = model.tokenizer().encode_chat("Say hello")
     assert run_chain([open_worker(model, s, 2) for s in range(2)], prompt, 6).token_ids == \
         generate_full(model, prompt, 6).token_ids
+
+
+def test_generated_ids_stream_as_text_each_character_once_it_is_whole(vocab):
+    from node.openai_wire import TextStream
+    name, v = vocab
+    stream, ids = TextStream(), RECORDED[name]["hard"]
+    pieces = [stream.push(v.decode_bytes([i])) for i in ids] + [stream.flush()]
+    assert all("\ufffd" not in p for p in pieces)  # emoji and CJK split into byte pieces wait for their last
+    # SentencePiece marks the start of the text with a space that a generated continuation keeps
+    assert "".join(pieces) == (" " + HARD if name == "spm" else HARD)

@@ -193,13 +193,22 @@ def small_cfg(**changes):
      "rope_theta", 1e4),
     ({"rope_scaling": ..., "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "rope_freq_factors", None),
     ({"rms_norm_eps": 1e-6}, "norm_eps", 1e-6),
+    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": None}, "max_context", 4096),
+    # within its window, sliding-window attention is full attention: the context stops there
+    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 1024}, "max_context", 1024),
+    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "n_kv_heads", 2),
 ])
 def test_config_fields(changes, field, expected):
     assert getattr(config_from_hf(small_cfg(**changes), "config.json"), field) == expected
 
 
 @pytest.mark.parametrize("changes, words", [
-    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "MistralForCausalLM"),
+    ({"model_type": "mistral", "architectures": ["LlamaForCausalLM"]}, "'mistral'"),
+    ({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}, "Qwen2ForCausalLM"),
+    ({"attention_bias": True}, "attention_bias is True"),
+    ({"mlp_bias": True}, "mlp_bias is True"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": "4k"}, "sliding_window"),
     ({"architectures": ["LlamaForSequenceClassification"]}, "LlamaForSequenceClassification"),
     ({"head_dim": 32}, "head_dim 32"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'"),

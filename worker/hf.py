@@ -118,11 +118,28 @@ def _field(obj: dict, key: str, kind: type, path, default=_REQUIRED):
     return kind(value)
 
 
+# model_type -> its causal-LM class; Mistral is Llama's computation plus an optional sliding window
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+
+
 def _check_architecture(cfg: dict, path) -> None:
     model_type, architectures = cfg.get("model_type"), cfg.get("architectures")
-    if model_type != "llama" or architectures not in (None, ["LlamaForCausalLM"]):
+    if model_type not in ARCHITECTURES or architectures not in (None, [ARCHITECTURES[model_type]]):
         raise ModelFileError(path, f"architecture {architectures!r} (model_type {model_type!r}) is not supported; "
-                                   "only Llama (model_type 'llama', LlamaForCausalLM) is")
+                                   "only Llama (model_type 'llama', LlamaForCausalLM) and Mistral (MistralForCausalLM) are")
+    for flag in ("attention_bias", "mlp_bias"):  # Llama configs may add biases, which the slice does not have
+        if cfg.get(flag):
+            raise ModelFileError(path, f"{flag} is {cfg[flag]!r}: projections with biases are not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelFileError(path, f"hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
+
+
+def _context(cfg: dict, path) -> int:
+    """The longest context computed exactly: a sliding window (Mistral) is full attention up to its size."""
+    context = min(_field(cfg, "max_position_embeddings", int, path, default=2048), MAX_CONTEXT_CAP)
+    if cfg.get("model_type") == "mistral" and cfg.get("sliding_window") is not None:
+        context = min(context, _field(cfg, "sliding_window", int, path))
+    return context
 
 
 def rope_from_hf(cfg: dict, path) -> tuple[float, RopeScaling | None]:
@@ -169,7 +186,7 @@ def config_from_hf(cfg: dict, path) -> ModelConfig:
             ffn_dim=_field(cfg, "intermediate_size", int, path), vocab_size=_field(cfg, "vocab_size", int, path),
             norm_eps=_field(cfg, "rms_norm_eps", float, path, default=1e-6),  # transformers' default
             rope_theta=theta, rope_freq_factors=factors,
-            max_context=min(_field(cfg, "max_position_embeddings", int, path, default=2048), MAX_CONTEXT_CAP),
+            max_context=_context(cfg, path),
             tie_embeddings=_field(cfg, "tie_word_embeddings", bool, path, default=False))
     except ValueError as e:  # ModelConfig's own consistency checks
         raise ModelFileError(path, str(e)) from e
