@@ -17,6 +17,7 @@ from worker.partition import role_of
 
 from . import hops, wire
 from .client import PeerClient, PeerError
+from .gossip import State
 from .links import Links
 from .log import error_event
 from .streams import LinkReceiver, LinkStream
@@ -83,6 +84,11 @@ class StageNode:
             return
         if isinstance(message, wire.InferenceResponse) and message.request_id in self._unfollowed:
             return  # the figures of a request whose asker has had its answer
+        if isinstance(message, wire.InferenceRequest) and message.reply_to is not None:
+            view = self.swim.members().values() if self.swim is not None else ()
+            known = [m.addr for m in view if m.state in (State.ALIVE, State.SUSPECT)]
+            if (error := reply_target_error(message.reply_to, [*known, self.url])) is not None:
+                raise Refused(400, error)
         for action in self.actor.admit(message):
             self._post(action)
         self._work.set()
@@ -267,3 +273,11 @@ class StageNode:
             while request_id not in self.kept:
                 await self._kept_changed.wait()
         return self.kept.get(request_id)
+
+
+def reply_target_error(reply_to: str, known: list[str | None]) -> str | None:
+    """Why a request may not name `reply_to` (or None): responses go only to the cluster's own members and
+    its orchestrator, never to an address a caller makes up (the exit node would POST wherever it is told)."""
+    if reply_to.rstrip("/") in {addr.rstrip("/") for addr in known if addr}:
+        return None
+    return f"reply_to: {reply_to[:100]!r} is not the advertised address of a member of this cluster"

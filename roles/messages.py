@@ -10,6 +10,7 @@ several requests at once: one batched step's worth.
 from __future__ import annotations
 
 import enum
+import urllib.parse
 
 import attrs
 
@@ -20,6 +21,17 @@ MAX_TOKENS_LIMIT = 1 << 16
 
 class WireError(ValueError):
     """A message that cannot be accepted; the text names the field."""
+
+
+def is_http_url(text: str) -> bool:
+    """An absolute http(s) URL with a host and nothing after the path: where a response may be POSTed."""
+    try:
+        parts = urllib.parse.urlsplit(text)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and not (parts.query or parts.fragment
+                                                                              or parts.username)
 
 
 @attrs.frozen
@@ -39,6 +51,8 @@ class InferenceRequest:
             raise WireError("request_id: empty")
         if self.prompt and self.prompt_token_ids:
             raise WireError("prompt, prompt_token_ids: give one of them, not both")
+        if self.reply_to is not None and not is_http_url(self.reply_to):
+            raise WireError(f"reply_to: {self.reply_to[:100]!r} is not an http(s) URL")
 
 
 @attrs.frozen

@@ -54,6 +54,10 @@ async def test_health_needs_no_token_but_everything_else_does(cluster):
     (b'{"request_id": "r", "prompt": "hi", "colour": "red"}', "colour"),
     (b'{"request_id": "r", "prompt": "hi", "max_tokens": "5"}', "body.max_tokens"),
     (b'{"request_id": "r", "prompt": "hi", "max_tokens": 0}', "max_tokens"),
+    (b'{"request_id": "r", "prompt": "hi", "reply_to": "not a url"}', "reply_to: 'not a url' is not an http(s) URL"),
+    (b'{"request_id": "r", "prompt": "hi", "reply_to": "file:///etc/passwd"}', "not an http(s) URL"),
+    # a well-formed URL that is nobody in the cluster: the exit node would POST there for whoever asked
+    (b'{"request_id": "r", "prompt": "hi", "reply_to": "http://10.1.2.3:80"}', "not the advertised address of a member"),
 ])
 async def test_malformed_requests_get_400_naming_the_problem(cluster, body, field):
     _, urls, client = cluster
@@ -98,6 +102,32 @@ async def test_unknown_requests_and_wrong_role_messages_get_a_clear_4xx(cluster,
     ctype = "application/octet-stream" if path == "/v1/activation" else "application/json"
     got, error = await answer(client, urls[stage], path, body, content_type=ctype)
     assert got == status and text in error
+
+
+async def test_a_reply_to_naming_the_orchestrator_or_a_member_is_accepted(cluster):
+    orch, urls, client = cluster
+    for n, target in enumerate([orch.url, urls[1] + "/"]):
+        body = json.dumps({"request_id": f"r{n}", "prompt": "hi", "max_tokens": 2, "reply_to": target}).encode()
+        assert await answer(client, urls[0], "/v1/inference", body) == (202, "")
+
+
+@pytest.mark.parametrize("text, ok", [
+    ("http://10.0.0.1:8000", True), ("https://node.example/base", True), ("http://[::1]:9/", True),
+    ("ftp://10.0.0.1", False), ("http://", False), ("10.0.0.1:8000", False), ("http://a:99999", False),
+    ("http://user@host:1", False), ("http://host:1/?x=1", False), ("", False),
+])
+def test_only_absolute_http_urls_can_be_replied_to(text, ok):
+    from roles.messages import is_http_url
+    assert is_http_url(text) is ok
+
+
+@pytest.mark.parametrize("reply_to, known, ok", [
+    ("http://a:1", ["http://a:1"], True), ("http://a:1/", ["http://a:1"], True), ("http://a:1", ["http://a:1/"], True),
+    ("http://a:2", ["http://a:1", None], False), ("http://a:1/x", ["http://a:1"], False),
+])
+def test_a_reply_target_must_be_a_known_address(reply_to, known, ok):
+    from node.stage_node import reply_target_error
+    assert (reply_target_error(reply_to, known) is None) is ok
 
 
 async def test_the_node_still_serves_after_bad_input_and_speaks_http1_too(cluster):
