@@ -105,7 +105,7 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_st
             raise wire.WireError("wait: expected a number of seconds") from None
         response = await dispatcher.wait_response(request_id, wait_s)
         if response is None:
-            return Response(status=204)
+            return Response(b"", status=204)  # a bytes body: quart wraps a missing one with asyncio
         return Response(wire.encode(response), content_type="application/json")
 
     _gossip_routes(app, dispatcher)

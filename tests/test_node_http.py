@@ -158,3 +158,12 @@ async def test_one_http2_connection_carries_more_than_a_thousand_requests(cluste
     for _ in range(1100):
         r = await client.get(urls[0] + "/health")
         assert r.status_code == 200 and r.http_version == "HTTP/2"
+
+
+async def test_a_long_poll_with_nothing_to_return_keeps_the_http2_connection(cluster):
+    _, urls, client = cluster
+    for _ in range(3):
+        r = await client.get(urls[0] + "/v1/response/nobody?wait=0.1", headers=AUTH)
+        assert r.status_code == 204 and r.http_version == "HTTP/2"
+    r = await client.get(urls[0] + "/v1/members", headers=AUTH)
+    assert r.status_code == 200
