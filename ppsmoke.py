@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import sys
 from pathlib import Path
@@ -20,12 +21,14 @@ from pathlib import Path
 import trio
 
 from roles import DEFAULT_MAX_QUEUE
+from roles.messages import MAX_TOKENS_LIMIT, is_http_url
 from runner.report import as_json, stats_line
 from runner.common import RunFailed, Stopped
 from runner.seed import SeedOptions, run_seed
 from runner.vastai import VastOptions, destroy_leftovers, run_vastai
 from worker.batching import DEFAULT_MAX_SEQS
 from worker.fetch import REGISTRY, default_cache_dir, default_ollama_dir, resolve_model
+from worker.tiny import BUILT_IN
 from worker.sampling import Sampling
 from worker.weights import PRECISIONS
 
@@ -89,19 +92,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--max-seqs must be at least 1 and --max-queue at least 0")
     if args.beam < 0:
         p.error("--beam must be 0 (off) or a search width of at least 1")
+    for problem in argument_problems(args):
+        p.error(problem)
     if args.vastai and not args.destroy_leftovers and not args.image:
         p.error("--vastai needs --image: build this repo's Dockerfile, push it, and name it here")
     return args
 
 
+def argument_problems(args: argparse.Namespace) -> list[str]:
+    """Values argparse's types let through that the run would only trip over once nodes exist."""
+    problems = []
+    if not args.model.strip():
+        problems.append("--model is empty: name a model (tiny, llama3.2:1b, ...) or a file")
+    if not 1 <= args.max_tokens <= MAX_TOKENS_LIMIT:
+        problems.append(f"--max-tokens {args.max_tokens}: must be 1..{MAX_TOKENS_LIMIT}")
+    if not 0.0 <= args.temperature < math.inf:
+        problems.append(f"--temperature {args.temperature}: must be 0 (greedy) or more")
+    if not 0.0 < args.top_p <= 1.0:
+        problems.append(f"--top-p {args.top_p}: must be in (0, 1]")
+    for flag in ("timeout", "converge_timeout", "running_timeout", "status_poll"):
+        value = getattr(args, flag)
+        if not 0.0 < value < math.inf:
+            problems.append(f"--{flag.replace('_', '-')} {value}: must be a positive number of seconds")
+    for flag in ("min_gpu_ram", "disk", "min_reliability", "max_dph"):
+        value = getattr(args, flag)
+        if value is not None and not 0.0 <= value < math.inf:
+            problems.append(f"--{flag.replace('_', '-')} {value}: must be 0 or more")
+    return problems
+
+
 def local_model(spec: str, env: dict[str, str]) -> str:
-    """Fetch a named model (llama3.2:1b ...) once, here, so N local nodes don't each download it.
-    Paths, tiny and stub go to the nodes as given: each node reports its own trouble with them."""
-    if spec.strip().lower() not in REGISTRY:
+    """Fetch a named model (llama3.2:1b ...) once, here, so N local nodes don't each download it; check a
+    path is a model file. Built-in models and URLs go to the nodes as given (each fetches its own slice).
+    Raises ValueError (ModelFileError included) naming what is wrong."""
+    name = spec.strip().lower()
+    if name == "stub" or name in BUILT_IN or is_http_url(spec.strip()):
         return spec
     ref = resolve_model(spec, cache_dir=default_cache_dir(Path.home(), env.get("XDG_CACHE_HOME")),
                         ollama_models_dir=default_ollama_dir(Path.home(), env.get("OLLAMA_MODELS")))
-    return str(ref.path)
+    return str(ref.path) if name in REGISTRY else spec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,6 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     live = not args.json and sys.stdout.isatty()  # a person watching: the answer as it is generated
     on_text = (lambda text: print(text, end="", flush=True)) if live else (lambda text: None)
     announce = lambda line: print(line, flush=True)  # noqa: E731
+    if not args.vastai:
+        try:  # a named model is fetched here, once, before any node exists
+            args.model_path = local_model(args.model, env)
+        except ValueError as exc:  # ModelFileError (a failed download included) or an unknown name
+            print(f"ppsmoke: error: --model: {exc}", file=sys.stderr)
+            return 2
     try:
         if args.vastai:
             if args.destroy_leftovers:
@@ -141,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _seed_options(args, env) -> SeedOptions:
-    return SeedOptions(num_stages=args.num_stages, model=local_model(args.model, env), prompt=args.prompt,
+    return SeedOptions(num_stages=args.num_stages, model=args.model_path, prompt=args.prompt,
                        max_tokens=args.max_tokens, sampling=Sampling(args.temperature, args.top_p),
                        timeout_s=args.timeout, converge_timeout_s=args.converge_timeout,
                        base_env={**env, **serving_env(args)}, serve=args.serve, token=_token(args, env),

@@ -120,3 +120,26 @@ def test_sigkill_to_the_runner_still_stops_every_child():
     proc.kill()  # no cleanup can run: the nodes notice their stdin lifeline close
     proc.communicate(timeout=30)
     assert_all_gone(mark, timeout_s=20)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--temperature", "-1"], "--temperature -1.0: must be 0 (greedy) or more"),
+    (["--temperature", "inf"], "--temperature inf"),
+    (["--top-p", "2"], "--top-p 2.0: must be in (0, 1]"),
+    (["--timeout", "-5"], "--timeout -5.0: must be a positive number of seconds"),
+    (["--converge-timeout", "0"], "--converge-timeout 0.0"),
+    (["--max-tokens", "0"], "--max-tokens 0: must be 1..65536"),
+    (["--max-tokens", "100000"], "--max-tokens 100000"),
+    (["--model", ""], "--model is empty"),
+    (["--model", "no-such-model"], "'no-such-model' is neither an existing file or directory nor a known model name"),
+    (["--model", "."], "is a directory without config.json"),
+    (["-n", "1"], "-n 1: a pipeline needs at least 2 stages"),
+])
+def test_a_bad_argument_is_one_line_and_exit_2_before_any_node_starts(args, says):
+    mark = uuid.uuid4().hex
+    proc = start(["-n", "2", *args], mark)
+    out, err = proc.communicate(timeout=60)
+    lines = [line for line in err.splitlines() if line and not line.startswith(("usage:", " "))]
+    assert proc.returncode == 2 and len(lines) == 1 and says in lines[0], err
+    assert "Traceback" not in err and out == ""
+    assert_all_gone(mark, timeout_s=1)
