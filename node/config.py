@@ -16,8 +16,10 @@ import attrs
 
 from roles import DEFAULT_MAX_QUEUE
 from worker.batching import DEFAULT_MAX_SEQS
-from worker.fetch import default_cache_dir, default_ollama_dir
+from roles.messages import is_http_url
+from worker.fetch import REGISTRY, default_cache_dir, default_ollama_dir
 from worker.partition import check_stage
+from worker.tiny import BUILT_IN
 from worker.weights import PRECISIONS
 
 DEFAULT_MODEL = "tiny"
@@ -214,7 +216,7 @@ def _config_from(src: _Sources, *, home: Path, rng: random.Random | None) -> Nod
         cache_dir=default_cache_dir(home, env.get("XDG_CACHE_HOME")),
         ollama_models_dir=default_ollama_dir(home, env.get("OLLAMA_MODELS")),
         seed_addr=_optional_url(*src.get("--seed-addr")), peer_direct=_peer_direct(*src.get("--peer-direct")),
-        model=_text(src, "--model") or DEFAULT_MODEL,
+        model=_model(src),
         model_name=_text(src, "--model-name") or _text(src, "--model") or DEFAULT_MODEL, port=port, bind_host=_text(src, "--bind") or DEFAULT_BIND,
         advertise_addr=_optional_url(*src.get("--advertise-addr")),
         public_ip=(env.get("PUBLIC_IPADDR") or "").strip() or None, public_port=_public_port(env, port),
@@ -222,6 +224,20 @@ def _config_from(src: _Sources, *, home: Path, rng: random.Random | None) -> Nod
         max_seqs=_count(src, "--max-seqs", DEFAULT_MAX_SEQS, lowest=1),
         max_queue=_count(src, "--max-queue", DEFAULT_MAX_QUEUE, lowest=0),
         beam=_count(src, "--beam", 0, lowest=0), precision=_precision(src), link_streams=_links(src), exit_on_stdin_eof=_flag(env, "PP_STDIN_LIFELINE"))
+
+
+def _model(src: _Sources) -> str:
+    """A model the node can load or fetch: built-in, a known name, an http(s) URL, or an existing path
+    (whether the file is a usable model is found when it is opened). An empty variable means the default."""
+    raw, label = src.get("--model")
+    if raw is not None and not raw.strip() and label == "--model":
+        raise ConfigError("--model is empty: name a model (tiny, llama3.2:1b, ...), a URL or a path")
+    model = (raw or "").strip() or DEFAULT_MODEL
+    name = model.lower()
+    if name in ("stub", *BUILT_IN, *(k.lower() for k in REGISTRY)) or is_http_url(model) or Path(model).exists():
+        return model
+    raise ConfigError(f"{label}={raw!r} is neither a built-in model ({', '.join(['stub', *BUILT_IN])}), a known "
+                      f"name ({', '.join(sorted(REGISTRY))}), an http(s) URL nor an existing path")
 
 
 def _precision(src: _Sources) -> str:

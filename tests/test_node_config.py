@@ -71,7 +71,7 @@ def test_the_cluster_token_loses_surrounding_whitespace():
     (["--num-stages", "5"], "num_stages", 5),
     (["--seed-addr", "10.1.1.1:9"], "seed_addr", "http://10.1.1.1:9"),
     (["--peer-direct", "a:1", "--peer-direct", "b:2,c:3"], "peer_direct", ("http://a:1", "http://b:2", "http://c:3")),
-    (["--model", "/models/x.gguf"], "model", "/models/x.gguf"),
+    (["--model", "small"], "model", "small"),
     (["--port", "0"], "port", 0),
     (["--bind", "127.0.0.2"], "bind_host", "127.0.0.2"),
     (["--advertise-addr", "https://me.example:8443/"], "advertise_addr", "https://me.example:8443"),
@@ -118,6 +118,9 @@ def test_the_port_flag_also_selects_the_vast_port_mapping():
     ({"PP_LOG_LEVEL": "LOUD"}, [], (), "PP_LOG_LEVEL='LOUD' is not one of DEBUG, INFO"),
     ({"PP_PRECISION": "q4"}, [], (), "PP_PRECISION='q4': expected auto, file, f32"),
     ({"PP_NODE_ID": "my node"}, [], (), "PP_NODE_ID='my node': a node id must be printable and without spaces"),
+    ({}, ["--model", ""], (), "--model is empty"),
+    ({}, ["--model", "no-such-model"], (), "--model='no-such-model' is neither a built-in model"),
+    ({"MODEL": "/no/such/file.gguf"}, [], (), "MODEL='/no/such/file.gguf' is neither"),
 ])
 def test_a_bad_value_exits_with_a_message_naming_its_source(capsys, env, argv, drop, message):
     with pytest.raises(SystemExit) as exc_info:
