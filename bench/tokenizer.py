@@ -27,19 +27,16 @@ SAMPLE = (Path(__file__).resolve().parent.parent / "README.md").read_text() + (
 class TiktokenVocab:
     """The vocabulary as tiktoken ranks (token bytes -> id), encoding ordinary text and Llama 3 chat prompts."""
 
-    PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-
     def __init__(self, kv):
         import tiktoken
 
-        from worker.gguf_vocab import CONTROL, token_bytes
+        from worker.gguf_vocab import CONTROL, LLAMA3_REGEX, token_bytes
         tokens, types = kv["tokenizer.ggml.tokens"], kv["tokenizer.ggml.token_type"]
         table = token_bytes("gpt2", tokens, types)
         ranks = {b: i for i, (b, kind) in enumerate(zip(table, types)) if kind != CONTROL}
         specials = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind == CONTROL}
         self.vocab_size = len(tokens)
-        self._enc = tiktoken.Encoding("bench", pat_str=self.PAT, mergeable_ranks=ranks, special_tokens=specials)
+        self._enc = tiktoken.Encoding("bench", pat_str=LLAMA3_REGEX, mergeable_ranks=ranks, special_tokens=specials)
 
     def encode(self, text: str) -> list[int]:
         return self._enc.encode_ordinary(text)

@@ -210,6 +210,7 @@ def test_gguf_unsupported_or_malformed_value_is_refused(key, value, match):
     (lambda kv: kv["tokenizer.ggml.merges"].append("hello"), "not two tokens"),
     (lambda kv: kv["tokenizer.ggml.tokens"].__setitem__(0, " "), "lacks tokens for 1 single bytes"),
     (lambda kv: kv["tokenizer.ggml.tokens"].__setitem__(5, 5), r"tokens\[5\] is 5"),
+    (lambda kv: kv["tokenizer.ggml.tokens"].__setitem__(0, ""), r"tokens\[0\] is ''"),
     (lambda kv: kv["tokenizer.ggml.tokens"].__setitem__(32, "!"), "repeats a token"),
     (lambda kv: kv["tokenizer.ggml.token_type"].pop(), "not a list of 271 entries"),
 ])

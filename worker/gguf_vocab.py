@@ -67,7 +67,7 @@ def vocab_from_gguf(kv: Mapping, path) -> GGUFVocab:
     types = types if types is not None else [NORMAL] * len(tokens)  # llama.cpp: all normal when absent
     if not isinstance(types, list) or len(types) != len(tokens):
         raise ModelFileError(path, f"tokenizer.ggml.token_type is not a list of {len(tokens)} entries, one per token")
-    if bad := next((i for i, t in enumerate(tokens) if not isinstance(t, str) or not t), None):
+    if (bad := next((i for i, t in enumerate(tokens) if not isinstance(t, str) or not t), None)) is not None:
         raise ModelFileError(path, f"tokenizer.ggml.tokens[{bad}] is {tokens[bad]!r}, not a token's text")
     vocab = {text: i for i, text in enumerate(tokens)}
     if len(vocab) != len(tokens):

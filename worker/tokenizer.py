@@ -6,7 +6,7 @@ Every vocabulary goes through Hugging Face `tokenizers`: a GGUF file's as llama.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
@@ -76,22 +76,18 @@ class Tokenizer:
         return self.encode_messages([{"role": "user", "content": prompt}])
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
-        """The raw bytes of `ids` (specials as their text); for decoding UTF-8 incrementally."""
-        return joined_bytes(self._bytes, ids)
+        """The raw bytes of `ids` (specials as their text); for decoding UTF-8 incrementally. An id outside
+        the vocabulary is a ValueError."""
+        parts = []
+        for token in ids:
+            i = operator.index(token)
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"token id {i} is not in the vocabulary (size {self.vocab_size})")
+            parts.append(self._bytes[i])
+        return b"".join(parts)
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
-
-
-def joined_bytes(table: Sequence[bytes], ids: Iterable[int]) -> bytes:
-    """The bytes of each id in `table`, joined; an id outside it is a ValueError."""
-    parts = []
-    for token in ids:
-        i = operator.index(token)
-        if not 0 <= i < len(table):
-            raise ValueError(f"token id {i} is not in the vocabulary (size {len(table)})")
-        parts.append(table[i])
-    return b"".join(parts)
 
 
 def tokenizer_from_gguf_metadata(kv: Mapping, path) -> Tokenizer:
