@@ -3,10 +3,11 @@ the pipeline's messages one after another, each length-prefixed, since HTTP/2 ke
 
     frame   = u32 length of the rest | u8 kind | u64 seq | f64 sent_at | payload
     kind 0  heartbeat: no payload, seq 0; proves the connection still takes writes (node/streams.py)
-    kind 1  Activation: u16 segments, each: str request_id | u32 position | u32 seq_len |
+    kind 1  Activation: u16 segments, each: str request_id | u32 position | u32 seq_len | u32 generation |
             u8 n, n x f64 stage_ms | u32 length + JSON of RequestStart (0: none); then the hidden rows
             (float32, little-endian) to the end of the frame
-    kind 2  NextTokens: u16 tokens, each: str request_id | u32 token_id | u32 position | u8 done
+    kind 2  NextTokens: u16 tokens, each: str request_id | u32 token_id | u32 position | u8 done |
+            u32 generation
     kind 3  EndRequest, as JSON (rare: a request's end, or a failure report)
 
     str = u16 length + UTF-8. Integers big-endian.
@@ -29,8 +30,8 @@ HEADER = struct.Struct(">IBQd")  # length, kind, seq, sent_at
 _PREFIX = struct.Struct(">I")
 _BODY_HEAD = HEADER.size - _PREFIX.size  # kind, seq, sent_at: counted in the length
 _U8, _U16, _U32, _F64 = (struct.Struct(f) for f in (">B", ">H", ">I", ">d"))
-_SEGMENT = struct.Struct(">II")
-_TOKEN = struct.Struct(">IIB")
+_SEGMENT = struct.Struct(">III")
+_TOKEN = struct.Struct(">IIBI")
 HEARTBEAT, ACTIVATION, NEXT_TOKENS, END = 0, 1, 2, 3
 MAX_FRAME = 1 << 30
 
@@ -61,8 +62,8 @@ def _activation(act: Activation) -> list[bytes]:
     parts = [_U16.pack(len(act.meta.segments))]
     for s in act.meta.segments:
         start = b"" if s.start is None else wire.encode(s.start)
-        parts += [_str(s.request_id), _SEGMENT.pack(s.position, s.seq_len), _U8.pack(len(s.stage_ms)),
-                  struct.pack(f">{len(s.stage_ms)}d", *s.stage_ms), _U32.pack(len(start)), start]
+        parts += [_str(s.request_id), _SEGMENT.pack(s.position, s.seq_len, s.generation),
+                  _U8.pack(len(s.stage_ms)), struct.pack(f">{len(s.stage_ms)}d", *s.stage_ms), _U32.pack(len(start)), start]
     parts.append(act.hidden)
     return parts
 
@@ -70,7 +71,7 @@ def _activation(act: Activation) -> list[bytes]:
 def _next_tokens(msg: NextTokens) -> list[bytes]:
     parts = [_U16.pack(len(msg.tokens))]
     for t in msg.tokens:
-        parts += [_str(t.request_id), _TOKEN.pack(t.token_id, t.position, t.done)]
+        parts += [_str(t.request_id), _TOKEN.pack(t.token_id, t.position, t.done, t.generation)]
     return parts
 
 
@@ -155,12 +156,12 @@ def _read_activation(c: _Cursor, hidden_dim: int) -> Activation:
     segments = []
     for _ in range(n):
         rid = c.str()
-        position, seq_len = c.take(_SEGMENT)
+        position, seq_len, generation = c.take(_SEGMENT)
         (n_ms,) = c.take(_U8)
         stage_ms = c.take(struct.Struct(f">{n_ms}d"))
         (start_len,) = c.take(_U32)
         start = wire.decode(RequestStart, c.bytes(start_len)) if start_len else None
-        segments.append(SegmentMeta(rid, position, seq_len, tuple(stage_ms), start))
+        segments.append(SegmentMeta(rid, position, seq_len, tuple(stage_ms), start, generation))
     meta = ActivationMeta(tuple(segments))
     hidden = c.rest()
     want = meta.rows * hidden_dim * 4
@@ -175,8 +176,8 @@ def _read_next_tokens(c: _Cursor) -> NextTokens:
     tokens = []
     for _ in range(n):
         rid = c.str()
-        token_id, position, done = c.take(_TOKEN)
-        tokens.append(Token(rid, token_id, position, bool(done)))
+        token_id, position, done, generation = c.take(_TOKEN)
+        tokens.append(Token(rid, token_id, position, bool(done), generation))
     if c.at != len(c.data):
         raise WireError(f"NextTokens frame: {len(c.data) - c.at} bytes after the last token")
     return NextTokens(tuple(tokens))

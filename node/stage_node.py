@@ -213,10 +213,10 @@ class StageNode:
     def _still_live(self, message):
         """The part of a message that concerns requests still live here, or None."""
         if isinstance(message, wire.Activation):
-            rows = [(s, h) for s, h in message.split() if self.actor.holds(s.request_id)]
+            rows = [(s, h) for s, h in message.split() if self.actor.is_live(s.request_id, s.generation)]
             return wire.Activation.of(rows) if rows else None
         if isinstance(message, wire.NextTokens):
-            tokens = tuple(t for t in message.tokens if self.actor.holds(t.request_id))
+            tokens = tuple(t for t in message.tokens if self.actor.is_live(t.request_id, t.generation))
             return wire.NextTokens(tokens) if tokens else None
         return None  # an end, or a failure report: the new peer never knew the request
 

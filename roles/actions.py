@@ -53,6 +53,11 @@ def failure(request_id: str, stage: int, error: str) -> EndRequest:
     return EndRequest(request_id, EndReason.FAILED, f"stage {stage}: {error}", stage)
 
 
+def lost(request_id: str, stage: int, generation: int, error: str) -> EndRequest:
+    """To stage 0: the rows of this life of the request did not get past `stage`; replay it."""
+    return EndRequest(request_id, EndReason.LOST, f"stage {stage}: {error}", stage, generation)
+
+
 def error_reply(reply_to: str | None, end: EndRequest) -> Reply:
     return Reply(reply_to, InferenceResponse(end.request_id, error=end.error, failed_stage=end.failed_stage))
 
@@ -65,26 +70,43 @@ def timed(into: list):
     into.append((time.perf_counter() - start) * 1000.0)
 
 
-def admit_segments(expected: dict[str, int], queue: StageQueue, act: Activation, stage: int) -> list[tuple]:
+@attrs.define
+class Held:
+    """A request live at a middle or last stage: its life (generation) and where its next rows start."""
+
+    generation: int
+    next_position: int
+
+
+def admit_segments(held: dict[str, Held], queue: StageQueue, act: Activation, stage: int) -> list[tuple]:
     """Middle and last stages: check every segment of an activation before taking any (a message is taken
-    whole or refused whole), then record where each request's next rows must start. `expected` maps the
-    requests live here to that position. Returns (segment, rows' bytes) for the requests still live:
-    rows of a request that ended here are dropped."""
-    planned: dict[str, int] = {}
-    for s in act.meta.segments:
+    whole or refused whole), then record where each request's next rows must start. `held` maps the
+    requests live here to their life and next position. Returns (segment, rows' bytes) for the rows to
+    compute: rows of a request that ended here, or of an earlier life than the one held, are dropped. A
+    segment that starts a later life than the one held starts the request over (a replay): the actor
+    frees the old slot when it meets that start."""
+    planned: dict[str, Held] = {}
+    taken = []
+    for s, hidden in act.split():
         rid = s.request_id
         if queue.ended(rid):
             continue
-        want = planned.get(rid, expected.get(rid))
-        if s.start is not None and want is not None:
-            raise Refused(409, f"request {rid!r} starts twice at stage {stage}")
-        if s.start is None and want is None:
-            raise Refused(404, f"unknown request {rid!r} at stage {stage} (never started here, or ended)")
-        if s.start is None and s.position != want:
-            raise Refused(409, f"request {rid!r} at stage {stage}: rows at position {s.position}, expected {want}")
-        planned[rid] = s.position + s.seq_len
-    expected.update(planned)
-    return [(s, h) for s, h in act.split() if s.request_id in planned]
+        now = planned.get(rid, held.get(rid))
+        if now is not None and s.generation < now.generation:
+            continue  # rows of a life a replay has replaced
+        if s.start is not None:
+            if now is not None and s.generation == now.generation:
+                raise Refused(409, f"request {rid!r} starts twice at stage {stage}")
+        elif now is None or s.generation > now.generation:
+            raise Refused(404, f"unknown request {rid!r} (generation {s.generation}) at stage {stage} "
+                               f"(never started here, or ended)")
+        elif s.position != now.next_position:
+            raise Refused(409, f"request {rid!r} at stage {stage}: rows at position {s.position}, "
+                               f"expected {now.next_position}")
+        planned[rid] = Held(s.generation, s.position + s.seq_len)
+        taken.append((s, hidden))
+    held.update(planned)
+    return taken
 
 
 def compute(step: Step, worker, items: list) -> tuple[list, float]:
@@ -98,20 +120,21 @@ def compute(step: Step, worker, items: list) -> tuple[list, float]:
     return results, ms[0]
 
 
-def pass_on(step: Step, outcome: tuple[list, float], *, dest: str, live: Callable[[str], bool],
+def pass_on(step: Step, outcome: tuple[list, float], *, dest: str, live: Callable[[str, int], bool],
             fail: Callable[[str, str], list]) -> list:
     """First and middle stages: the step's rows go on to `dest` as one activation, each segment with this
     stage's compute time appended; a refused item fails its request; rows of requests that ended while
-    the step computed are dropped."""
+    the step computed, or were replayed meanwhile (`live(request_id, generation)` says), are dropped."""
     results, ms = outcome
     segments, actions = [], []
     for unit, out in zip(step.units, results):
-        if not live(unit.request_id):
+        if not live(unit.request_id, unit.generation):
             continue
         if isinstance(out, WorkerError):
             actions += fail(unit.request_id, str(out))
             continue
-        meta = SegmentMeta(unit.request_id, unit.position, unit.rows, (*unit.stage_ms, ms), unit.start)
+        meta = SegmentMeta(unit.request_id, unit.position, unit.rows, (*unit.stage_ms, ms), unit.start,
+                           unit.generation)
         segments.append((meta, out))
     if segments:
         actions.insert(0, Send(dest, Activation.of(segments)))

@@ -8,6 +8,12 @@ feeds back, runs a decode step (spec §3.3, row First). It also owns every reque
   down the chain so every stage frees its own, replies the error to the asker for a failure, and starts
   the oldest waiting request. The EndRequest travels the same ordered links as the activations, so each
   stage frees a slot before the rows of the request that takes it next arrive.
+- Replay: stage 0 keeps every live request's prompt ids and the tokens generated so far. The node tells it
+  which members hold the rest of the chain (`set_chain`): while a stage is missing, nothing is computed
+  and new requests wait; when the chain is whole again with a stage replaced, every live request starts
+  its next life — prompt and generated tokens prefilled through the new chain, decoding going on where it
+  stopped. A request whose rows a stage reports lost is replayed the same way, at once if the chain
+  stands (every stage alive), else once it does.
 """
 from __future__ import annotations
 
@@ -27,12 +33,19 @@ from .schedule import StageQueue, Step, Unit
 from .topology import stage_name
 
 RETRY_AFTER_S = 1
+MAX_REPLAYS = 16  # a request lost more often than this fails: something other than a lost stage is wrong
 
 
 @attrs.define
 class _Live:
     request: InferenceRequest
+    prompt: tuple[int, ...]
     next_position: int  # where the next fed-back token goes
+    queued_ms: float = 0.0
+    generated: list[int] = attrs.Factory(list)  # fed back so far: what a replay prefills after the prompt
+    generation: int = 0
+    replays: int = 0
+    lost: bool = False  # a stage lost its rows: replay once the chain stands
 
 
 class FirstActor:
@@ -46,6 +59,9 @@ class FirstActor:
         self.capacity, self.max_queue = capacity, max_queue
         self.queue = StageQueue(max_rows)
         self.live: dict[str, _Live] = {}
+        self.chain: tuple[str, ...] = ()  # the members holding stages 1.. when the chain was last whole
+        self.paused = False  # a stage is missing: compute nothing, start nothing
+        self._standing = True  # every stage of the chain is alive: a lost request is replayed at once
         self.waiting: collections.OrderedDict[str, tuple[InferenceRequest, list[int], float]] = \
             collections.OrderedDict()
 
@@ -57,15 +73,17 @@ class FirstActor:
             return self._admit_tokens(msg)
         if isinstance(msg, CancelRequest):
             return self._cancel(msg.request_id)
+        if isinstance(msg, EndRequest) and msg.reason is EndReason.LOST:
+            return self._lost(msg.request_id, msg.generation, msg.error or "")
         if isinstance(msg, EndRequest):  # a stage failed it
             return self.end(msg) if msg.request_id in self.live else []
         raise wrong_role(self.stage, self.role, msg)
 
     def plan(self) -> Step | None:
-        return self.queue.next_step()
+        return None if self.paused else self.queue.next_step()
 
     def finish(self, step: Step, outcome) -> list:
-        return pass_on(step, outcome, dest=self.next, live=self.live.__contains__,
+        return pass_on(step, outcome, dest=self.next, live=self.is_live,
                        fail=lambda rid, error: self.end(failure(rid, self.stage, error)))
 
     def undeliverable(self, send: Send, error: str) -> list:
@@ -73,10 +91,29 @@ class FirstActor:
             return []  # an EndRequest lost with its stage: nothing left there to free
         actions = []
         for s in send.message.meta.segments:
-            if s.request_id in self.live:
-                problem = f"could not deliver Activation to {send.dest}: {error}"
-                actions += self.end(failure(s.request_id, self.stage, problem))
+            actions += self._lost(s.request_id, s.generation, f"could not deliver Activation to {send.dest}: {error}")
         return actions
+
+    def set_chain(self, chain: tuple[str, ...] | None, *, standing: bool) -> list:
+        """What the node sees of stages 1..: the ids of the members holding them, or None while one is
+        missing; `standing`: every one of them is alive (none suspected). Pauses, resumes and replays."""
+        self._standing = chain is not None and standing
+        if chain is None:
+            self.paused = True
+            return []
+        replaced, self.paused = self.chain not in ((), chain), False
+        self.chain = chain
+        actions = []
+        for rid, live in list(self.live.items()):
+            if replaced or (live.lost and standing):
+                actions += self._replay(rid)
+        self._start_waiting()
+        return actions
+
+    def is_live(self, request_id: str, generation: int) -> bool:
+        """Whether this life of the request is live here (it started, has not ended, no replay since)."""
+        live = self.live.get(request_id)
+        return live is not None and live.generation == generation
 
     def end(self, end: EndRequest) -> list:
         """End a live request everywhere; start waiting ones in the slots that frees."""
@@ -88,13 +125,10 @@ class FirstActor:
         self._start_waiting()
         return actions
 
-    def holds(self, request_id: str) -> bool:
-        """Whether the request is live at this stage (it started here and has not ended)."""
-        return request_id in self.live
-
     def health(self) -> dict:
         return {"slots": {"capacity": self.capacity, "active": len(self.live)},
-                "queue": {"waiting": len(self.waiting), "max": self.max_queue}}
+                "queue": {"waiting": len(self.waiting), "max": self.max_queue},
+                "admitting": not self.paused, "replays": sum(live.replays for live in self.live.values())}
 
     # -- compute thread ----------------------------------------------------------------------
     def run(self, step: Step, worker):
@@ -111,7 +145,7 @@ class FirstActor:
             raise Refused(400, f"prompt: {exc}") from None
         if len(ids) >= self.max_context:
             raise Refused(400, f"prompt: {len(ids)} tokens leave no room in the context of {self.max_context}")
-        if len(self.live) < self.capacity and not self.waiting:
+        if len(self.live) < self.capacity and not self.waiting and not self.paused:
             self._start(req, ids, 0.0)
         elif len(self.waiting) < self.max_queue:
             self.waiting[rid] = (req, ids, self.clock())
@@ -121,12 +155,38 @@ class FirstActor:
         return []
 
     def _start(self, req: InferenceRequest, ids: list[int], queued_ms: float) -> None:
-        self.live[req.request_id] = _Live(req, len(ids))
-        start = RequestStart(req.max_tokens, req.sampling, tuple(ids), req.reply_to, round(queued_ms, 3))
-        self.queue.add(Unit(req.request_id, 0, len(ids), decode=False, tokens=tuple(ids), start=start))
+        live = self.live[req.request_id] = _Live(req, tuple(ids), len(ids), round(queued_ms, 3))
+        self._send_prefill(req.request_id, live)
+
+    def _send_prefill(self, rid: str, live: _Live) -> None:
+        req = live.request
+        start = RequestStart(req.max_tokens, req.sampling, live.prompt, req.reply_to, live.queued_ms,
+                             tuple(live.generated))
+        ids = (*live.prompt, *live.generated)
+        self.queue.add(Unit(rid, 0, len(ids), decode=False, tokens=ids, start=start, generation=live.generation))
+
+    def _replay(self, rid: str) -> list:
+        """Start the request's next life: its prompt and generated tokens through the chain again."""
+        live = self.live[rid]
+        if live.replays >= MAX_REPLAYS:
+            return self.end(failure(rid, self.stage, f"its rows were lost {live.replays} times; giving up"))
+        live.generation, live.replays, live.lost = live.generation + 1, live.replays + 1, False
+        live.next_position = len(live.prompt) + len(live.generated)
+        self.queue.restart(rid)
+        self._send_prefill(rid, live)
+        return []
+
+    def _lost(self, rid: str, generation: int, error: str) -> list:
+        """A stage could not pass this life's rows on: replay now if the chain stands, else when it does."""
+        if not self.is_live(rid, generation):
+            return []  # ended, or already replayed
+        self.live[rid].lost = True
+        if self.paused or not self._standing:
+            return []
+        return self._replay(rid)
 
     def _start_waiting(self) -> None:
-        while self.waiting and len(self.live) < self.capacity:
+        while self.waiting and len(self.live) < self.capacity and not self.paused:
             _, (req, ids, since) = self.waiting.popitem(last=False)
             self._start(req, ids, (self.clock() - since) * 1000.0)
 
@@ -135,19 +195,24 @@ class FirstActor:
             live = self.live.get(t.request_id)
             if live is None and not self.queue.ended(t.request_id):
                 raise Refused(404, f"unknown request {t.request_id!r} at stage 0 (never started, or ended)")
+            if live is not None and t.generation != live.generation:
+                continue  # sampled in a life a replay has replaced: checked and dropped below
             if live is not None and t.position != live.next_position:
                 raise Refused(409, f"request {t.request_id!r}: token for position {t.position}, "
                                    f"expected {live.next_position}")
         actions = []
         for t in msg.tokens:
-            if t.request_id not in self.live:
-                continue  # ended here while the token was on its way
+            live = self.live.get(t.request_id)
+            if live is None or t.generation != live.generation:
+                continue  # ended here, or replayed, while the token was on its way
             actions.append(Progress(t.request_id, t.token_id, t.done))
             if t.done:
                 actions += self.end(EndRequest(t.request_id, EndReason.FINISHED))
             else:
-                self.live[t.request_id].next_position = t.position + 1
-                self.queue.add(Unit(t.request_id, t.position, 1, decode=True, tokens=(t.token_id,)))
+                live.generated.append(t.token_id)
+                live.next_position = t.position + 1
+                self.queue.add(Unit(t.request_id, t.position, 1, decode=True, tokens=(t.token_id,),
+                                    generation=live.generation))
         return actions
 
     def _cancel(self, request_id: str) -> list:

@@ -1,6 +1,7 @@
 """The last stage: runs its blocks, the final norm and head, samples, feeds each token back to stage 0,
 and when a request ends detokenizes and replies to whoever asked (spec §3.3, row Last). One step samples
-for every request whose rows in it end its prompt or are a decode row."""
+for every request whose rows in it end its prompt or are a decode row. A replay's first rows hold the
+prompt and the tokens generated before it: sampling goes on after them, and the answer holds them all."""
 from __future__ import annotations
 
 import time
@@ -14,7 +15,7 @@ from worker.sampling import GREEDY
 from worker.stage import StepItem
 from worker.stopping import generation_done
 
-from .actions import Reply, Send, admit_segments, compute, error_reply, failure, wrong_role
+from .actions import Held, Reply, Send, admit_segments, compute, error_reply, failure, wrong_role
 from .messages import Activation, EndRequest, InferenceResponse, NextTokens, RequestStart, Token
 from .schedule import StageQueue, Step, Unit
 from .topology import stage_name
@@ -37,7 +38,7 @@ class LastActor:
         self.stage, self.num_stages = stage, num_stages
         self.feedback = stage_name(0)  # the first stage owns the embedding, so tokens go back there
         self.queue = StageQueue(max_rows)
-        self.expected: dict[str, int] = {}
+        self.expected: dict[str, Held] = {}
         self.progress: dict[str, _Progress] = {}
         self.failed_reply_to: dict[str, str | None] = {}  # until stage 0 has heard of the failure
         self.detokenize, self.stop_ids, self.max_context, self.clock = detokenize, stop_ids, max_context, clock
@@ -52,10 +53,15 @@ class LastActor:
             raise wrong_role(self.stage, self.role, msg)
         for s, hidden in admit_segments(self.expected, self.queue, msg, self.stage):
             if s.start is not None:
-                self.progress[s.request_id] = _Progress(s.start, [], [0.0] * self.num_stages)
-            prompt_len = len(self.progress[s.request_id].start.prompt_token_ids)
-            self.queue.add(Unit(s.request_id, s.position, s.seq_len, s.position >= prompt_len, hidden=hidden,
-                                stage_ms=s.stage_ms, start=s.start, sample=s.position + s.seq_len >= prompt_len))
+                if s.generation > 0:  # a replay: the slot of the earlier life is overwritten
+                    self.queue.restart(s.request_id)
+                now = self.clock()
+                self.progress[s.request_id] = _Progress(s.start, list(s.start.replayed), [0.0] * self.num_stages,
+                                                        now, [now] * len(s.start.replayed))
+            prefill = self.progress[s.request_id].start.prefill_len
+            self.queue.add(Unit(s.request_id, s.position, s.seq_len, s.position >= prefill, hidden=hidden,
+                                stage_ms=s.stage_ms, start=s.start, sample=s.position + s.seq_len >= prefill,
+                                generation=s.generation))
         return []
 
     def plan(self) -> Step | None:
@@ -66,8 +72,8 @@ class LastActor:
         tokens, actions = [], []
         for unit, out in zip(step.units, results):
             prog = self.progress.get(unit.request_id)
-            if prog is None:
-                continue  # ended while this step computed
+            if prog is None or not self.is_live(unit.request_id, unit.generation):
+                continue  # ended, or replayed, while this step computed
             if isinstance(out, WorkerError):
                 actions += self._fail(unit.request_id, str(out))
                 continue
@@ -97,9 +103,15 @@ class LastActor:
             actions.append(error_reply(self.failed_reply_to.pop(send.message.request_id), send.message))
         return actions
 
-    def holds(self, request_id: str) -> bool:
-        """Whether the request is live at this stage (it started here and has not ended)."""
-        return request_id in self.expected
+    def is_live(self, request_id: str, generation: int) -> bool:
+        """Whether this life of the request is live here (it started here, has not ended, no replay since)."""
+        held = self.expected.get(request_id)
+        return held is not None and held.generation == generation
+
+    def forget_all(self) -> None:
+        """Stage 0 was replaced: the requests it owned are gone with it; free their slots here."""
+        for rid in list(self.expected):
+            self._end_here(rid)
 
     def health(self) -> dict:
         return {"slots": {"active": len(self.expected)}}
@@ -123,7 +135,7 @@ class LastActor:
         position = unit.position + unit.rows
         done = generation_done(token_id, generated=len(prog.tokens), max_tokens=prog.start.max_tokens,
                                next_position=position, max_context=self.max_context, stop_ids=self.stop_ids)
-        return Token(unit.request_id, token_id, position, done), done
+        return Token(unit.request_id, token_id, position, done, unit.generation), done
 
     def _finish(self, request_id: str, prog: _Progress) -> Reply:
         text = self.detokenize([t for t in prog.tokens if t not in self.stop_ids])

@@ -6,6 +6,11 @@ sequence slot is free, then sends its prompt down the chain in Activations; the 
 feeds each Token back to stage 0; when the request ends — finished, failed or cancelled — stage 0 sends
 an EndRequest down the chain so every stage frees its slot. Activations and NextTokens carry the rows of
 several requests at once: one batched step's worth.
+
+Replay: when a stage is replaced (or rows are lost on the way), stage 0 starts the request's next life,
+its `generation`: the prompt and the tokens generated so far go down the chain again as one prefill
+(RequestStart.replayed), each stage overwrites the request's slot, and rows and tokens of an earlier
+generation still on their way are dropped wherever they arrive.
 """
 from __future__ import annotations
 
@@ -71,10 +76,18 @@ class RequestStart:
     prompt_token_ids: tuple[int, ...]
     reply_to: str | None = None
     queued_ms: float = 0.0  # waited at the entry for a free slot
+    replayed: tuple[int, ...] = ()  # a replay: the tokens generated before it, prefilled after the prompt
 
     def __attrs_post_init__(self):
         if not self.prompt_token_ids:
             raise WireError("prompt_token_ids: empty")
+        if len(self.replayed) >= self.max_tokens:
+            raise WireError(f"replayed: {len(self.replayed)} tokens, no fewer than max_tokens {self.max_tokens}")
+
+    @property
+    def prefill_len(self) -> int:
+        """Rows before the first token this life samples: the prompt, then what was generated before."""
+        return len(self.prompt_token_ids) + len(self.replayed)
 
 
 @attrs.frozen
@@ -86,8 +99,11 @@ class SegmentMeta:
     seq_len: int
     stage_ms: tuple[float, ...] = ()  # compute ms of each stage so far, for these rows
     start: RequestStart | None = None  # on the request's first segment only
+    generation: int = 0  # the request's life: 0, then one more per replay
 
     def __attrs_post_init__(self):
+        if self.generation < 0:
+            raise WireError(f"generation: {self.generation} is negative")
         if self.position < 0 or self.seq_len < 1:
             raise WireError(f"position {self.position} / seq_len {self.seq_len}: need position >= 0, seq_len >= 1")
         if (self.position == 0) != (self.start is not None):
@@ -133,6 +149,7 @@ class Token:
     token_id: int
     position: int  # where token_id is fed back in
     done: bool
+    generation: int = 0  # of the request's rows it was sampled from
 
 
 @attrs.frozen
@@ -150,16 +167,19 @@ class EndReason(enum.Enum):
     FINISHED = "finished"
     CANCELLED = "cancelled"
     FAILED = "failed"
+    LOST = "lost"  # a stage could not pass the request's rows on: stage 0 replays it, nothing ends
 
 
 @attrs.frozen
 class EndRequest:
-    """Stage 0 → down the chain: free this request's slot. Any stage → stage 0: this request failed here."""
+    """Stage 0 → down the chain: free this request's slot. Any stage → stage 0: this request failed here,
+    or (LOST) the rows of its `generation` did not get past this stage."""
 
     request_id: str
     reason: EndReason
     error: str | None = None
     failed_stage: int | None = None
+    generation: int = 0
 
 
 @attrs.frozen

@@ -1,13 +1,14 @@
 """A middle stage: runs its blocks on each request's rows and passes them on, request id, position and
 seq_len unchanged (spec §3.3, row Middle), batching whatever is waiting into one step. An EndRequest from
-upstream frees the request's slot and goes on down the chain."""
+upstream frees the request's slot and goes on down the chain. Rows that cannot be passed on are reported
+lost to stage 0, which replays the request (roles/messages.py)."""
 from __future__ import annotations
 
 from worker.partition import Role
 from worker.stage import StepItem
 
-from .actions import Send, admit_segments, compute, error_reply, failure, pass_on, wrong_role
-from .messages import Activation, EndRequest
+from .actions import Held, Send, admit_segments, compute, error_reply, failure, lost, pass_on, wrong_role
+from .messages import Activation, EndReason, EndRequest
 from .schedule import StageQueue, Step, Unit
 from .topology import stage_name
 
@@ -19,7 +20,7 @@ class MiddleActor:
         self.stage, self.num_stages = stage, num_stages
         self.next, self.entry = stage_name(stage + 1), stage_name(0)
         self.queue = StageQueue(max_rows)
-        self.expected: dict[str, int] = {}  # live requests: the position their next rows start at
+        self.expected: dict[str, Held] = {}  # live requests: their life and where their next rows start
         self.reply_to: dict[str, str | None] = {}
         self.prompt_len: dict[str, int] = {}
 
@@ -31,36 +32,46 @@ class MiddleActor:
             raise wrong_role(self.stage, self.role, msg)
         for s, hidden in admit_segments(self.expected, self.queue, msg, self.stage):
             if s.start is not None:
+                if s.generation > 0:  # a replay: the slot of the earlier life is overwritten
+                    self.queue.restart(s.request_id)
                 self.reply_to[s.request_id] = s.start.reply_to
-                self.prompt_len[s.request_id] = len(s.start.prompt_token_ids)
+                self.prompt_len[s.request_id] = s.start.prefill_len
             decode = s.position >= self.prompt_len[s.request_id]
             self.queue.add(Unit(s.request_id, s.position, s.seq_len, decode, hidden=hidden, stage_ms=s.stage_ms,
-                                start=s.start))
+                                start=s.start, generation=s.generation))
         return []
 
     def plan(self) -> Step | None:
         return self.queue.next_step()
 
     def finish(self, step: Step, outcome) -> list:
-        return pass_on(step, outcome, dest=self.next, live=self.expected.__contains__, fail=self._fail)
+        return pass_on(step, outcome, dest=self.next, live=self.is_live, fail=self._fail)
 
     def undeliverable(self, send: Send, error: str) -> list:
-        """Rows that could not go on fail their requests; a failure report that could not reach stage 0
-        goes to the asker directly."""
+        """Rows that could not go on are reported lost to stage 0, which replays their requests (the slot
+        here is kept: the replay overwrites it); a failure report that could not reach stage 0 goes to the
+        asker directly."""
         if isinstance(send.message, Activation):
-            actions = []
-            for s in send.message.meta.segments:
-                if s.request_id in self.expected:
-                    actions += self._fail(s.request_id, f"could not deliver Activation to {send.dest}: {error}")
-            return actions
+            problem = f"could not deliver Activation to {send.dest}: {error}"
+            live = {s.request_id: s.generation for s in send.message.meta.segments
+                    if self.is_live(s.request_id, s.generation)}
+            return [Send(self.entry, lost(rid, self.stage, gen, problem)) for rid, gen in live.items()]
         end = send.message
+        if end.reason is EndReason.LOST:
+            return []  # stage 0 is gone: its requests went with it
         if send.dest == self.entry and end.error is not None and end.request_id in self.reply_to:
             return [error_reply(self.reply_to.pop(end.request_id), end)]
         return []
 
-    def holds(self, request_id: str) -> bool:
-        """Whether the request is live at this stage (it started here and has not ended)."""
-        return request_id in self.expected
+    def is_live(self, request_id: str, generation: int) -> bool:
+        """Whether this life of the request is live here (it started here, has not ended, no replay since)."""
+        held = self.expected.get(request_id)
+        return held is not None and held.generation == generation
+
+    def forget_all(self) -> None:
+        """Stage 0 was replaced: the requests it owned are gone with it; free their slots here."""
+        for rid in list(self.expected):
+            self._end_here(rid)
 
     def health(self) -> dict:
         return {"slots": {"active": len(self.expected)}}

@@ -41,6 +41,7 @@ class Unit:
     stage_ms: tuple[float, ...] = ()
     start: RequestStart | None = None  # on the request's first rows (position 0)
     sample: bool = False  # last stage: these rows end the prompt, or are a decode: sample after them
+    generation: int = 0  # the request's life these rows belong to (roles/messages.py: replay)
 
     def split(self, k: int) -> tuple[Unit, Unit]:
         """The first k rows, and the rest (which no longer starts the request). Upstream compute time stays
@@ -104,6 +105,12 @@ class StageQueue:
         self._ended[request_id] = None
         while len(self._ended) > ENDED_REMEMBERED:
             self._ended.popitem(last=False)
+        self._release.append(request_id)
+
+    def restart(self, request_id: str) -> None:
+        """The request begins a new life (a replay): drop its waiting rows and free its slot before the next
+        step, which may hold its new first rows."""
+        self.waiting = [u for u in self.waiting if u.request_id != request_id]
         self._release.append(request_id)
 
     def next_step(self) -> Step | None:

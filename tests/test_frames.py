@@ -70,11 +70,11 @@ def frame(kind: int, payload: bytes) -> bytes:
 @pytest.mark.parametrize("data, error", [
     (frame(9, b""), "unknown kind 9"),
     (frames.HEADER.pack(3, 1, 1, 0.0), "outside"),
-    (frame(frames.NEXT_TOKENS, struct.pack(">H", 2) + struct.pack(">H", 1) + b"a" + struct.pack(">IIB", 1, 2, 0)),
+    (frame(frames.NEXT_TOKENS, struct.pack(">H", 2) + struct.pack(">H", 1) + b"a" + struct.pack(">IIBI", 1, 2, 0, 0)),
      "kind 2"),  # says two tokens, holds one
-    (frame(frames.NEXT_TOKENS, struct.pack(">H", 1) + struct.pack(">H", 1) + b"a" + struct.pack(">IIB", 1, 2, 0)
+    (frame(frames.NEXT_TOKENS, struct.pack(">H", 1) + struct.pack(">H", 1) + b"a" + struct.pack(">IIBI", 1, 2, 0, 0)
            + b"xx"), "after the last token"),
-    (frame(frames.NEXT_TOKENS, struct.pack(">H", 1) + struct.pack(">H", 2) + b"\xff\xfe" + struct.pack(">IIB", 1, 2, 0)),
+    (frame(frames.NEXT_TOKENS, struct.pack(">H", 1) + struct.pack(">H", 2) + b"\xff\xfe" + struct.pack(">IIBI", 1, 2, 0, 0)),
      "utf-8"),
     (frame(frames.END, b'{"request_id": "a", "reason": "exploded"}'), "reason"),
 ])
