@@ -17,7 +17,10 @@ import trio
 
 from node.config import parse_config
 from node.log import error_event, setup_logging
-from node.main import ModelLoadError, run_node
+from node.main import ModelLoadError, Replaced, run_node
+
+
+EXIT_REPLACED = 3  # the cluster gave this stage to another node (see node.main.Replaced)
 
 
 def announce(url: str) -> None:
@@ -54,13 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trio.run(serve_until_signalled, config)
     except BaseExceptionGroup as group:
-        matched, _ = group.split(ModelLoadError)
+        matched, _ = group.split((ModelLoadError, Replaced))
         if matched is None:
             raise
         while isinstance(matched, BaseExceptionGroup):  # nested nurseries nest the groups
             matched = matched.exceptions[0]
-        error_event(logging.getLogger("pp.node"), "model_load_failed", error=str(matched))
-        return 1
+        kind = "replaced" if isinstance(matched, Replaced) else "model_load_failed"
+        error_event(logging.getLogger("pp.node"), kind, error=str(matched))
+        return EXIT_REPLACED if isinstance(matched, Replaced) else 1
     return 0
 
 

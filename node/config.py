@@ -22,6 +22,8 @@ from worker.partition import check_stage
 from worker.tiny import BUILT_IN
 from worker.weights import PRECISIONS
 
+from .faults import NONE as NO_FAULTS, Faults, FaultSpecError, parse_faults
+
 DEFAULT_MODEL = "tiny"
 DEFAULT_PORT = 8000
 DEFAULT_BIND = "0.0.0.0"
@@ -64,6 +66,7 @@ class NodeConfig:
     precision: str = "auto"             # PP_PRECISION: which matrices keep the file's precision (worker.weights.narrow_kinds)
     link_streams: bool = True           # PP_LINKS=stream: one long-lived HTTP/2 stream to the next stage; post: a POST each
     exit_on_stdin_eof: bool = False     # PP_STDIN_LIFELINE=1: a local runner holds our stdin; EOF = it is gone
+    faults: Faults = NO_FAULTS          # PP_FAULTS: drop or delay some link sends (chaos tests; node/faults.py)
     log_level: str = DEFAULT_LOG_LEVEL
 
 
@@ -73,6 +76,8 @@ def loggable(config: NodeConfig) -> dict[str, object]:
 
 
 def _plain(value: object) -> object:
+    if isinstance(value, Faults):
+        return attrs.asdict(value, filter=lambda a, _: a.init)
     return str(value) if isinstance(value, Path) else value
 
 
@@ -130,6 +135,7 @@ ENV_TABLE = (
     ("PP_BEAM", "--beam", "kernel search at boot: tinygrad's BEAM width, e.g. 2; minutes once, cached on disk for the next boot (0 = off)"),
     ("PP_PRECISION", "--precision", "auto: Q8_0 weights stay as the file holds them, F16/BF16 too with --beam; file: all of them always; f32: every weight widened at load (auto)"),
     ("PP_LINKS", "--links", "stream: messages to the next stage as frames of one long-lived HTTP/2 stream; post: a POST each (stream)"),
+    ("PP_FAULTS", "", "chaos testing: drop=P,delay=P,delay_ms=MS,seed=N drops or delays that share of link sends (off)"),
     ("PP_STDIN_LIFELINE", "", "1: exit when stdin closes (set by ppsmoke --seed, so no node outlives it)"),
     ("PP_LOG_LEVEL", "--log-level", f"{', '.join(LOG_LEVELS)} ({DEFAULT_LOG_LEVEL})"),
     ("XDG_CACHE_HOME", "", "downloaded models go to $XDG_CACHE_HOME/pp (~/.cache/pp)"),
@@ -223,7 +229,8 @@ def _config_from(src: _Sources, *, home: Path, rng: random.Random | None) -> Nod
         max_body_bytes=_max_body(env), log_level=_log_level(*src.get("--log-level")),
         max_seqs=_count(src, "--max-seqs", DEFAULT_MAX_SEQS, lowest=1),
         max_queue=_count(src, "--max-queue", DEFAULT_MAX_QUEUE, lowest=0),
-        beam=_count(src, "--beam", 0, lowest=0), precision=_precision(src), link_streams=_links(src), exit_on_stdin_eof=_flag(env, "PP_STDIN_LIFELINE"))
+        beam=_count(src, "--beam", 0, lowest=0), precision=_precision(src), link_streams=_links(src), exit_on_stdin_eof=_flag(env, "PP_STDIN_LIFELINE"),
+        faults=_faults(env))
 
 
 def _model(src: _Sources) -> str:
@@ -325,6 +332,13 @@ def _node_id(src: _Sources, stage: int, rng: random.Random | None) -> str:
     if not node_id.isprintable() or " " in node_id:
         raise ConfigError(f"{label}={raw!r}: a node id must be printable and without spaces")
     return node_id
+
+
+def _faults(environ: Mapping[str, str]) -> Faults:
+    try:
+        return parse_faults(environ.get("PP_FAULTS"))
+    except FaultSpecError as exc:
+        raise ConfigError(f"PP_FAULTS: {exc}") from None
 
 
 def _flag(environ: Mapping[str, str], name: str) -> bool:

@@ -144,6 +144,11 @@ def refute(own: Member, update: Member) -> Member | None:
     return attrs.evolve(own, incarnation=max(own.incarnation, update.incarnation) + 1, state=State.ALIVE)
 
 
+def declares_dead(update: Member, own: Member) -> bool:
+    """Whether an update is the cluster's DEAD verdict on us (not a stale one from an earlier life)."""
+    return update.id == own.id and update.state is State.DEAD and update.incarnation >= own.incarnation
+
+
 def merge(known: Member | None, update: Member, *, self_id: str) -> Member | None:
     """The record to store (and gossip on) after `update`, or None when the update is ignored."""
     if update.id == self_id:

@@ -30,7 +30,7 @@ from .client import HttpTransport, PeerClient, gossip_client
 from .compute import ComputeThread, open_compute_thread
 from .openai_api import add_openai_routes
 from .config import NodeConfig, advertised_url
-from .gossip import Member, Meta, SwimConfig
+from .gossip import Member, Meta, State, SwimConfig
 from .log import event
 from .stage_node import StageNode
 from .swim import Swim
@@ -41,6 +41,10 @@ PROGRESS_EVERY_S = 5.0
 
 class ModelLoadError(RuntimeError):
     """The model argument could not be resolved or its files could not be loaded."""
+
+
+class Replaced(RuntimeError):
+    """The cluster has given this stage's place to another member: the node exits rather than serve on."""
 
 
 def load_worker(config: NodeConfig, model_spec: str):
@@ -102,6 +106,23 @@ def chain_capacity(swim: Swim, num_stages: int) -> int | None:
     return min(slots) if slots else None
 
 
+def replaced_because(swim: Swim, stage: int) -> str | None:
+    """Why this member no longer holds its stage (None while it does): the cluster declared it dead (it was
+    frozen or cut off past the dead timeout; a runner replaces such a stage), or a member that started
+    after it holds the same stage, loaded."""
+    if swim.declared_dead.is_set():
+        return "the cluster declared it dead (frozen or cut off past the dead timeout)"
+    me = swim.me
+    newer = [m for m in swim.members().values() if m.id != me.id and m.meta.stage == stage and m.meta.ready
+             and m.state is State.ALIVE and m.incarnation > me.incarnation]
+    return f"{newer[0].id} at {newer[0].addr} has taken over stage {stage}" if newer else None
+
+
+async def step_aside_when_replaced(swim: Swim, stage: int) -> None:
+    why = await swim.wait_until(lambda s: replaced_because(s, stage))
+    raise Replaced(f"stage {stage} was replaced: {why}; exiting rather than serve a slice another member holds")
+
+
 def _resolved(names: tuple[str, ...]):
     return lambda swim: all(swim.resolve(n) is not None for n in names)
 
@@ -126,7 +147,7 @@ async def _serve(config, swim_config, on_listening, compute, task_status) -> Non
     async with PeerClient(config.cluster_token) as client, gossip_client(config.cluster_token) as gossip, \
             trio.open_nursery() as nursery:
         node = StageNode(stage, n, client, node_id=config.node_id, max_queue=config.max_queue,
-                         link_streams=config.link_streams)
+                         link_streams=config.link_streams, faults=config.faults)
         app = make_app(node, token=config.cluster_token, max_body_bytes=config.max_body_bytes, link_streams=True)
         if stage == 0:  # pp-entry serves the OpenAI API too
             add_openai_routes(app, node, model_name=config.model_name)
@@ -137,8 +158,10 @@ async def _serve(config, swim_config, on_listening, compute, task_status) -> Non
 
         me = Member(config.node_id, url, incarnation=time.time_ns() // 1_000_000, meta=Meta(stage=stage))
         seeds = [a for a in (config.seed_addr, *config.peer_direct) if a]
-        node.swim = swim = Swim(me, swim_config, HttpTransport(gossip), random.Random(), seeds)
+        node.swim = swim = Swim(me, swim_config, HttpTransport(gossip), random.Random(), seeds,
+                                yield_when_dead=True)
         await nursery.start(swim.run)
+        nursery.start_soon(step_aside_when_replaced, swim, stage)
         swim.update_meta(names=topology.first_names(stage, n))
 
         # Weights are fetched and loaded before waiting for a peer (spec §5.1 has steps 4 and 7 the

@@ -17,9 +17,10 @@ from worker.partition import role_of
 
 from . import hops, wire
 from .client import PeerClient, PeerError
+from .faults import NONE as NO_FAULTS, Faults
 from .gossip import State
 from .links import Links
-from .log import error_event
+from .log import error_event, event
 from .streams import LinkReceiver, LinkStream
 from .swim import Swim
 
@@ -39,9 +40,9 @@ def _clocked(fn, *args):
 
 class StageNode:
     def __init__(self, stage: int, num_stages: int, client: PeerClient, *, node_id: str,
-                 max_queue: int = DEFAULT_MAX_QUEUE, link_streams: bool = True):
+                 max_queue: int = DEFAULT_MAX_QUEUE, link_streams: bool = True, faults: Faults = NO_FAULTS):
         self.stage, self.num_stages, self.node_id = stage, num_stages, node_id
-        self.client, self.max_queue, self.link_streams = client, max_queue, link_streams
+        self.client, self.max_queue, self.link_streams, self.faults = client, max_queue, link_streams, faults
         self.name = stage_name(stage)
         self.hops = hops.HopStats()
         self.links_in = LinkReceiver()
@@ -131,13 +132,13 @@ class StageNode:
         kind = type(message).__name__
         error_event(log, "link_message_refused", source=source, kind=kind, error=error)
         if isinstance(message, wire.Activation):
-            ids = [s.request_id for s in message.meta.segments]
+            lives = [(s.request_id, s.generation) for s in message.meta.segments]
         elif isinstance(message, wire.NextTokens):
-            ids = [t.request_id for t in message.tokens]
+            lives = [(t.request_id, t.generation) for t in message.tokens]
         else:
             return  # an end or a failure report: nothing further to end
-        for rid in dict.fromkeys(ids):
-            end = failure(rid, self.stage, f"refused {kind} from {source}: {error}")
+        for rid, generation in dict.fromkeys(lives):
+            end = failure(rid, self.stage, f"refused {kind} from {source}: {error}", generation)
             if self.stage == 0:
                 with contextlib.suppress(Refused):
                     self.deliver(end)
@@ -170,11 +171,42 @@ class StageNode:
         return role_of(self.stage, self.num_stages).value
 
     async def run(self, compute, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Open the links, report started, then compute steps until cancelled."""
+        """Open the links, follow the chain's membership, report started, then compute steps until
+        cancelled."""
         async with trio.open_nursery() as nursery:
             self.links = Links(nursery, self._send, self._undeliverable, self._reply, self._open_stream)
+            if self.swim is not None:
+                nursery.start_soon(self._follow_chain if self.stage == 0 else self._follow_entry)
             task_status.started()
             await self._compute_loop(compute)
+
+    async def _follow_chain(self) -> None:
+        """Stage 0: tell the actor who holds the rest of the chain, on every change (it pauses while a stage
+        is missing and replays its requests through a replacement)."""
+        seen = None
+        while True:
+            view = await self.swim.wait_until(lambda s: (v := chain_view(s, self.num_stages)) != seen and v)
+            seen = view
+            chain, standing = view
+            replays = self.actor.health()["replays"]
+            for action in self.actor.set_chain(chain, standing=standing):
+                self._post(action)
+            self._work.set()
+            event(log, "chain", members=list(chain) if chain else None, standing=standing,
+                  admitting=not self.actor.paused, replayed=self.actor.health()["replays"] - replays)
+
+    async def _follow_entry(self) -> None:
+        """Stages 1..: when another member takes over stage 0, the requests of the one before are gone with
+        it: free their slots here."""
+        owner = None
+        while True:
+            entry = await self.swim.wait_until(
+                lambda s: (m := s.resolve(stage_name(0))) is not None and m.meta.ready and m.id != owner and m)
+            if owner is not None:
+                self.actor.forget_all()
+                self._work.set()
+                event(log, "entry_replaced", old=owner, new=entry.id)
+            owner = entry.id
 
     async def _compute_loop(self, compute) -> None:
         while True:
@@ -208,7 +240,11 @@ class StageNode:
             return None if member is None else member.addr
         return LinkStream(dest, source=self.name, resolve=resolve, client=self.client.http, stats=self.hops,
                           on_lost=lambda messages, error: self.links.lost(dest, messages, error),
-                          still_live=self._still_live)
+                          still_live=self._still_live, faults=self.faults, moved=self._moved)
+
+    async def _moved(self, name: str, addr: str) -> None:
+        """Until the member at `addr` no longer holds `name` (declared dead, or replaced)."""
+        await self.swim.wait_until(lambda s: (m := s.resolve(name)) is None or m.addr != addr)
 
     def _still_live(self, message):
         """The part of a message that concerns requests still live here, or None."""
@@ -241,6 +277,8 @@ class StageNode:
             delay *= 3
 
     async def _post_message(self, dest: str, addr: str, message) -> None:
+        if dest.startswith("pp-stage-") and await self.faults.before_send():
+            raise PeerError(addr, "dropped by fault injection (PP_FAULTS)")
         started = hops.now()
         path, body, content_type = wire.body_of(message)
         sent = hops.now()
@@ -273,6 +311,15 @@ class StageNode:
             while request_id not in self.kept:
                 await self._kept_changed.wait()
         return self.kept.get(request_id)
+
+
+def chain_view(swim: Swim, num_stages: int) -> tuple[tuple[str, ...] | None, bool]:
+    """Stage 0's view of stages 1..: the ids of the ready members holding them (None while one is missing
+    or still loading), and whether all of them are alive (none suspected)."""
+    members = [swim.resolve(stage_name(i)) for i in range(1, num_stages)]
+    if any(m is None or not m.meta.ready for m in members):
+        return None, False
+    return tuple(m.id for m in members), all(m.state is State.ALIVE for m in members)
 
 
 def reply_target_error(reply_to: str, known: list[str | None]) -> str | None:

@@ -22,13 +22,15 @@ from __future__ import annotations
 import collections
 import logging
 import secrets
-from typing import Callable, Protocol
+from typing import Awaitable, Callable, Protocol
 
 import httpx
 import trio
 
 from . import frames, hops
 from .client import PeerError
+from .faults import NONE as NO_FAULTS, Faults
+from .groups import unwrapped
 
 log = logging.getLogger("pp.streams")
 
@@ -60,8 +62,10 @@ class LinkStream:
 
     def __init__(self, dest: str, *, source: str, resolve: Callable[[str], str | None], client: httpx.AsyncClient,
                  on_lost: Callable[[list, str], None], stats: hops.HopStats,
-                 still_live: Callable[[object], object | None] = lambda message: message):
+                 still_live: Callable[[object], object | None] = lambda message: message, faults: Faults = NO_FAULTS,
+                 moved: Callable[[str, str], Awaitable[None]] | None = None):
         self.dest, self.source, self._resolve, self._client = dest, source, resolve, client
+        self.faults, self._moved = faults, moved
         self._on_lost, self._stats, self._still_live = on_lost, stats, still_live
         self.link_id = secrets.token_hex(8)
         self._peer_boot: str | None = None  # the receiver's boot id when this link last reached it
@@ -79,7 +83,7 @@ class LinkStream:
                 addr = self._addr()
                 resend = await self._resume(addr)
                 failures, delay = 0, FIRST_RETRY_S
-                await self._stream(addr, resend, outbox)
+                await self._stream_while_there(addr, resend, outbox)
             except LinkLost as exc:  # the peer is reachable: only what it lost fails, the rest goes on
                 log.warning("link to %s lost frames (%s)", self.dest, exc)
                 self._lose(self._take_kept(), str(exc))
@@ -125,6 +129,20 @@ class LinkStream:
         if self._kept and self._kept[0][0] != last + 1:
             raise LinkLost(f"{self.dest} last took frame {last}; the oldest kept is {self._kept[0][0]}")
         return [(seq, message) for seq, message, _ in self._kept]
+
+    async def _stream_while_there(self, addr: str, resend: list, outbox: Outbox) -> None:
+        """Stream to `addr` until it breaks, or until gossip says `addr` no longer holds the destination
+        (declared dead, replaced): a frozen peer breaks nothing — writes just stop being taken."""
+        if self._moved is None:
+            return await self._stream(addr, resend, outbox)
+        with unwrapped(PeerError):
+            async with trio.open_nursery() as nursery:
+                async def watch() -> None:
+                    await self._moved(self.dest, addr)
+                    nursery.cancel_scope.cancel()
+                nursery.start_soon(watch)
+                await self._stream(addr, resend, outbox)
+        raise PeerError(addr, f"{addr} no longer holds {self.dest}")
 
     async def _stream(self, addr: str, resend: list, outbox: Outbox) -> None:
         url = f"{addr}/v1/link?link={self.link_id}&from={self.source}"
@@ -205,7 +223,10 @@ class _Body(httpx.AsyncByteStream):
             self._idle_s = HEARTBEAT_IDLE_S
             return frames.heartbeat(hops.now())
         self._idle_s = HEARTBEAT_AFTER_S
-        return b"".join(self._link.frame(message) for message in batch)
+        data = b"".join(self._link.frame(message) for message in batch)  # kept for a resend from here on
+        if await self._link.faults.before_send():
+            raise httpx.WriteError("dropped by fault injection (PP_FAULTS)")  # as a connection that broke
+        return data
 
 
 class LinkReceiver:

@@ -48,7 +48,7 @@ class Swim:
     """
 
     def __init__(self, self_member: Member, config: SwimConfig, transport: Transport, rng: random.Random,
-                 seeds: Iterable[str]):
+                 seeds: Iterable[str], *, yield_when_dead: bool = False):
         if self_member.state is not State.ALIVE:
             raise ValueError(f"member {self_member.id!r} must start ALIVE, not {self_member.state.name}")
         self.config = config
@@ -63,6 +63,10 @@ class Swim:
         self._tombstones: dict[str, Member] = {}  # last DEAD/LEFT record of each member
         self._seq = itertools.count(1)
         self._changed = trio.Event()  # set and replaced on every view change
+        # A stage declared dead has been (or is being) replaced: it must not refute and come back serving a
+        # slice someone else now holds. With yield_when_dead it sets `declared_dead` instead; its owner exits.
+        self._yield_when_dead = yield_when_dead
+        self.declared_dead = trio.Event()
 
     # --- queries ------------------------------------------------------------------------------------------
 
@@ -135,7 +139,7 @@ class Swim:
         return reply(sender_id=self._id, seq=msg.seq, updates=self._updates_for(msg.sender.id))
 
     def on_sync(self, msg: Sync) -> Sync:
-        self._absorb(map(gossip.as_synced, msg.members))
+        self._absorb(msg.members, synced=True)
         return Sync(members=tuple(self._view.values()))
 
     # --- the protocol -------------------------------------------------------------------------------------
@@ -269,7 +273,7 @@ class Swim:
             except TransportError as exc:
                 log.debug("%s: sync with %s failed: %s", self._id, addr, exc)
                 return False
-            self._absorb(map(gossip.as_synced, reply.members))
+            self._absorb(reply.members, synced=True)
             return True
         log.debug("%s: sync with %s timed out", self._id, addr)
         return False
@@ -286,7 +290,17 @@ class Swim:
             updates = (about, *updates)
         return updates
 
-    def _absorb(self, updates: Iterable[Member]) -> None:
+    def _absorb(self, updates: Iterable[Member], *, synced: bool = False) -> None:
+        """Merge updates into the view; `synced`: they are a pushed/pulled full state (see as_synced)."""
+        updates = list(updates)
+        if self._yield_when_dead and any(gossip.declares_dead(u, self.me) for u in updates):
+            updates = [u for u in updates if u.id != self._id]
+            if not self.declared_dead.is_set():
+                self.declared_dead.set()
+                self._changed.set()  # wakes wait_until, as a view change does
+                self._changed = trio.Event()
+        if synced:
+            updates = [gossip.as_synced(u) for u in updates]
         view, changed = gossip.merge_all(self._view, updates, self._id)
         if changed:
             self._commit(view, changed)

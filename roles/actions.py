@@ -49,8 +49,9 @@ def wrong_role(stage: int, role, message) -> Refused:
     return Refused(409, f"stage {stage} ({role.value}) does not accept {kind} messages")
 
 
-def failure(request_id: str, stage: int, error: str) -> EndRequest:
-    return EndRequest(request_id, EndReason.FAILED, f"stage {stage}: {error}", stage)
+def failure(request_id: str, stage: int, error: str, generation: int = 0) -> EndRequest:
+    """To stage 0: this life of the request failed here (a failure of a life since replayed is ignored)."""
+    return EndRequest(request_id, EndReason.FAILED, f"stage {stage}: {error}", stage, generation)
 
 
 def lost(request_id: str, stage: int, generation: int, error: str) -> EndRequest:

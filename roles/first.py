@@ -76,7 +76,8 @@ class FirstActor:
         if isinstance(msg, EndRequest) and msg.reason is EndReason.LOST:
             return self._lost(msg.request_id, msg.generation, msg.error or "")
         if isinstance(msg, EndRequest):  # a stage failed it
-            return self.end(msg) if msg.request_id in self.live else []
+            live = self.live.get(msg.request_id)
+            return self.end(msg) if live is not None and msg.generation >= live.generation else []
         raise wrong_role(self.stage, self.role, msg)
 
     def plan(self) -> Step | None:

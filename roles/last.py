@@ -149,8 +149,9 @@ class LastActor:
     def _fail(self, request_id: str, error: str) -> list:
         """Report to stage 0, which ends the request everywhere and tells the asker."""
         self.failed_reply_to[request_id] = self.progress[request_id].start.reply_to
+        generation = self.expected[request_id].generation
         self._end_here(request_id)
-        return [Send(self.feedback, failure(request_id, self.stage, error))]
+        return [Send(self.feedback, failure(request_id, self.stage, error, generation))]
 
     def _end_here(self, request_id: str) -> None:
         if not self.queue.ended(request_id):

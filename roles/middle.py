@@ -84,7 +84,8 @@ class MiddleActor:
     # -- internals ---------------------------------------------------------------------------
     def _fail(self, request_id: str, error: str) -> list:
         """Report to stage 0, which ends the request everywhere and tells the asker."""
-        end = failure(request_id, self.stage, error)
+        held = self.expected.get(request_id)
+        end = failure(request_id, self.stage, error, held.generation if held else 0)
         self._end_here(request_id, keep_reply_to=True)
         return [Send(self.entry, end)]
 

@@ -26,6 +26,7 @@ class Child:
     process: trio.Process
     url: str
     log_path: Path
+    exited: trio.Event = attrs.field(factory=trio.Event, eq=False)  # set when the process has ended
 
 
 def log_tail(path: Path, lines: int = 15) -> str:
@@ -48,9 +49,10 @@ def terminate_then_kill(grace_s: float):
 
 
 async def run_child(stage: int, env: dict[str, str], log_path: Path, *, grace_s: float = 5.0,
-                    task_status=trio.TASK_STATUS_IGNORED) -> None:
+                    supervised: bool = False, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Run `ppnode.py` for `stage`; reports a Child once it printed its address; raises StageExited
-    if it ever ends on its own."""
+    if it ever ends on its own — unless `supervised` and it had started: then it sets the Child's
+    `exited` and returns (whoever supervises it replaces it)."""
     command = [sys.executable, str(Path(__file__).resolve().parent.parent / "ppnode.py")]
     with open(log_path, "wb") as log:
         async with trio.open_nursery() as nursery:
@@ -60,8 +62,13 @@ async def run_child(stage: int, env: dict[str, str], log_path: Path, *, grace_s:
                 stdin=subprocess.PIPE, start_new_session=True,  # and Ctrl-C in a terminal reaches only us
                 deliver_cancel=terminate_then_kill(grace_s)))
             url = await _read_address(process)
-            if url is not None:
-                task_status.started(Child(stage, process, url, log_path))
+            child = None if url is None else Child(stage, process, url, log_path)
+            if child is not None:
+                task_status.started(child)
+    if child is not None:
+        child.exited.set()
+        if supervised:
+            return
     raise StageExited(stage, process.returncode, log_tail(log_path))
 
 

@@ -1,6 +1,8 @@
 """`ppsmoke.py --seed`: N local node processes (spec §4.1), started one after another, each non-first
 one with its predecessor as PEER_DIRECT; the runner is the gossip seed and pp-orchestrator. One nursery
-owns everything, so any failure — a child exiting, a timeout, a dead stage, a signal — stops it all."""
+owns everything, so any failure — a child exiting, a timeout, a dead stage, a signal — stops it all.
+With --serve, once the cluster has converged a stage that dies is replaced instead (runner/keeper.py):
+a new process for the same stage, its log beside the first one's."""
 from __future__ import annotations
 
 import functools
@@ -19,6 +21,7 @@ from worker.sampling import Sampling
 
 from .children import Child, child_env, log_tail, run_child
 from .common import RunFailed, RunResult, fail_on_signals, first_failure
+from .keeper import declared_dead, keep_stages, race
 from .session import Use, answer_once, serve
 
 
@@ -58,7 +61,11 @@ async def run_seed(opts: SeedOptions, progress: Callable[[str], None], *, on_tex
             await _start_children(nursery, opts, token, orch.url, run_dir, children, progress)
             converged = await _converge(orch, opts, children, started, progress)
             if opts.serve:
-                await serve(orch, use, token)
+                replace = functools.partial(_replace, nursery, opts, token, orch, run_dir, children, progress)
+                holders = {c.stage: LocalHolder(c, orch.swim) for c in children}
+                await serve(orch, use, token, keep=functools.partial(
+                    keep_stages, orch.swim, holders, replace, ready_timeout_s=opts.converge_timeout_s,
+                    progress=progress))
             result = await answer_once(orch, use, token, converged=converged, started=started,
                                        num_stages=opts.num_stages, run_dir=run_dir)
             nursery.cancel_scope.cancel()  # done: stop every node
@@ -70,31 +77,78 @@ async def run_seed(opts: SeedOptions, progress: Callable[[str], None], *, on_tex
     return result
 
 
+async def _exit_of(child: Child) -> Child:
+    await child.exited.wait()
+    return child
+
+
 def _stage_named(message: str) -> int | None:
     """The stage a failure message blames ("stage 2 ..."), to show the end of its log."""
     match = re.search(r"\bstage (\d+)", message)
     return int(match.group(1)) if match else None
 
 
+@attrs.frozen
+class LocalHolder:
+    """A stage's node process, as runner/keeper.py sees it."""
+
+    child: Child
+    swim: object  # the orchestrator's Swim
+
+    @property
+    def url(self) -> str:
+        return self.child.url
+
+    async def gone(self) -> str:
+        return await race(self._exited, lambda: declared_dead(self.swim, self.child.url))
+
+    async def _exited(self) -> str:
+        await self.child.exited.wait()
+        return f"(pid {self.child.process.pid}) exited with code {self.child.process.returncode}"
+
+
 async def _start_children(nursery, opts, token, seed_url, run_dir, children, progress) -> None:
     prev = None
     for stage in range(opts.num_stages):
-        env = child_env(opts.base_env, stage=stage, num_stages=opts.num_stages, token=token, model=opts.model,
-                        seed=seed_url, peer=prev)
-        if stage == 0 and opts.port is not None:
-            env["PP_PORT"] = str(opts.port)
-        env["PP_MODEL_NAME"] = opts.model_name or opts.model
-        child = await nursery.start(functools.partial(run_child, stage, env, run_dir / f"stage{stage}.log",
-                                                      grace_s=opts.grace_s))
+        child = await _start_child(nursery, opts, token, seed_url, stage, prev, run_dir / f"stage{stage}.log")
         children.append(child)
         progress(f"stage {stage}/{opts.num_stages - 1} listening at {child.url} (pid {child.process.pid})")
         prev = child.url
 
 
+async def _start_child(nursery, opts, token, seed_url, stage, peer, log_path) -> Child:
+    """One node process. Serving, its exit is the keeper's to handle, not a failure of the run."""
+    env = child_env(opts.base_env, stage=stage, num_stages=opts.num_stages, token=token, model=opts.model,
+                    seed=seed_url, peer=peer)
+    if stage == 0 and opts.port is not None:
+        env["PP_PORT"] = str(opts.port)
+    env["PP_MODEL_NAME"] = opts.model_name or opts.model
+    return await nursery.start(functools.partial(run_child, stage, env, log_path, grace_s=opts.grace_s,
+                                                 supervised=opts.serve))
+
+
+async def _replace(nursery, opts, token, orch, run_dir, children, progress, stage, attempt) -> LocalHolder:
+    child = await _start_child(nursery, opts, token, orch.url, stage, None, run_dir / f"stage{stage}.r{attempt}.log")
+    children.append(child)
+    progress(f"stage {stage}: replacement listening at {child.url} (pid {child.process.pid})")
+    return LocalHolder(child, orch.swim)
+
+
 async def _converge(orch: Orchestrator, opts, children, started, progress) -> float:
     progress(f"waiting for {opts.num_stages} stages to load and join ...")
-    with trio.move_on_after(opts.converge_timeout_s) as scope:
+
+    async def converged():
         await orch.converge(opts.num_stages)
+
+    async def exited():  # serving, children that exit do not raise: one that does before converging fails the run
+        return await race(*[functools.partial(_exit_of, c) for c in children])
+
+    died = None
+    with trio.move_on_after(opts.converge_timeout_s) as scope:
+        died = await race(converged, exited)
+    if died is not None:
+        raise RunFailed(f"stage {died.stage} exited with code {died.process.returncode} before the cluster "
+                        f"converged")
     if scope.cancelled_caught:
         alive = {m.meta.stage for m in orch.swim.alive() if m.meta.stage is not None}
         missing = [c.stage for c in children if c.stage not in alive]
@@ -107,5 +161,5 @@ async def _converge(orch: Orchestrator, opts, children, started, progress) -> fl
 
 
 def _tail_of(children: list[Child], stage: int | None) -> str:
-    child = next((c for c in children if c.stage == stage), None)
+    child = next((c for c in reversed(children) if c.stage == stage), None)  # the latest holder
     return log_tail(child.log_path) if child else "    (no log)"

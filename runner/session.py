@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shlex
 import time
-from typing import Callable
+from typing import Awaitable, Callable
 
 import attrs
 import trio
@@ -58,8 +58,10 @@ async def answer_once(orch: Orchestrator, use: Use, token: str, *, converged: fl
     return RunResult(asked.response, num_stages, timings, run_dir)
 
 
-async def serve(orch: Orchestrator, use: Use, token: str) -> None:
-    """Announce the API and wait: only a dead stage (RunFailed) or a signal (Stopped) ends this."""
+async def serve(orch: Orchestrator, use: Use, token: str,
+                keep: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Announce the API and wait: only a signal (Stopped) or a failure (RunFailed) ends this. `keep`
+    replaces stages that die (runner/keeper.py); without it, a dead stage ends the run."""
     base = entry_url(orch) + "/v1"
     body = ('{"model": "%s", "messages": [{"role": "user", "content": "Say hello"}], "stream": true}'
             % use.model_name)
@@ -67,6 +69,9 @@ async def serve(orch: Orchestrator, use: Use, token: str) -> None:
                  f"curl -N {base}/chat/completions -H 'Authorization: Bearer {token}' "
                  f"-H 'Content-Type: application/json' -d {shlex.quote(body)}"):
         use.announce(line)
+    if keep is not None:
+        await keep()
+        return
     try:
         await orch.watch()
     except StageDied as exc:

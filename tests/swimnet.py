@@ -124,11 +124,12 @@ def addr_of(node_id: str) -> str:
 
 async def start_node(nursery: trio.Nursery, net: SwimNet, node_id: str, *, seeds: list[str],
                      incarnation: int = 1, meta: Meta = Meta(), reachable: bool = True,
-                     config: SwimConfig = TEST_CONFIG) -> Node:
+                     config: SwimConfig = TEST_CONFIG, yield_when_dead: bool = False) -> Node:
     """Start a member in its own cancel scope (cancel it to kill the process); returns once it has joined."""
     addr = addr_of(node_id)
     member = Member(node_id, addr, incarnation, State.ALIVE, meta)
-    swim = Swim(member, config, net.transport(addr), random.Random(f"{node_id}/{incarnation}"), seeds)
+    swim = Swim(member, config, net.transport(addr), random.Random(f"{node_id}/{incarnation}"), seeds,
+                yield_when_dead=yield_when_dead)
     net.attach(addr, swim)
     if reachable:
         net.unreachable.discard(addr)

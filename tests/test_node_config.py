@@ -8,8 +8,10 @@ import re
 from pathlib import Path
 
 import pytest
+import trio
 
 from node.config import NodeConfig, advertised_url, loggable, normalise_url, parse_config
+from node.faults import Faults
 from node.log import as_extra, error_event, event, setup_logging, warn_event
 
 HOME = Path("/home/alice")
@@ -121,6 +123,10 @@ def test_the_port_flag_also_selects_the_vast_port_mapping():
     ({}, ["--model", ""], (), "--model is empty"),
     ({}, ["--model", "no-such-model"], (), "--model='no-such-model' is neither a built-in model"),
     ({"MODEL": "/no/such/file.gguf"}, [], (), "MODEL='/no/such/file.gguf' is neither"),
+    ({"PP_FAULTS": "loss=0.1"}, [], (), "PP_FAULTS: 'loss=0.1': expected drop=P, delay=P"),
+    ({"PP_FAULTS": "drop=1.5"}, [], (), "'drop=1.5': a probability is 0..1"),
+    ({"PP_FAULTS": "delay=x"}, [], (), "'delay=x': 'x' is not a number"),
+    ({"PP_FAULTS": "delay_ms=-1"}, [], (), "0..60000 ms"),
 ])
 def test_a_bad_value_exits_with_a_message_naming_its_source(capsys, env, argv, drop, message):
     with pytest.raises(SystemExit) as exc_info:
@@ -275,3 +281,23 @@ def test_a_logged_config_does_not_contain_the_token(log_lines):
     assert lines[0]["node_id"] == "n1" and lines[0]["cache_dir"] == "/home/alice/.cache/pp"
     assert "n1" in lines[1]["config"]
     assert all(TOKEN not in json.dumps(line) for line in lines)
+
+
+@pytest.mark.parametrize("spec, expected", [
+    (None, Faults()),
+    ("", Faults()),
+    ("drop=0.01,delay=0.05", Faults(drop=0.01, delay=0.05)),
+    (" delay_ms=20 , seed=7 ,drop=1", Faults(drop=1.0, delay_ms=20.0, seed=7)),
+])
+def test_fault_injection_is_parsed_once_from_pp_faults(spec, expected):
+    env = {} if spec is None else {"PP_FAULTS": spec}
+    assert parse(env).faults == expected
+
+
+async def test_injected_faults_drop_and_delay_about_the_share_asked_for(autojump_clock):
+    faults = Faults(drop=0.1, delay=0.2, delay_ms=50, seed=3)
+    start = trio.current_time()
+    dropped = [await faults.before_send() for _ in range(2000)]
+    assert 150 < sum(dropped) < 250  # 10% of 2000
+    assert 300 * 0.05 < trio.current_time() - start < 500 * 0.05  # 20% delayed by 50 ms
+    assert not any([await Faults().before_send() for _ in range(100)])

@@ -110,6 +110,26 @@ async def test_restarted_member_with_higher_incarnation_is_alive_everywhere_with
     assert all(node.swim.members()["n3"].incarnation == 1000 for node in survivors)
 
 
+async def test_a_member_that_yields_when_declared_dead_does_not_refute_after_a_freeze(nursery, autojump_clock):
+    # A stage frozen past the dead timeout has been replaced: when it wakes it must learn the verdict and
+    # step aside (its owner exits), not come back alive serving a slice another member now holds.
+    net = SwimNet(nursery)
+    nodes = await start_cluster(nursery, net, N - 1)
+    frozen = await start_node(nursery, net, "n4", seeds=[nodes[0].addr], yield_when_dead=True)
+    with trio.fail_after(CONVERGE_S):
+        await wait_everywhere(nodes + [frozen], all_alive(IDS))
+    split = {(frozen.addr, o.addr) for o in nodes} | {(o.addr, frozen.addr) for o in nodes}
+    net.dropped.update(split)
+    with trio.fail_after(2 * DETECTION_BOUND_S):
+        await wait_everywhere(nodes, lambda s: state_of("n4", s) is State.DEAD)
+    assert not frozen.swim.declared_dead.is_set()
+    net.dropped.difference_update(split)
+    with trio.fail_after(2 * ROUND_S):
+        await frozen.swim.declared_dead.wait()
+    await trio.sleep(20 * T_S)
+    assert [state_of("n4", node.swim) for node in nodes] == [State.DEAD] * (N - 1)
+
+
 async def test_metadata_update_reaches_everyone_and_resolve_finds_it(nursery, autojump_clock):
     net = SwimNet(nursery)
     nodes = await converged_cluster(nursery, net)
