@@ -1,0 +1,263 @@
+"""Chaos (issue 14): a `ppsmoke.py --seed --serve` cluster of 4 stages on tiny with 8 concurrent streaming
+clients, and one fault at a time. After each, every request completes with the text of an undisturbed run,
+no stage holds a slot, and (at teardown) no process is left behind. Each test prints one `chaos:` line
+with what it measured (run with -s to see them): requests completed and lost, the time from the fault to
+the runner noticing, to the replacement being ready, and to the first token after the pause.
+
+The default suite runs SIGKILL of a middle stage; the other faults are in the slow tier."""
+import concurrent.futures
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from node.gossip import SwimConfig, suspicion_timeout_s
+from test_smoke_seed import MARK, ROOT, assert_all_gone
+
+N, CLIENTS, MAX_TOKENS = 4, 8, 64
+TOKEN = "chaos-key"
+PROMPTS = [f"Story number {i}:" for i in range(CLIENTS)]
+
+
+class Cluster:
+    """One `ppsmoke.py --seed --serve` run; its stderr goes to a file the test reads as it grows."""
+
+    def __init__(self, tmp, env_extra=None):
+        self.mark, self.err_path = uuid.uuid4().hex, tmp / "ppsmoke.err"
+        env = {**os.environ, MARK: self.mark, "DEV": "CPU", **(env_extra or {})}
+        self.err_file = open(self.err_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "ppsmoke.py"), "--seed", "-n", str(N), "--serve", "--token", TOKEN,
+             "--max-seqs", str(CLIENTS)], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=self.err_file, text=True)
+        self.seen: list[tuple[float, str]] = []  # (when the test read it, line) of ppsmoke's stderr
+        self._lock = threading.Lock()  # the fault's thread reads lines too
+        self.base_url = self._read_base_url()
+        self.wait_line("pp-entry is ready", 240)
+
+    def _read_base_url(self) -> str:
+        for line in self.proc.stdout:
+            if line.startswith("OPENAI_BASE_URL="):
+                return line.split("=", 1)[1].strip().removesuffix("/v1")
+        raise AssertionError(f"ppsmoke ended before serving:\n{self.err_path.read_text()}")
+
+    def lines(self) -> list[str]:
+        with self._lock:
+            now = time.monotonic()
+            lines = self.err_path.read_text().splitlines()
+            self.seen += [(now, line) for line in lines[len(self.seen):]]
+            return lines
+
+    def paused_at(self, since: float) -> float | None:
+        """When stage 0 first paused (gossip told it a stage was missing) after `since`, on this clock."""
+        offset = time.time() - time.monotonic()
+        for line in (logs_of(self)[0]).read_text().splitlines():
+            if '"event": "chain"' in line and '"members": null' in line:
+                record = json.loads(line)
+                at = datetime.datetime.fromisoformat(record["ts"].replace("Z", "+00:00")).timestamp() - offset
+                if at > since:
+                    return at
+        return None
+
+    def wait_line(self, needle: str, timeout_s: float, *, after: int = 0) -> float:
+        """Wait for a stderr line (past the first `after` lines) holding `needle`; when the test first read
+        it (the line itself carries no time)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.lines()
+            found = next((t for t, line in self.seen[after:] if needle in line), None)
+            if found is not None:
+                return found
+            assert self.proc.poll() is None, f"ppsmoke exited:\n{self.err_path.read_text()}"
+            time.sleep(0.05)
+        raise AssertionError(f"{needle!r} not seen within {timeout_s} s:\n{self.err_path.read_text()}")
+
+    def holders(self) -> dict[int, tuple[str, int]]:
+        """Each stage's latest node: (url, pid)."""
+        found = {}
+        for line in self.lines():
+            if " listening at " in line and "(pid " in line:
+                stage = int(line.split("stage ", 1)[1].split("/")[0].split(":")[0])
+                url = line.split(" listening at ")[1].split()[0]
+                found[stage] = (url, int(line.rsplit("(pid ", 1)[1].rstrip(")")))
+        return found
+
+    def slots_in_use(self) -> list[int]:
+        return [httpx.get(url + "/health", headers={"Authorization": f"Bearer {TOKEN}"}).json()["slots_in_use"]
+                for url, _ in sorted(self.holders().values())]
+
+    def wait_idle(self, timeout_s: float = 20) -> list[int]:
+        deadline = time.monotonic() + timeout_s
+        while any(slots := self.slots_in_use()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return slots
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            assert self.proc.wait(timeout=60) == 0, self.err_path.read_text()[-3000:]
+        finally:
+            self.proc.stdout.close()
+            self.err_file.close()
+        assert_all_gone(self.mark, timeout_s=20)
+
+
+def stream(base_url: str, prompt: str, chunks: list) -> None:
+    """One streaming completion; appends (arrival time, text or the error) to `chunks` as they come."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=180,
+                      headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                data = json.loads(line[6:])
+                text = data["choices"][0]["text"] if "choices" in data else {"error": data.get("error")}
+                chunks.append((time.monotonic(), text))
+
+
+def run_clients(cluster: Cluster, fault=None, *, after_chunks: int = 3) -> tuple[list[list], float | None]:
+    """Every prompt streamed at once; `fault()` is called once each stream has `after_chunks` chunks.
+    Returns each stream's chunks and when the fault struck. Meanwhile ppsmoke's lines are read as they come."""
+    chunks = [[] for _ in PROMPTS]
+    struck = None
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS) + 1) as pool:
+        futures = [pool.submit(stream, cluster.base_url, p, c) for p, c in zip(PROMPTS, chunks)]
+        if fault is not None:
+            while min(len(c) for c in chunks) < after_chunks and not all(f.done() for f in futures):
+                time.sleep(0.01)
+            struck = time.monotonic()
+            pool.submit(fault)
+        while not all(f.done() for f in futures):
+            cluster.lines()
+            time.sleep(0.05)
+        errors = [f.exception() for f in futures]
+    assert errors == [None] * len(PROMPTS), errors
+    return chunks, struck
+
+
+def text_of(chunks: list) -> str:
+    return "".join(t if isinstance(t, str) else json.dumps(t) for _, t in chunks)
+
+
+def report(name: str, chunks: list, undisturbed: list[str], struck: float, noticed=None, ready=None,
+           paused=None) -> None:
+    """Assert every answer is the undisturbed one; print the figures. A stream's pause is its longest gap
+    between chunks; it resumed at the end of that gap."""
+    texts = [text_of(c) for c in chunks]
+    completed = sum(t == u for t, u in zip(texts, undisturbed))
+    gaps = [max(((b[0] - a[0], b[0]) for a, b in zip(c, c[1:])), default=(0.0, struck)) for c in chunks]
+    resumed = [end - struck for _, end in gaps]
+    fmt = lambda v: "-" if v is None else f"{v - struck:.1f} s"  # noqa: E731
+    print(f"\nchaos: {name}: completed {completed}/{len(texts)}, lost {len(texts) - completed}; runner noticed "
+          f"{fmt(noticed)}, gossip paused stage 0 {fmt(paused)}, replacement ready {fmt(ready)} after the fault; streams paused "
+          f"{min(g for g, _ in gaps):.2f}-{max(g for g, _ in gaps):.2f} s, first token after the pause "
+          f"{min(resumed):.1f}-{max(resumed):.1f} s after the fault")
+    assert texts == undisturbed
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("chaos"))
+    try:
+        chunks, _ = run_clients(c)
+        c.undisturbed = [text_of(ch) for ch in chunks]
+        assert all(c.undisturbed) and not any('"error"' in t for t in c.undisturbed)
+        yield c
+    finally:
+        c.stop()
+
+
+def kill_and_replace(cluster: Cluster, stage: int, name: str) -> None:
+    url, pid = cluster.holders()[stage]
+    seen = len(cluster.lines())
+    chunks, struck = run_clients(cluster, lambda: os.kill(pid, signal.SIGKILL))
+    noticed = cluster.wait_line(f"stage {stage} at {url}", 5, after=seen)
+    ready = cluster.wait_line(f"stage {stage} replaced in", 5, after=seen)
+    report(name, chunks, cluster.undisturbed, struck, noticed, ready, cluster.paused_at(struck))
+    assert cluster.holders()[stage][1] != pid
+    assert cluster.wait_idle() == [0] * N
+
+
+def test_sigkill_of_a_middle_stage_costs_a_pause_not_a_request(cluster):
+    kill_and_replace(cluster, 2, "SIGKILL stage 2 (middle)")
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_last_stage_costs_a_pause_not_a_request(cluster):
+    kill_and_replace(cluster, N - 1, "SIGKILL stage 3 (last)")
+
+
+@pytest.mark.slow
+def test_a_stage_frozen_for_less_than_the_suspicion_timeout_is_not_replaced(cluster):
+    _, pid = cluster.holders()[1]
+    seen = len(cluster.lines())
+    freeze_s = suspicion_timeout_s(N + 1, SwimConfig()) / 2  # the runner is a member too
+
+    def freeze():
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(freeze_s)
+        os.kill(pid, signal.SIGCONT)
+    chunks, struck = run_clients(cluster, freeze)
+    report(f"SIGSTOP stage 1 for {freeze_s:.1f} s", chunks, cluster.undisturbed, struck)
+    assert not any("replacement" in line for line in cluster.lines()[seen:])
+    assert cluster.holders()[1][1] == pid
+    assert cluster.wait_idle() == [0] * N
+
+
+@pytest.mark.slow
+def test_a_stage_frozen_past_the_dead_timeout_is_replaced_and_exits_when_it_wakes(cluster):
+    url, pid = cluster.holders()[2]
+    seen = len(cluster.lines())
+    marks = {}
+
+    def freeze_until_replaced():
+        os.kill(pid, signal.SIGSTOP)
+        marks["noticed"] = cluster.wait_line(f"stage {2} at {url}", 60, after=seen)
+        marks["ready"] = cluster.wait_line("stage 2 replaced in", 60, after=seen)
+        os.kill(pid, signal.SIGCONT)
+    chunks, struck = run_clients(cluster, freeze_until_replaced)
+    report("SIGSTOP stage 2 until replaced, then SIGCONT", chunks, cluster.undisturbed, struck,
+           marks["noticed"], marks["ready"], cluster.paused_at(struck))
+    assert "declared dead" in cluster.lines()[seen]
+    deadline = time.monotonic() + 20
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pid_alive(pid), "the frozen stage went on serving after it woke"
+    assert any('"event": "replaced"' in p.read_text() for p in logs_of(cluster) if p.name.startswith("stage2"))
+    assert cluster.wait_idle() == [0] * N
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether the process runs (a zombie its parent has not reaped yet counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+def test_dropped_and_delayed_link_sends_cost_nothing(cluster, tmp_path):
+    # 1% of link sends dropped (as a broken connection), 5% delayed by 50 ms, on every stage
+    c = Cluster(tmp_path, {"PP_FAULTS": "drop=0.01,delay=0.05,delay_ms=50"})
+    try:
+        chunks, struck = run_clients(c, lambda: None)
+        report("1% of link sends dropped, 5% delayed 50 ms", chunks, cluster.undisturbed, struck)
+        assert c.wait_idle() == [0] * N
+        dropped = sum(p.read_text().count("dropped by fault injection") for p in logs_of(c))
+        assert dropped > 0, "no send was dropped: the test proved nothing"
+    finally:
+        c.stop()
+
+
+def logs_of(c: Cluster) -> list[Path]:
+    run_dir = next(line.split("logs in ", 1)[1].strip() for line in c.lines() if "logs in " in line)
+    return sorted(Path(run_dir).glob("stage*.log"))
