@@ -20,7 +20,7 @@ from quart_trio import QuartTrio
 
 from roles.actions import Refused
 
-from . import frames, gossip, h2_guard, wire
+from . import frames, gossip, h1_guard, h2_guard, wire
 from .log import error_event
 from .openai_api import API_PATHS, api_refusal
 from .swim import Swim, WrongTargetError
@@ -46,6 +46,7 @@ class Dispatcher(Protocol):
 def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_streams: bool = False) -> QuartTrio:
     """`link_streams`: serve /v1/link and /v1/hops (a stage; the dispatcher then has `take_frame`, `links_in`
     and `hops`)."""
+    h1_guard.install()
     h2_guard.install()
     app = QuartTrio("pp")
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
@@ -66,6 +67,17 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_st
                 return api_refusal(401, message).body(), 401
             return _error(401, message)
         return None
+
+    @app.after_request
+    async def close_after_early_refusal(response):
+        # HTTP/1.1: a refusal may be answered before the request body is in (a 401 is decided on the headers);
+        # the server then closes the connection (node/h1_guard.py), and says so, so that the client does not
+        # send its next request into it (RFC 9112 §9.6). HTTP/2 has no such header: a refused stream is
+        # reset on its own and the connection carries on.
+        if (response.status_code >= 400 and request.http_version in ("1.0", "1.1")
+                and (request.content_length or request.headers.get("Transfer-Encoding"))):
+            response.headers["Connection"] = "close"
+        return response
 
     @app.errorhandler(413)
     async def too_large(_):

@@ -167,3 +167,29 @@ async def test_a_long_poll_with_nothing_to_return_keeps_the_http2_connection(clu
         assert r.status_code == 204 and r.http_version == "HTTP/2"
     r = await client.get(urls[0] + "/v1/members", headers=AUTH)
     assert r.status_code == 200
+
+
+async def test_an_early_refusal_over_http1_closes_the_connection_instead_of_leaving_it_hanging(cluster):
+    # Headers and body in separate writes, as httpx sends them: the 401 is decided on the headers, before
+    # the body is in. hypercorn then sometimes left the kept-alive connection answering nothing.
+    _, urls, _ = cluster
+    host, port = urls[0].removeprefix("http://").split(":")
+    head = f"POST /v1/inference HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 35\r\n\r\n"
+    for _ in range(20):
+        stream = await trio.open_tcp_stream(host, int(port))
+        async with stream:
+            await stream.send_all(head.encode())
+            await trio.sleep(0.002)
+            await stream.send_all(b"x" * 35)
+            received = b""
+            with trio.fail_after(5):
+                while chunk := await stream.receive_some():  # until the server closes
+                    received += chunk
+        status_line, headers = received.split(b"\r\n", 1)
+        assert b" 401 " in status_line and b"connection: close" in headers.lower()
+    async with httpx.AsyncClient(http1=True, http2=False, timeout=3) as h1:
+        for _ in range(50):  # a client that keeps connections alive gets every answer
+            r = await h1.post(urls[0] + "/v1/inference", content=b"x" * 35)
+            assert r.status_code == 401 and r.http_version == "HTTP/1.1"
+        r = await h1.get(urls[0] + "/v1/members", headers=AUTH)
+        assert r.status_code == 200 and "close" not in r.headers.get("connection", "")
