@@ -17,6 +17,7 @@ import trio
 
 from node.config import parse_config
 from node.log import error_event, setup_logging
+from node.app import ListenError
 from node.main import ModelLoadError, Replaced, run_node
 
 
@@ -57,15 +58,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trio.run(serve_until_signalled, config)
     except BaseExceptionGroup as group:
+        listen, _ = group.split(ListenError)
+        if listen is not None:  # a bad --port/--bind: argparse's convention, before anything was loaded
+            print(f"ppnode.py: error: {_first(listen)}", file=sys.stderr)
+            return 2
         matched, _ = group.split((ModelLoadError, Replaced))
         if matched is None:
             raise
-        while isinstance(matched, BaseExceptionGroup):  # nested nurseries nest the groups
-            matched = matched.exceptions[0]
+        matched = _first(matched)
         kind = "replaced" if isinstance(matched, Replaced) else "model_load_failed"
         error_event(logging.getLogger("pp.node"), kind, error=str(matched))
         return EXIT_REPLACED if isinstance(matched, Replaced) else 1
     return 0
+
+
+def _first(group: BaseException) -> BaseException:
+    while isinstance(group, BaseExceptionGroup):  # nested nurseries nest the groups
+        group = group.exceptions[0]
+    return group
 
 
 if __name__ == "__main__":

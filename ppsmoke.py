@@ -20,6 +20,7 @@ from pathlib import Path
 
 import trio
 
+from node.app import ListenError, check_listenable
 from roles import DEFAULT_MAX_QUEUE
 from roles.messages import MAX_TOKENS_LIMIT, is_http_url
 from runner.report import as_json, stats_line
@@ -145,6 +146,12 @@ def main(argv: list[str] | None = None) -> int:
             args.model_path = local_model(args.model, env)
         except ValueError as exc:  # ModelFileError (a failed download included) or an unknown name
             print(f"ppsmoke: error: --model: {exc}", file=sys.stderr)
+            return 2
+        try:
+            if args.port is not None:
+                check_listenable("127.0.0.1", args.port)
+        except ListenError as exc:
+            print(f"ppsmoke: error: --port {args.port}: {exc}", file=sys.stderr)
             return 2
     try:
         if args.vastai:

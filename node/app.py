@@ -10,6 +10,7 @@ import collections
 import functools
 import hmac
 import logging
+import socket
 from typing import Protocol
 
 import trio
@@ -236,8 +237,24 @@ def _error(status: int, message: str):
     return jsonify({"error": message}), status
 
 
+class ListenError(OSError):
+    """The node cannot listen where it was told to (the port is taken, the address is not this machine's)."""
+
+
+def check_listenable(host: str, port: int) -> None:
+    """Bind and release (host, port) as hypercorn will, so that a taken port is one clear error rather
+    than a traceback from inside the server's nursery. Raises ListenError."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+    except OSError as exc:
+        raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
 async def serve_app(app: QuartTrio, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Serve until cancelled; reports the bound port (port 0 picks a free one)."""
+    """Serve until cancelled; reports the bound port (port 0 picks a free one). Raises ListenError."""
+    check_listenable(host, port)
     config = Config()
     config.bind = [f"{host}:{port}"]
     config.accesslog = None

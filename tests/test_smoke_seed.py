@@ -2,6 +2,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -134,12 +135,32 @@ def test_sigkill_to_the_runner_still_stops_every_child():
     (["--model", "no-such-model"], "'no-such-model' is neither an existing file or directory nor a known model name"),
     (["--model", "."], "is a directory without config.json"),
     (["-n", "1"], "-n 1: a pipeline needs at least 2 stages"),
+    (["--port", "{taken}"], "--port {taken}: cannot listen on 127.0.0.1:{taken}: Address already in use"),
 ])
 def test_a_bad_argument_is_one_line_and_exit_2_before_any_node_starts(args, says):
     mark = uuid.uuid4().hex
-    proc = start(["-n", "2", *args], mark)
-    out, err = proc.communicate(timeout=60)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args, says = [a.format(taken=port) for a in args], says.format(taken=port)
+        proc = start(["-n", "2", *args], mark)
+        out, err = proc.communicate(timeout=60)
     lines = [line for line in err.splitlines() if line and not line.startswith(("usage:", " "))]
     assert proc.returncode == 2 and len(lines) == 1 and says in lines[0], err
     assert "Traceback" not in err and out == ""
     assert_all_gone(mark, timeout_s=1)
+
+
+def test_ppnode_on_a_taken_port_is_one_line_and_exit_2_before_it_loads_anything():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "STAGE": "0", "NUM_STAGES": "2", "MODEL": "tiny", "PP_CLUSTER_TOKEN": "t",
+               "PP_PORT": str(port), "PP_BIND": "127.0.0.1", "DEV": "CPU"}
+        done = subprocess.run([sys.executable, str(ROOT / "ppnode.py")], env=env, capture_output=True, text=True,
+                              timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [
+        f"ppnode.py: error: cannot listen on 127.0.0.1:{port}: Address already in use"]
