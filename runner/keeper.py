@@ -2,6 +2,8 @@
 member dead, or its process or instance ended — start a replacement for the same stage and wait until it
 has joined, loaded its slice and is ready. Stage 0 holds its requests meanwhile (it admits none and
 computes nothing while a stage is missing) and replays them through the new chain (roles/first.py).
+Stage 0 itself is where clients connect: when it goes, their streams go with it; its replacement serves
+new requests, and the other stages free the slots of the old entry's requests (StageNode._follow_entry).
 
 A holder that was only frozen is not killed here: once it wakes it learns it was declared dead and exits
 by itself (node.main.step_aside_when_replaced); the run's teardown stops whatever is left."""
@@ -27,7 +29,7 @@ class Holder(Protocol):
 
     url: str
 
-    async def gone(self) -> str: ...  # returns, saying why, once the holder will serve no more
+    async def ended(self) -> str: ...  # returns, saying why, once the process or instance is gone
 
 
 async def race(*fns: Callable[[], Awaitable[T]]) -> T:
@@ -42,60 +44,71 @@ async def race(*fns: Callable[[], Awaitable[T]]) -> T:
     return result[0]
 
 
-async def declared_dead(swim: Swim, url: str) -> str:
-    """Once gossip declares the member at `url` dead (or left)."""
-    member = await swim.wait_until(lambda s: next(
-        (m for m in s.members().values() if m.addr == url and m.state in TERMINAL), None))
+async def declared_dead(swim: Swim, member_id: str) -> str:
+    """Once gossip declares the member dead (or left). By id: a replacement may reuse the address."""
+    member = await swim.wait_until(lambda s: (m := s.members().get(member_id)) is not None
+                                   and m.state in TERMINAL and m)
     return f"was declared {member.state.value} by gossip"
 
 
-def ready_at(swim: Swim, stage: int, url: str) -> bool:
-    """Whether the member at `url` is alive, holds `stage` and has loaded its slice."""
-    return any(m.addr == url and m.meta.stage == stage and m.meta.ready and m.state not in TERMINAL
-               for m in swim.members().values())
+def ready_member(swim: Swim, stage: int, url: str, *, retired: set[str] = frozenset()):
+    """The member at `url` that holds `stage`, is alive and has loaded its slice, and is none of `retired`
+    (the ones it replaces, which may have had the same address); else None."""
+    return next((m for m in swim.members().values() if m.addr == url and m.meta.stage == stage and m.meta.ready
+                 and m.state not in TERMINAL and m.id not in retired), None)
 
 
 async def keep_stages(swim: Swim, holders: dict[int, Holder], replace: Callable[[int, int], Awaitable[Holder]], *,
-                      ready_timeout_s: float, progress: Callable[[str], None]) -> None:
+                      ready_timeout_s: float, progress: Callable[[str], None],
+                      on_replaced: Callable[[int, Holder], None] = lambda stage, holder: None) -> None:
     """Replace each stage's holder whenever it is gone, until cancelled. `replace(stage, attempt)` starts a
-    new holder. Raises RunFailed when a stage cannot be replaced in REPLACE_ATTEMPTS tries."""
+    new holder; `on_replaced` hears of each one once it is ready. Raises RunFailed when a stage cannot be
+    replaced in REPLACE_ATTEMPTS tries."""
+    members = {stage: ready_member(swim, stage, holder.url) for stage, holder in holders.items()}
+    missing = [stage for stage, member in members.items() if member is None]
+    if missing:
+        raise RunFailed(f"stages {missing} are not alive and ready in gossip")
     async with trio.open_nursery() as nursery:
         for stage, holder in holders.items():
-            nursery.start_soon(_keep, swim, stage, holder, replace, ready_timeout_s, progress)
+            nursery.start_soon(_keep, swim, stage, holder, members[stage].id, replace, ready_timeout_s, progress,
+                               on_replaced)
 
 
-async def _keep(swim, stage, holder, replace, ready_timeout_s, progress) -> None:
-    attempt = 0
+async def _keep(swim, stage, holder, member_id, replace, ready_timeout_s, progress, on_replaced) -> None:
+    attempt, retired = 0, set()
     while True:
-        why = await holder.gone()
+        why = await race(holder.ended, lambda: declared_dead(swim, member_id))
         lost_at = time.monotonic()
-        progress(f"stage {stage} at {holder.url} {why}; starting a replacement (requests in flight wait)")
+        retired.add(member_id)
+        held = "requests in flight wait" if stage else "its requests in flight were lost with it"
+        progress(f"stage {stage} at {holder.url} {why}; starting a replacement ({held})")
         for _ in range(REPLACE_ATTEMPTS):
             attempt += 1
             try:
-                holder = await _start_ready(swim, stage, replace, attempt, ready_timeout_s)
+                holder, member_id = await _start_ready(swim, stage, replace, attempt, ready_timeout_s, retired)
                 break
             except (StageExited, RunFailed) as exc:
                 progress(f"stage {stage}: replacement {attempt} failed: {str(exc).splitlines()[0]}")
         else:
             raise RunFailed(f"stage {stage} could not be replaced: {REPLACE_ATTEMPTS} replacements in a row "
                             f"failed (see the logs above)")
-        progress(f"stage {stage} replaced in {time.monotonic() - lost_at:.1f} s by {holder.url}; "
-                 f"requests in flight resume")
+        resumed = "requests in flight resume" if stage else "new requests are served"
+        progress(f"stage {stage} replaced in {time.monotonic() - lost_at:.1f} s by {holder.url}; {resumed}")
+        on_replaced(stage, holder)
 
 
-async def _start_ready(swim, stage, replace, attempt, ready_timeout_s) -> Holder:
-    """A new holder for the stage, once it is ready; RunFailed if it is gone first or takes too long."""
+async def _start_ready(swim, stage, replace, attempt, ready_timeout_s, retired) -> tuple[Holder, str]:
+    """A new holder for the stage and its member id, once it is ready; RunFailed if it ends first or
+    takes too long."""
     holder = await replace(stage, attempt)
 
-    async def ready() -> str:
-        await swim.wait_until(lambda s: ready_at(s, stage, holder.url))
-        return ""
+    async def ready():
+        return await swim.wait_until(lambda s: ready_member(s, stage, holder.url, retired=retired))
 
     with trio.move_on_after(ready_timeout_s) as scope:
-        why = await race(ready, holder.gone)
+        outcome = await race(ready, holder.ended)
     if scope.cancelled_caught:
         raise RunFailed(f"not ready within {ready_timeout_s:.0f} s")
-    if why:
-        raise RunFailed(f"{holder.url} {why} before it was ready")
-    return holder
+    if isinstance(outcome, str):
+        raise RunFailed(f"{holder.url} {outcome} before it was ready")
+    return holder, outcome.id

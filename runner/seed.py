@@ -21,8 +21,8 @@ from worker.sampling import Sampling
 
 from .children import Child, child_env, log_tail, run_child
 from .common import RunFailed, RunResult, fail_on_signals, first_failure
-from .keeper import declared_dead, keep_stages, race
-from .session import Use, answer_once, serve
+from .keeper import keep_stages, race
+from .session import Use, announce_entry, answer_once, serve
 
 
 @attrs.frozen
@@ -62,10 +62,10 @@ async def run_seed(opts: SeedOptions, progress: Callable[[str], None], *, on_tex
             converged = await _converge(orch, opts, children, started, progress)
             if opts.serve:
                 replace = functools.partial(_replace, nursery, opts, token, orch, run_dir, children, progress)
-                holders = {c.stage: LocalHolder(c, orch.swim) for c in children}
+                holders = {c.stage: LocalHolder(c) for c in children}
                 await serve(orch, use, token, keep=functools.partial(
                     keep_stages, orch.swim, holders, replace, ready_timeout_s=opts.converge_timeout_s,
-                    progress=progress))
+                    progress=progress, on_replaced=functools.partial(announce_entry, use)))
             result = await answer_once(orch, use, token, converged=converged, started=started,
                                        num_stages=opts.num_stages, run_dir=run_dir)
             nursery.cancel_scope.cancel()  # done: stop every node
@@ -93,16 +93,12 @@ class LocalHolder:
     """A stage's node process, as runner/keeper.py sees it."""
 
     child: Child
-    swim: object  # the orchestrator's Swim
 
     @property
     def url(self) -> str:
         return self.child.url
 
-    async def gone(self) -> str:
-        return await race(self._exited, lambda: declared_dead(self.swim, self.child.url))
-
-    async def _exited(self) -> str:
+    async def ended(self) -> str:
         await self.child.exited.wait()
         return f"(pid {self.child.process.pid}) exited with code {self.child.process.returncode}"
 
@@ -131,7 +127,7 @@ async def _replace(nursery, opts, token, orch, run_dir, children, progress, stag
     child = await _start_child(nursery, opts, token, orch.url, stage, None, run_dir / f"stage{stage}.r{attempt}.log")
     children.append(child)
     progress(f"stage {stage}: replacement listening at {child.url} (pid {child.process.pid})")
-    return LocalHolder(child, orch.swim)
+    return LocalHolder(child)
 
 
 async def _converge(orch: Orchestrator, opts, children, started, progress) -> float:

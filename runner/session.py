@@ -58,6 +58,12 @@ async def answer_once(orch: Orchestrator, use: Use, token: str, *, converged: fl
     return RunResult(asked.response, num_stages, timings, run_dir)
 
 
+def announce_entry(use: Use, stage: int, holder) -> None:
+    """A replaced stage 0 is a new entry: its streams were lost, and its address may have changed."""
+    if stage == 0:
+        use.announce(f"OPENAI_BASE_URL={holder.url}/v1")
+
+
 async def serve(orch: Orchestrator, use: Use, token: str,
                 keep: Callable[[], Awaitable[None]] | None = None) -> None:
     """Announce the API and wait: only a signal (Stopped) or a failure (RunFailed) ends this. `keep`

@@ -49,6 +49,12 @@ class Cluster:
                 return line.split("=", 1)[1].strip().removesuffix("/v1")
         raise AssertionError(f"ppsmoke ended before serving:\n{self.err_path.read_text()}")
 
+    def stdout_lines(self) -> list[str]:
+        """What ppsmoke printed on stdout since the first announcement (it announces a new entry)."""
+        os.set_blocking(self.proc.stdout.fileno(), False)
+        self._stdout = getattr(self, "_stdout", []) + (self.proc.stdout.readlines() or [])
+        return self._stdout
+
     def lines(self) -> list[str]:
         with self._lock:
             now = time.monotonic()
@@ -193,6 +199,30 @@ def test_sigkill_of_a_middle_stage_costs_a_pause_not_a_request(cluster):
 @pytest.mark.slow
 def test_sigkill_of_the_last_stage_costs_a_pause_not_a_request(cluster):
     kill_and_replace(cluster, N - 1, "SIGKILL stage 3 (last)")
+
+
+@pytest.mark.slow
+def test_sigkill_of_stage_0_ends_its_streams_with_an_error_and_its_replacement_serves(cluster):
+    url, pid = cluster.holders()[0]
+    seen = len(cluster.lines())
+    chunks = [[] for _ in PROMPTS]
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        futures = [pool.submit(stream, cluster.base_url, p, c) for p, c in zip(PROMPTS, chunks)]
+        while min(len(c) for c in chunks) < 3:
+            time.sleep(0.01)
+        struck = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        errors = [f.exception() for f in futures]
+    assert all(isinstance(e, httpx.HTTPError) for e in errors), errors  # the clients' connections were there
+    ready = cluster.wait_line("stage 0 replaced in", 60, after=seen)
+    new_url = cluster.holders()[0][0]
+    assert any(f"OPENAI_BASE_URL={new_url}/v1" == line.strip() for line in cluster.stdout_lines())
+    cluster.base_url = new_url
+    chunks, _ = run_clients(cluster)
+    assert [text_of(c) for c in chunks] == cluster.undisturbed
+    assert cluster.wait_idle() == [0] * N  # the old entry's requests hold no slot anywhere
+    print(f"\nchaos: SIGKILL stage 0: {len(PROMPTS)}/{len(PROMPTS)} streams ended with an error (as they must); "
+          f"replacement ready {ready - struck:.1f} s after the fault; the next {len(PROMPTS)} requests completed")
 
 
 @pytest.mark.slow
