@@ -60,10 +60,12 @@ def ready_member(swim: Swim, stage: int, url: str, *, retired: set[str] = frozen
 
 async def keep_stages(swim: Swim, holders: dict[int, Holder], replace: Callable[[int, int], Awaitable[Holder]], *,
                       ready_timeout_s: float, progress: Callable[[str], None],
-                      on_replaced: Callable[[int, Holder], None] = lambda stage, holder: None) -> None:
+                      on_replaced: Callable[[int, Holder], None] = lambda stage, holder: None,
+                      retire: Callable[[Holder], Awaitable[None]] | None = None) -> None:
     """Replace each stage's holder whenever it is gone, until cancelled. `replace(stage, attempt)` starts a
-    new holder; `on_replaced` hears of each one once it is ready. Raises RunFailed when a stage cannot be
-    replaced in REPLACE_ATTEMPTS tries."""
+    new holder; `retire(holder)` disposes of one that is gone (a rented instance is destroyed; a local
+    process is left to exit by itself); `on_replaced` hears of each new one once it is ready. Raises
+    RunFailed when a stage cannot be replaced in REPLACE_ATTEMPTS tries."""
     members = {stage: ready_member(swim, stage, holder.url) for stage, holder in holders.items()}
     missing = [stage for stage, member in members.items() if member is None]
     if missing:
@@ -71,10 +73,10 @@ async def keep_stages(swim: Swim, holders: dict[int, Holder], replace: Callable[
     async with trio.open_nursery() as nursery:
         for stage, holder in holders.items():
             nursery.start_soon(_keep, swim, stage, holder, members[stage].id, replace, ready_timeout_s, progress,
-                               on_replaced)
+                               on_replaced, retire)
 
 
-async def _keep(swim, stage, holder, member_id, replace, ready_timeout_s, progress, on_replaced) -> None:
+async def _keep(swim, stage, holder, member_id, replace, ready_timeout_s, progress, on_replaced, retire) -> None:
     attempt, retired = 0, set()
     while True:
         why = await race(holder.ended, lambda: declared_dead(swim, member_id))
@@ -82,10 +84,13 @@ async def _keep(swim, stage, holder, member_id, replace, ready_timeout_s, progre
         retired.add(member_id)
         held = "requests in flight wait" if stage else "its requests in flight were lost with it"
         progress(f"stage {stage} at {holder.url} {why}; starting a replacement ({held})")
+        if retire is not None:
+            await retire(holder)
         for _ in range(REPLACE_ATTEMPTS):
             attempt += 1
             try:
-                holder, member_id = await _start_ready(swim, stage, replace, attempt, ready_timeout_s, retired)
+                holder, member_id = await _start_ready(swim, stage, replace, attempt, ready_timeout_s, retired,
+                                                       retire)
                 break
             except (StageExited, RunFailed) as exc:
                 progress(f"stage {stage}: replacement {attempt} failed: {str(exc).splitlines()[0]}")
@@ -97,9 +102,9 @@ async def _keep(swim, stage, holder, member_id, replace, ready_timeout_s, progre
         on_replaced(stage, holder)
 
 
-async def _start_ready(swim, stage, replace, attempt, ready_timeout_s, retired) -> tuple[Holder, str]:
+async def _start_ready(swim, stage, replace, attempt, ready_timeout_s, retired, retire) -> tuple[Holder, str]:
     """A new holder for the stage and its member id, once it is ready; RunFailed if it ends first or
-    takes too long."""
+    takes too long (it is retired then)."""
     holder = await replace(stage, attempt)
 
     async def ready():
@@ -107,8 +112,9 @@ async def _start_ready(swim, stage, replace, attempt, ready_timeout_s, retired) 
 
     with trio.move_on_after(ready_timeout_s) as scope:
         outcome = await race(ready, holder.ended)
-    if scope.cancelled_caught:
-        raise RunFailed(f"not ready within {ready_timeout_s:.0f} s")
-    if isinstance(outcome, str):
-        raise RunFailed(f"{holder.url} {outcome} before it was ready")
+    if scope.cancelled_caught or isinstance(outcome, str):
+        if retire is not None:
+            await retire(holder)
+        why = f"not ready within {ready_timeout_s:.0f} s" if scope.cancelled_caught else outcome
+        raise RunFailed(f"{holder.url} {why} before it was ready")
     return holder, outcome.id

@@ -1,4 +1,6 @@
 """`ppsmoke.py --vastai`: rent N GPU instances (spec §4.2-4.3, failure table §6), converge, ask, destroy.
+With --serve, an instance that is lost once the cluster serves is destroyed and replaced by a new one for
+the same stage (runner/keeper.py), rented the same way and under the same teardown guarantee.
 
 The runner is assumed to sit behind NAT: it opens every connection itself. It introduces the nodes to
 each other by gossip push/pull and long-polls for the answer. Every instance created is destroyed on
@@ -21,7 +23,8 @@ from worker.sampling import Sampling
 
 from .ledger import Ledger
 from .common import RunFailed, RunResult, fail_on_signals, first_failure, show_weight_progress
-from .session import Use, answer_once, serve
+from .keeper import keep_stages
+from .session import Use, announce_entry, answer_once, serve
 from .vastai_api import Instance, Offer, OfferUnavailable, VastClient, VastError, mapped_port, offer_query
 
 NODE_PORT = 8000
@@ -91,12 +94,24 @@ async def _run(nursery, vast: VastClient, opts: VastOptions, use: Use, ledger: L
     await _create_all(vast, opts, token, ledger, created, progress)
     urls = [await _wait_running(vast, opts, stage, contract, progress) for stage, contract in enumerate(created)]
     orch: Orchestrator = await nursery.start(functools.partial(run_orchestrator, token, reach=None))
-    nursery.start_soon(_watch_instances, vast, opts, created)
+    booting = trio.CancelScope()  # an instance lost while booting fails the run; serving, it is replaced
+    nursery.start_soon(_scoped, booting, functools.partial(_watch_instances, vast, opts, list(created)))
     converged = await _converge(orch, opts, urls, started, progress)
     if opts.serve:
-        await serve(orch, use, token)
+        booting.cancel()
+        renter = Renter(vast, opts, token, ledger, created, orch, progress)
+        holders = {stage: InstanceHolder(vast, contract, url, opts.poll_status_s)
+                   for stage, (contract, url) in enumerate(zip(created, urls))}
+        await serve(orch, use, token, keep=functools.partial(
+            keep_stages, orch.swim, holders, renter.replace, ready_timeout_s=opts.converge_timeout_s,
+            progress=progress, on_replaced=functools.partial(announce_entry, use), retire=renter.retire))
     return await answer_once(orch, use, token, converged=converged, started=started, num_stages=opts.num_stages,
                              run_dir=opts.ledger_path.parent)
+
+
+async def _scoped(scope: trio.CancelScope, fn) -> None:
+    with scope:
+        await fn()
 
 
 # -- renting -----------------------------------------------------------------------------------------
@@ -195,6 +210,76 @@ def instance_failure(inst: Instance) -> str | None:
     if inst.status_msg and "error" in inst.status_msg.lower():
         return f"failed to start: {inst.status_msg}"
     return None
+
+
+# -- replacing (--serve) ------------------------------------------------------------------------------
+
+@attrs.frozen
+class InstanceHolder:
+    """A stage's rented instance, as runner/keeper.py sees it."""
+
+    vast: VastClient
+    contract: int
+    url: str
+    poll_s: float
+
+    async def ended(self) -> str:
+        while True:
+            inst = await self.vast.show_instance(self.contract)
+            failure = "disappeared" if inst is None else instance_failure(inst)
+            if failure:
+                return f"(instance {self.contract}) {failure}"
+            await trio.sleep(self.poll_s)
+
+
+@attrs.define
+class Renter:
+    """Rents a stage's replacement through the same path as the first instances — created, recorded in the
+    ledger, waited for, introduced — and destroys the instances that are gone (they bill while they sit)."""
+
+    vast: VastClient
+    opts: VastOptions
+    token: str
+    ledger: Ledger
+    created: list[int]
+    orch: Orchestrator
+    progress: Callable[[str], None]
+    tried: set[int] = attrs.Factory(set)
+
+    async def replace(self, stage: int, attempt: int) -> InstanceHolder:
+        contract = None
+        try:
+            [offer] = await _choose_offers(self.vast, self.opts, exclude=self.tried, count=1)
+            self.tried.add(offer.id)
+            contract = await self.vast.create_instance(
+                offer.id, image=self.opts.image, env=node_env(self.opts, stage, self.token),
+                disk_gb=self.opts.disk_gb, label=f"pp-stage-{stage}", ports=(NODE_PORT,))
+            self.created.append(contract)
+            self.ledger.add(contract)  # on disk before anything else can fail
+            self.progress(f"stage {stage}: replacement instance {contract} created ({offer.gpu_name} "
+                          f"${offer.dph_total:.3f}/h)")
+            url = await _wait_running(self.vast, self.opts, stage, contract, self.progress)
+            with trio.fail_after(self.opts.converge_timeout_s):
+                await self.orch.introduce(url)
+            return InstanceHolder(self.vast, contract, url, self.opts.poll_status_s)
+        except (VastError, RunFailed, trio.TooSlowError) as exc:
+            if contract is not None:
+                await self._destroy(contract)
+            raise RunFailed(f"renting a replacement: {type(exc).__name__}: {exc}") from None
+
+    async def retire(self, holder: InstanceHolder) -> None:
+        await self._destroy(holder.contract)
+
+    async def _destroy(self, contract: int) -> None:
+        with trio.CancelScope(shield=True):
+            try:
+                await self.vast.destroy_instance(contract)
+            except VastError as exc:  # stays in `created`: the run's teardown tries again
+                self.progress(f"could not destroy instance {contract} yet: {exc}")
+                return
+        self.created.remove(contract)
+        self.ledger.remove(contract)
+        self.progress(f"instance {contract} destroyed")
 
 
 # -- converging ---------------------------------------------------------------------------------------

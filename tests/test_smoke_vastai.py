@@ -1,6 +1,9 @@
 """`ppsmoke.py --vastai` end to end against the local vast.ai stand-in: real CLI, real node processes
 behind port forwarders, and the teardown invariant — zero instances left, whatever happens."""
 import functools
+import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -116,4 +119,60 @@ async def test_each_rented_stage_fetches_only_its_slice_of_a_served_gguf(nursery
         want = stage_tensor_names(TINY_CONFIG, layer_range(8, stage, 3), embed=stage == 0, head=stage == 2)
         assert sorted(meta["tensors"]) == sorted([*want, "rope_freqs.weight"])
     assert await live_instances(url) == {}
+    nursery.cancel_scope.cancel()
+
+
+async def stream_text(client: httpx.AsyncClient, base: str, prompt: str, chunks: list) -> str:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 48, "temperature": 0, "stream": True}
+    async with client.stream("POST", base + "/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                data = json.loads(line[6:])
+                assert "choices" in data, data
+                chunks.append(data["choices"][0]["text"])
+    return "".join(chunks)
+
+
+@pytest.mark.slow
+async def test_serving_a_lost_instance_is_destroyed_and_replaced_and_no_request_is_lost(nursery, tmp_path):
+    url = await with_standin(nursery)
+    command = [sys.executable, str(ROOT / "ppsmoke.py"), "--vastai", "--api-key", "k", "--vastai-url", url,
+               "--image", "x", "--status-poll", "0.2", "--ledger", str(tmp_path / "live.json"), "-n", "3",
+               "--serve", "--token", "t"]
+    proc = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    err = bytearray()
+
+    async def drain():
+        while chunk := await proc.stderr.receive_some():
+            err.extend(chunk)
+    nursery.start_soon(drain)
+    out = b""
+    with trio.fail_after(150):
+        while b"OPENAI_API_KEY=" not in out:
+            out += await proc.stdout.receive_some()
+    base = next(line.split("=", 1)[1] for line in out.decode().splitlines() if line.startswith("OPENAI_BASE_URL="))
+    prompts = [f"Tale {i}:" for i in range(4)]
+    async with httpx.AsyncClient(timeout=120, headers={"Authorization": "Bearer t"}) as client:
+        undisturbed = [await stream_text(client, base, p, []) for p in prompts]
+        chunks = [[] for _ in prompts]
+        texts = [None] * len(prompts)
+        async with trio.open_nursery() as clients:
+            for i, p in enumerate(prompts):
+                async def one(i=i, p=p):
+                    texts[i] = await stream_text(client, base, p, chunks[i])
+                clients.start_soon(one)
+            while min(len(c) for c in chunks) < 3:
+                await trio.sleep(0.01)
+            [victim] = [i for i in (await live_instances(url)).values() if i["ordinal"] == 2]  # stage 1's
+            os.kill(victim["pid"], signal.SIGKILL)
+    assert texts == undisturbed
+    log = err.decode()
+    assert "stage 1 replaced in" in log and "replacement instance" in log, log[-3000:]
+    assert len(await live_instances(url)) == 3  # the lost one was destroyed at once
+    proc.send_signal(signal.SIGINT)
+    with trio.fail_after(60):
+        assert await proc.wait() == 0, err.decode()[-3000:]
+    assert await live_instances(url) == {}
+    assert json.loads((tmp_path / "live.json").read_text())["instances"] == []
     nursery.cancel_scope.cancel()
