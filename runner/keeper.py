@@ -9,12 +9,12 @@ A holder that was only frozen is not killed here: once it wakes it learns it was
 by itself (node.main.step_aside_when_replaced); the run's teardown stops whatever is left."""
 from __future__ import annotations
 
-import time
 from typing import Awaitable, Callable, Protocol, TypeVar
 
 import trio
 
 from node.gossip import TERMINAL
+from node.groups import unwrapped
 from node.swim import Swim
 
 from .children import StageExited
@@ -70,17 +70,18 @@ async def keep_stages(swim: Swim, holders: dict[int, Holder], replace: Callable[
     missing = [stage for stage, member in members.items() if member is None]
     if missing:
         raise RunFailed(f"stages {missing} are not alive and ready in gossip")
-    async with trio.open_nursery() as nursery:
-        for stage, holder in holders.items():
-            nursery.start_soon(_keep, swim, stage, holder, members[stage].id, replace, ready_timeout_s, progress,
-                               on_replaced, retire)
+    with unwrapped(RunFailed):
+        async with trio.open_nursery() as nursery:
+            for stage, holder in holders.items():
+                nursery.start_soon(_keep, swim, stage, holder, members[stage].id, replace, ready_timeout_s,
+                                   progress, on_replaced, retire)
 
 
 async def _keep(swim, stage, holder, member_id, replace, ready_timeout_s, progress, on_replaced, retire) -> None:
     attempt, retired = 0, set()
     while True:
         why = await race(holder.ended, lambda: declared_dead(swim, member_id))
-        lost_at = time.monotonic()
+        lost_at = trio.current_time()
         retired.add(member_id)
         held = "requests in flight wait" if stage else "its requests in flight were lost with it"
         progress(f"stage {stage} at {holder.url} {why}; starting a replacement ({held})")
@@ -98,7 +99,7 @@ async def _keep(swim, stage, holder, member_id, replace, ready_timeout_s, progre
             raise RunFailed(f"stage {stage} could not be replaced: {REPLACE_ATTEMPTS} replacements in a row "
                             f"failed (see the logs above)")
         resumed = "requests in flight resume" if stage else "new requests are served"
-        progress(f"stage {stage} replaced in {time.monotonic() - lost_at:.1f} s by {holder.url}; {resumed}")
+        progress(f"stage {stage} replaced in {trio.current_time() - lost_at:.1f} s by {holder.url}; {resumed}")
         on_replaced(stage, holder)
 
 
