@@ -3,7 +3,9 @@
 
 Configuration comes from the environment and flags (`python ppnode.py --help`). Once listening the
 node prints one line `PP_GPU_NODE_ADDR=<advertised url>` on stdout; logs go to stderr, one JSON
-object per line. SIGTERM or Ctrl-C stops it.
+object per line. SIGTERM or Ctrl-C stops it. Exit codes: 0 stopped, 1 the model could not be loaded,
+2 a bad setting or a port it cannot listen on, 3 the cluster declared it dead or gave its stage to
+another node (it was frozen or cut off too long) — it steps aside rather than serve a stale slice.
 """
 from __future__ import annotations
 
