@@ -105,6 +105,9 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
     problems = []
     if not args.model.strip():
         problems.append("--model is empty: name a model (tiny, llama3.2:1b, ...) or a file")
+    elif args.vastai and not args.destroy_leftovers and not rentable_model(args.model):
+        problems.append(f"--model {args.model!r}: a rented node cannot read this machine's files; give a built-in "
+                        f"model, a known name ({', '.join(sorted(REGISTRY))}) or an http(s) URL of a GGUF")
     if not 1 <= args.max_tokens <= MAX_TOKENS_LIMIT:
         problems.append(f"--max-tokens {args.max_tokens}: must be 1..{MAX_TOKENS_LIMIT}")
     if not 0.0 <= args.temperature < math.inf:
@@ -120,6 +123,12 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
         if value is not None and not 0.0 <= value < math.inf:
             problems.append(f"--{flag.replace('_', '-')} {value}: must be 0 or more")
     return problems
+
+
+def rentable_model(spec: str) -> bool:
+    """Whether a rented node can get this model by itself: built in, a known name, or a URL it fetches."""
+    name = spec.strip().lower()
+    return name == "stub" or name in BUILT_IN or name in REGISTRY or is_http_url(spec.strip())
 
 
 def local_model(spec: str, env: dict[str, str]) -> str:

@@ -67,7 +67,8 @@ class StageNode:
 
     def attach(self, worker, *, capacity: int | None = None) -> None:
         """The worker is loaded: from now on messages are admitted. `capacity`: see roles.make_actor."""
-        self.actor = make_actor(self.stage, self.num_stages, worker, capacity=capacity, max_queue=self.max_queue)
+        self.actor = make_actor(self.stage, self.num_stages, worker, capacity=capacity, max_queue=self.max_queue,
+                                node_id=self.node_id)
         self.worker = worker
 
     def deliver(self, message, *, source: str | None = None, sent_at: float | None = None) -> None:
@@ -203,7 +204,7 @@ class StageNode:
             entry = await self.swim.wait_until(
                 lambda s: (m := s.resolve(stage_name(0))) is not None and m.meta.ready and m.id != owner and m)
             if owner is not None:
-                self.actor.forget_all()
+                self.actor.entries.forget_except(entry.id)
                 self._work.set()
                 event(log, "entry_replaced", old=owner, new=entry.id)
             owner = entry.id

@@ -110,6 +110,43 @@ def admit_segments(held: dict[str, Held], queue: StageQueue, act: Activation, st
     return taken
 
 
+class Entries:
+    """Middle and last stages: which stage 0 owns each request held here (RequestStart.entry). When a start
+    from another stage 0 arrives, the one before was replaced and its requests are gone with it: they are
+    ended here (`end_here`), at once and in order with the new entry's rows, so their slots are free for
+    the new entry's requests. Rows that start a request for an entry replaced since are dropped."""
+
+    def __init__(self, end_here: Callable[[str], None]):
+        self.current: str | None = None
+        self.retired: set[str] = set()
+        self.owner: dict[str, str] = {}
+        self._end_here = end_here
+
+    def admit(self, act: Activation) -> Activation | None:
+        """The activation without the starts of a replaced entry's requests; a new entry is switched to first."""
+        for s in act.meta.segments:
+            entry = s.start.entry if s.start is not None else ""
+            if entry and entry != self.current and entry not in self.retired:
+                self.forget_except(entry)
+        rows = [(s, h) for s, h in act.split() if s.start is None or s.start.entry not in self.retired]
+        for s, _ in rows:
+            if s.start is not None and s.start.entry:
+                self.owner[s.request_id] = s.start.entry
+        return Activation.of(rows) if rows else None
+
+    def forget_except(self, entry: str) -> None:
+        """`entry` is stage 0 now: end every request of another one."""
+        if self.current not in (None, entry):
+            self.retired.add(self.current)
+        self.current = entry
+        for rid, owner in list(self.owner.items()):
+            if owner != entry:
+                self._end_here(rid)
+
+    def drop(self, request_id: str) -> None:
+        self.owner.pop(request_id, None)
+
+
 def compute(step: Step, worker, items: list) -> tuple[list, float]:
     """On the compute thread: free the slots of ended requests, then run the step's items as one batch.
     Returns the results and the step's wall time in ms."""

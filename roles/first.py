@@ -52,11 +52,12 @@ class FirstActor:
     role = Role.FIRST
 
     def __init__(self, stage: int, num_stages: int, *, tokenize: Callable[[str, bool], list[int]], max_context: int,
-                 max_rows: int, capacity: int, max_queue: int, clock: Callable[[], float] = time.monotonic):
+                 max_rows: int, capacity: int, max_queue: int, clock: Callable[[], float] = time.monotonic,
+                 entry: str = ""):
         self.stage, self.num_stages = stage, num_stages
         self.next = stage_name(stage + 1)
         self._tokenize, self.max_context, self.clock = tokenize, max_context, clock
-        self.capacity, self.max_queue = capacity, max_queue
+        self.capacity, self.max_queue, self.entry = capacity, max_queue, entry
         self.queue = StageQueue(max_rows)
         self.live: dict[str, _Live] = {}
         self.chain: tuple[str, ...] = ()  # the members holding stages 1.. when the chain was last whole
@@ -162,7 +163,7 @@ class FirstActor:
     def _send_prefill(self, rid: str, live: _Live) -> None:
         req = live.request
         start = RequestStart(req.max_tokens, req.sampling, live.prompt, req.reply_to, live.queued_ms,
-                             tuple(live.generated))
+                             tuple(live.generated), self.entry)
         ids = (*live.prompt, *live.generated)
         self.queue.add(Unit(rid, 0, len(ids), decode=False, tokens=ids, start=start, generation=live.generation))
 

@@ -15,7 +15,7 @@ from worker.sampling import GREEDY
 from worker.stage import StepItem
 from worker.stopping import generation_done
 
-from .actions import Held, Reply, Send, admit_segments, compute, error_reply, failure, wrong_role
+from .actions import Entries, Held, Reply, Send, admit_segments, compute, error_reply, failure, wrong_role
 from .messages import Activation, EndRequest, InferenceResponse, NextTokens, RequestStart, Token
 from .schedule import StageQueue, Step, Unit
 from .topology import stage_name
@@ -38,6 +38,7 @@ class LastActor:
         self.stage, self.num_stages = stage, num_stages
         self.feedback = stage_name(0)  # the first stage owns the embedding, so tokens go back there
         self.queue = StageQueue(max_rows)
+        self.entries = Entries(self._end_here)
         self.expected: dict[str, Held] = {}
         self.progress: dict[str, _Progress] = {}
         self.failed_reply_to: dict[str, str | None] = {}  # until stage 0 has heard of the failure
@@ -51,6 +52,8 @@ class LastActor:
             return []
         if not isinstance(msg, Activation):
             raise wrong_role(self.stage, self.role, msg)
+        if (msg := self.entries.admit(msg)) is None:
+            return []
         for s, hidden in admit_segments(self.expected, self.queue, msg, self.stage):
             if s.start is not None:
                 if s.generation > 0:  # a replay: the slot of the earlier life is overwritten
@@ -108,10 +111,6 @@ class LastActor:
         held = self.expected.get(request_id)
         return held is not None and held.generation == generation
 
-    def forget_all(self) -> None:
-        """Stage 0 was replaced: the requests it owned are gone with it; free their slots here."""
-        for rid in list(self.expected):
-            self._end_here(rid)
 
     def health(self) -> dict:
         return {"slots": {"active": len(self.expected)}}
@@ -157,4 +156,5 @@ class LastActor:
         if not self.queue.ended(request_id):
             self.queue.end(request_id)
         self.expected.pop(request_id, None)
+        self.entries.drop(request_id)
         self.progress.pop(request_id, None)

@@ -77,6 +77,7 @@ class RequestStart:
     reply_to: str | None = None
     queued_ms: float = 0.0  # waited at the entry for a free slot
     replayed: tuple[int, ...] = ()  # a replay: the tokens generated before it, prefilled after the prompt
+    entry: str = ""  # the node id of the stage 0 that owns the request (a replaced entry's requests are freed)
 
     def __attrs_post_init__(self):
         if not self.prompt_token_ids:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from worker.partition import Role
 from worker.stage import StepItem
 
-from .actions import Held, Send, admit_segments, compute, error_reply, failure, lost, pass_on, wrong_role
+from .actions import Entries, Held, Send, admit_segments, compute, error_reply, failure, lost, pass_on, wrong_role
 from .messages import Activation, EndReason, EndRequest
 from .schedule import StageQueue, Step, Unit
 from .topology import stage_name
@@ -20,6 +20,7 @@ class MiddleActor:
         self.stage, self.num_stages = stage, num_stages
         self.next, self.entry = stage_name(stage + 1), stage_name(0)
         self.queue = StageQueue(max_rows)
+        self.entries = Entries(self._end_here)
         self.expected: dict[str, Held] = {}  # live requests: their life and where their next rows start
         self.reply_to: dict[str, str | None] = {}
         self.prompt_len: dict[str, int] = {}
@@ -30,6 +31,8 @@ class MiddleActor:
             return self._end_here(msg.request_id) + [Send(self.next, msg)]
         if not isinstance(msg, Activation):
             raise wrong_role(self.stage, self.role, msg)
+        if (msg := self.entries.admit(msg)) is None:
+            return []
         for s, hidden in admit_segments(self.expected, self.queue, msg, self.stage):
             if s.start is not None:
                 if s.generation > 0:  # a replay: the slot of the earlier life is overwritten
@@ -68,10 +71,6 @@ class MiddleActor:
         held = self.expected.get(request_id)
         return held is not None and held.generation == generation
 
-    def forget_all(self) -> None:
-        """Stage 0 was replaced: the requests it owned are gone with it; free their slots here."""
-        for rid in list(self.expected):
-            self._end_here(rid)
 
     def health(self) -> dict:
         return {"slots": {"active": len(self.expected)}}
@@ -93,6 +92,7 @@ class MiddleActor:
         if not self.queue.ended(request_id):
             self.queue.end(request_id)
         self.expected.pop(request_id, None)
+        self.entries.drop(request_id)
         self.prompt_len.pop(request_id, None)
         if not keep_reply_to:
             self.reply_to.pop(request_id, None)

@@ -31,9 +31,10 @@ def processes_marked(mark: str) -> list[int]:
     return found
 
 
-def start(args, mark, **kw):
-    env = {**os.environ, MARK: mark, "DEV": "CPU"}
-    return subprocess.Popen([sys.executable, str(ROOT / "ppsmoke.py"), "--seed", *args], env=env, cwd=ROOT,
+def start(args, mark, *, vastai=False, **kw):
+    env = {**os.environ, MARK: mark, "DEV": "CPU", "VAST_API_KEY": "unused"}
+    mode = [] if vastai else ["--seed"]
+    return subprocess.Popen([sys.executable, str(ROOT / "ppsmoke.py"), *mode, *args], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
@@ -136,6 +137,8 @@ def test_sigkill_to_the_runner_still_stops_every_child():
     (["--model", "."], "is a directory without config.json"),
     (["-n", "1"], "-n 1: a pipeline needs at least 2 stages"),
     (["--port", "{taken}"], "--port {taken}: cannot listen on 127.0.0.1:{taken}: Address already in use"),
+    (["--vastai", "--image", "x", "--model", "/tmp/model.gguf"], "a rented node cannot read this machine's files"),
+    (["--vastai", "--image", "x", "--model", "no-such-model"], "'no-such-model': a rented node cannot read"),
 ])
 def test_a_bad_argument_is_one_line_and_exit_2_before_any_node_starts(args, says):
     mark = uuid.uuid4().hex
@@ -144,7 +147,8 @@ def test_a_bad_argument_is_one_line_and_exit_2_before_any_node_starts(args, says
         taken.listen()
         port = taken.getsockname()[1]
         args, says = [a.format(taken=port) for a in args], says.format(taken=port)
-        proc = start(["-n", "2", *args], mark)
+        vastai = "--vastai" in args  # else --seed
+        proc = start(["-n", "2", *args], mark, vastai=vastai)
         out, err = proc.communicate(timeout=60)
     lines = [line for line in err.splitlines() if line and not line.startswith(("usage:", " "))]
     assert proc.returncode == 2 and len(lines) == 1 and says in lines[0], err
