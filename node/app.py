@@ -23,6 +23,7 @@ from roles.actions import Refused
 
 from . import frames, gossip, h1_guard, h2_guard, wire
 from .log import error_event
+from .metrics import CONTENT_TYPE as node_metrics_content_type
 from .openai_api import API_PATHS, api_refusal
 from .swim import Swim, WrongTargetError
 
@@ -88,6 +89,13 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_st
     async def health():
         return jsonify({**dispatcher.health(), "http_versions": dict(app.http_versions),
                         "body_bytes": dict(app.body_bytes)})
+
+    @app.get("/metrics")
+    async def metrics():
+        node_metrics = getattr(dispatcher, "metrics", None)
+        if node_metrics is None:
+            return _error(404, "no metrics here: /metrics is served by the stages")
+        return Response(node_metrics.render(), content_type=node_metrics_content_type)
 
     @app.get("/v1/members")
     async def members():

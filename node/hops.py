@@ -30,8 +30,9 @@ now = time.monotonic
 
 
 class HopStats:
-    def __init__(self, window: int = WINDOW):
-        self._window = window
+    def __init__(self, window: int = WINDOW, observe=lambda link, part, seconds: None):
+        """`observe(link, part, seconds)` also hears every sample (the node's Prometheus histogram)."""
+        self._window, self._observe = window, observe
         self._samples: dict[tuple[str, str], collections.deque] = {}
 
     def record(self, link: str, part: str, seconds: float) -> None:
@@ -43,6 +44,7 @@ class HopStats:
         if samples is None:
             samples = self._samples[key] = collections.deque(maxlen=self._window)
         samples.append(seconds * 1000.0)
+        self._observe(link, part, seconds)
 
     def reset(self) -> None:
         self._samples.clear()

@@ -20,6 +20,7 @@ from .client import PeerClient, PeerError
 from .faults import NONE as NO_FAULTS, Faults
 from .gossip import State
 from .links import Links
+from .metrics import NodeMetrics
 from .log import error_event, event
 from .streams import LinkReceiver, LinkStream
 from .swim import Swim
@@ -44,7 +45,9 @@ class StageNode:
         self.stage, self.num_stages, self.node_id = stage, num_stages, node_id
         self.client, self.max_queue, self.link_streams, self.faults = client, max_queue, link_streams, faults
         self.name = stage_name(stage)
-        self.hops = hops.HopStats()
+        self.metrics = NodeMetrics(self._metrics_snapshot)
+        self.hops = hops.HopStats(observe=lambda link, part, s: self.metrics.hop.labels(link, part).observe(s))
+        self._timing: dict[str, list[float]] = {}  # stage 0: [admitted, last token] of requests (their metrics)
         self.links_in = LinkReceiver()
         self._arrivals: list[tuple[str, float]] = []  # (source, when) of messages no step has taken yet
         self.swim: Swim | None = None
@@ -93,7 +96,39 @@ class StageNode:
                 raise Refused(400, error)
         for action in self.actor.admit(message):
             self._post(action)
+        if isinstance(message, wire.InferenceRequest) and self.stage == 0:
+            self._admitted(message.request_id)
         self._work.set()
+
+    def _admitted(self, request_id: str) -> None:
+        prompt = self.actor.prompt_tokens(request_id)
+        if prompt is not None:
+            self.metrics.prompt.inc(prompt)
+            self._timing[request_id] = [hops.now()]
+
+    def _progressed(self, progress: Progress) -> None:
+        """Stage 0's request metrics: a token came back, or the request ended."""
+        timing = self._timing.get(progress.request_id)
+        if progress.token_id is not None:
+            self.metrics.generated.inc()
+            if timing is not None:
+                now = hops.now()
+                (self.metrics.ttft if len(timing) == 1 else self.metrics.tpot).observe(now - timing[-1])
+                timing[1:] = [now]
+        if progress.end is not None:
+            self.metrics.ended.labels(progress.end.reason.value).inc()
+            self._timing.pop(progress.request_id, None)
+
+    def _metrics_snapshot(self) -> dict:
+        info = self.worker.info if self.worker is not None else None
+        view = self.swim.members().values() if self.swim is not None else ()
+        health = self.actor.health() if self.actor is not None else {}
+        return {"running": health.get("slots", {}).get("active") if self.stage == 0 else None,
+                "queued": health.get("queue", {}).get("waiting"),
+                "slots_in_use": self.worker.slots_in_use if self.worker is not None else None,
+                "weight_bytes": info.weight_bytes if info else None, "kv_bytes": info.kv_bytes if info else None,
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "members": collections.Counter(m.state.value for m in view)}
 
     def open_local(self, request: wire.InferenceRequest) -> trio.MemoryReceiveChannel:
         """Admit a request made here (the OpenAI API) and follow it: the channel gets each Progress of it,
@@ -148,6 +183,7 @@ class StageNode:
 
     def _post(self, action) -> None:
         if isinstance(action, Progress):
+            self._progressed(action)
             follower = self._local.get(action.request_id)
             if follower is not None:
                 follower.send_nowait(action)
@@ -225,6 +261,7 @@ class StageNode:
             for part, seconds in (("to_thread", ran_from - started), ("compute", ran_to - ran_from),
                                   ("back", resumed - ran_to)):
                 self.hops.record("step", part, seconds)
+            self.metrics.step.observe(ran_to - ran_from)
             self._compute_s += resumed - started
             self._steps += 1
             self._rows += sum(u.rows for u in step.units)

@@ -112,6 +112,13 @@ class FirstActor:
         self._start_waiting()
         return actions
 
+    def prompt_tokens(self, request_id: str) -> int | None:
+        """How many prompt tokens an admitted request has (running or waiting); None if unknown here."""
+        if (live := self.live.get(request_id)) is not None:
+            return len(live.prompt)
+        waiting = self.waiting.get(request_id)
+        return None if waiting is None else len(waiting[1])
+
     def is_live(self, request_id: str, generation: int) -> bool:
         """Whether this life of the request is live here (it started, has not ended, no replay since)."""
         live = self.live.get(request_id)

@@ -1,0 +1,53 @@
+"""GET /metrics on every node: Prometheus' text format, read back with prometheus_client's own parser, and
+counters that move by what a request did."""
+import httpx
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster import TOKEN, start_cluster
+from worker.models import stub_model
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+async def scrape(client, url) -> dict:
+    """{(sample name, frozenset of labels): value} of one node's /metrics."""
+    r = await client.get(url + "/metrics", headers=AUTH)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+
+def value(samples, name, **labels):
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+async def test_metrics_parse_and_move_by_what_one_request_did(nursery, tmp_path):
+    _, urls, _ = await start_cluster(nursery, 3, tmp_path)
+    messages = [{"role": "user", "content": "Say hello"}]
+    prompt = len(stub_model().tokenizer().encode_messages(messages))
+    async with httpx.AsyncClient(timeout=30) as client:
+        assert (await client.get(urls[0] + "/metrics")).status_code == 401  # like every endpoint but /health
+        before = [await scrape(client, u) for u in urls]
+        with trio.fail_after(30):
+            r = await client.post(urls[0] + "/v1/chat/completions", headers=AUTH, json={
+                "model": "stub", "messages": messages, "max_tokens": 5, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        after = [await scrape(client, u) for u in urls]
+    entry0, entry1 = before[0], after[0]
+    moved = lambda name, **labels: value(entry1, name, **labels) - value(entry0, name, **labels)  # noqa: E731
+    assert moved("pp_generated_tokens_total") == 5
+    assert moved("pp_prompt_tokens_total") == prompt
+    assert moved("pp_requests_total", reason="finished") == 1
+    assert moved("pp_time_to_first_token_seconds_count") == 1
+    assert moved("pp_time_per_output_token_seconds_count") == 4
+    assert value(entry1, "pp_requests_running") == 0 and value(entry1, "pp_requests_queued") == 0
+    for stage, (b, a) in enumerate(zip(before, after)):
+        assert value(a, "pp_step_compute_seconds_count") > value(b, "pp_step_compute_seconds_count"), stage
+        assert value(a, "pp_slots_in_use") == 0
+        assert ("pp_weight_bytes", frozenset()) in a and value(a, "pp_peak_rss_bytes") > 0  # the stub weighs 0
+        assert value(a, "pp_gossip_members", state="alive") == 4  # three stages and the orchestrator
+        assert value(a, "pp_gossip_members", state="dead") == 0
+    # the hop into stage 1 was timed on the wire, and in the queue before its step
+    assert value(after[1], "pp_hop_seconds_count", hop="from pp-stage-0", part="queue") > 0
+    nursery.cancel_scope.cancel()
