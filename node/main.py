@@ -28,6 +28,7 @@ from worker.rangefetch import fetch_stage_slice
 from .app import make_app, serve_app
 from .client import HttpTransport, PeerClient, gossip_client
 from .compute import ComputeThread, open_compute_thread
+from .chat_page import add_chat_page
 from .openai_api import add_openai_routes
 from .config import NodeConfig, advertised_url
 from .gossip import Member, Meta, State, SwimConfig
@@ -149,8 +150,9 @@ async def _serve(config, swim_config, on_listening, compute, task_status) -> Non
         node = StageNode(stage, n, client, node_id=config.node_id, max_queue=config.max_queue,
                          link_streams=config.link_streams, faults=config.faults)
         app = make_app(node, token=config.cluster_token, max_body_bytes=config.max_body_bytes, link_streams=True)
-        if stage == 0:  # pp-entry serves the OpenAI API too
+        if stage == 0:  # pp-entry serves the OpenAI API too, and a chat page that uses it
             add_openai_routes(app, node, model_name=config.model_name)
+            add_chat_page(app, node, token=config.cluster_token, model_name=config.model_name)
         url = advertised_url(config, await nursery.start(serve_app, app, config.bind_host, config.port))
         node.url = url
         event(log, "listening", url=url, stage=stage, num_stages=n)

@@ -48,6 +48,7 @@ class StageNode:
         self.metrics = NodeMetrics(self._metrics_snapshot)
         self.hops = hops.HopStats(observe=lambda link, part, s: self.metrics.hop.labels(link, part).observe(s))
         self._timing: dict[str, list[float]] = {}  # stage 0: [admitted, last token] of requests (their metrics)
+        self.last_answer: dict = {}  # stage 0: figures of the last answer followed here (the chat page shows them)
         self.links_in = LinkReceiver()
         self._arrivals: list[tuple[str, float]] = []  # (source, when) of messages no step has taken yet
         self.swim: Swim | None = None
@@ -86,6 +87,7 @@ class StageNode:
             raise Refused(503, f"stage {self.stage} is still loading its weights")
         if isinstance(message, wire.InferenceResponse) and message.request_id in self._local:
             self._local[message.request_id].send_nowait(message)  # the final figures of one followed here
+            self._remember_answer(message)
             return
         if isinstance(message, wire.InferenceResponse) and message.request_id in self._unfollowed:
             return  # the figures of a request whose asker has had its answer
@@ -129,6 +131,13 @@ class StageNode:
                 "weight_bytes": info.weight_bytes if info else None, "kv_bytes": info.kv_bytes if info else None,
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 "members": collections.Counter(m.state.value for m in view)}
+
+    def _remember_answer(self, response: wire.InferenceResponse) -> None:
+        n = len(response.token_ids)
+        if n and response.error is None:
+            self.last_answer = {"tokens": n, "stage_ms_per_token": [ms / n for ms in response.stage_compute_ms],
+                                "decode_tokens_per_s": round((n - 1) / response.decode_s, 2)
+                                if n > 1 and response.decode_s > 0 else None}
 
     def open_local(self, request: wire.InferenceRequest) -> trio.MemoryReceiveChannel:
         """Admit a request made here (the OpenAI API) and follow it: the channel gets each Progress of it,
