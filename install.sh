@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# Installs everything pp needs into ./.venv: clang (tinygrad compiles CPU kernels with it),
-# the Python packages, and the Llama 3 tokenizer file the tests use. Safe to run again.
+# Installs everything pp needs into ./.venv: clang (tinygrad compiles CPU kernels with it), headless
+# Chromium and its driver (the chat page's browser test), the Python packages, and the Llama 3 tokenizer
+# file the tests use. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")"
-if ! command -v clang >/dev/null 2>&1; then
+missing=""
+command -v clang >/dev/null 2>&1 || missing="$missing clang"
+command -v chromium >/dev/null 2>&1 || missing="$missing chromium"
+command -v chromedriver >/dev/null 2>&1 || missing="$missing chromium-driver"
+if [ -n "$missing" ]; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
-  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq clang
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $missing
 fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install -q --upgrade pip

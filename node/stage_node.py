@@ -90,7 +90,8 @@ class StageNode:
             self._remember_answer(message)
             return
         if isinstance(message, wire.InferenceResponse) and message.request_id in self._unfollowed:
-            return  # the figures of a request whose asker has had its answer
+            self._remember_answer(message)  # the figures of a request whose asker has had its answer
+            return
         if isinstance(message, wire.InferenceRequest) and message.reply_to is not None:
             view = self.swim.members().values() if self.swim is not None else ()
             known = [m.addr for m in view if m.state in (State.ALIVE, State.SUSPECT)]

@@ -31,12 +31,12 @@ PROMPTS = [f"Story number {i}:" for i in range(CLIENTS)]
 class Cluster:
     """One `ppsmoke.py --seed --serve` run; its stderr goes to a file the test reads as it grows."""
 
-    def __init__(self, tmp, env_extra=None):
+    def __init__(self, tmp, env_extra=None, *, n=N):
         self.mark, self.err_path = uuid.uuid4().hex, tmp / "ppsmoke.err"
         env = {**os.environ, MARK: self.mark, "DEV": "CPU", **(env_extra or {})}
         self.err_file = open(self.err_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "ppsmoke.py"), "--seed", "-n", str(N), "--serve", "--token", TOKEN,
+            [sys.executable, str(ROOT / "ppsmoke.py"), "--seed", "-n", str(n), "--serve", "--token", TOKEN,
              "--max-seqs", str(CLIENTS)], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=self.err_file, text=True)
         self.seen: list[tuple[float, str]] = []  # (when the test read it, line) of ppsmoke's stderr
         self._lock = threading.Lock()  # the fault's thread reads lines too

@@ -49,7 +49,8 @@ async def test_five_rented_stages_answer_with_the_single_process_tokens_and_noth
     nursery.cancel_scope.cancel()
 
 
-@pytest.mark.parametrize("fault", [dict(vanish_first_creates=2), dict(rate_limit_burst=4)])
+@pytest.mark.parametrize("fault", [dict(vanish_first_creates=2),
+                                   pytest.param(dict(rate_limit_burst=4), marks=pytest.mark.slow)])
 async def test_passing_faults_are_ridden_out(nursery, tmp_path, fault):
     url = await with_standin(nursery, **fault)
     done = await ppsmoke(url, tmp_path, "-n", "2", "--max-tokens", "3")
