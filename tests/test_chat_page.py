@@ -1,14 +1,11 @@
 """pp-entry's chat page in real headless Chromium (Debian's chromium and chromium-driver, which install.sh
 installs) against a real `ppsmoke.py --seed --serve` cluster on tiny: it takes the key, streams an answer,
-shows every stage alive with its blocks, stops a long answer (freeing its slots), shows a killed stage dead
-and then replaced; its screenshot is the README's (docs/chat-page.png)."""
+shows every stage alive with its blocks, stops a long answer (freeing its slots), shows a stage killed
+mid-answer lost and then replaced while the answer goes on; its screenshot is the README's (docs/chat-page.png)."""
 import os
 import shutil
 import signal
-import time
-from pathlib import Path
 
-import httpx
 import pytest
 from selenium import webdriver
 from selenium.webdriver.chrome.options import Options
@@ -87,10 +84,17 @@ def test_the_chat_page_streams_an_answer_shows_the_pipeline_and_stops_a_long_ans
         browser.save_screenshot(str(SCREENSHOT))
         assert SCREENSHOT.stat().st_size > 10_000
 
+        send(browser, "Another long story")  # and a stage killed mid-answer: shown lost, replaced, answer goes on
+        wait(browser, lambda: len(answers(browser)) == 2 and len(answers(browser)[-1].text) > 5)
         _, pid = cluster.holders()[1]
-        os.kill(pid, signal.SIGKILL)  # the page shows it lost, then replaced
+        os.kill(pid, signal.SIGKILL)
         wait(browser, lambda: stages(browser)[1][0] in ("dead", "missing", "loading"), 30)
         wait(browser, lambda: [s for s, _ in stages(browser)] == ["alive"] * N, 90)
+        resumed_from = len(answers(browser)[-1].text)
+        wait(browser, lambda: len(answers(browser)[-1].text) > resumed_from + 5, 30)
+        assert answers(browser)[-1].get_attribute("data-done") is None  # still streaming: not failed
+        browser.find_element(By.ID, "stop").click()
+        assert cluster.wait_idle() == [0] * N
         assert cluster.holders()[1][1] != pid
     finally:
         cluster.stop()
