@@ -51,3 +51,4 @@ async def test_metrics_parse_and_move_by_what_one_request_did(nursery, tmp_path)
     # the hop into stage 1 was timed on the wire, and in the queue before its step
     assert value(after[1], "pp_hop_seconds_count", hop="from pp-stage-0", part="queue") > 0
     nursery.cancel_scope.cancel()
+

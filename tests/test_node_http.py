@@ -174,7 +174,7 @@ async def test_an_early_refusal_over_http1_closes_the_connection_instead_of_leav
     # the body is in. hypercorn then sometimes left the kept-alive connection answering nothing.
     _, urls, _ = cluster
     host, port = urls[0].removeprefix("http://").split(":")
-    head = f"POST /v1/inference HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 35\r\n\r\n"
+    head = "POST /v1/inference HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 35\r\n\r\n"
     for _ in range(20):
         stream = await trio.open_tcp_stream(host, int(port))
         async with stream:

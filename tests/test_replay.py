@@ -7,7 +7,7 @@ from roles import make_actor
 from roles.actions import Progress, Reply, Send
 from roles.first import MAX_REPLAYS
 from roles.messages import (Activation, ActivationMeta, EndReason, EndRequest, InferenceRequest, NextTokens,
-                            RequestStart, SegmentMeta, Token)
+                            RequestStart, SegmentMeta)
 from worker.models import open_worker, stub_model
 from worker.reference import generate_full
 from worker.sampling import GREEDY

@@ -1,7 +1,6 @@
 """Llama 3's vocabulary, loaded from GGUF metadata and from tokenizer.json through Hugging Face tokenizers,
 encodes like Meta's own tokenizer; the tiny model's byte vocabulary; what a malformed file gets."""
 import json
-import re
 
 import pytest
 from llama_models.llama3.tokenizer import Tokenizer as MetaTokenizer
