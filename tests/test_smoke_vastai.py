@@ -92,6 +92,7 @@ async def test_sigint_mid_run_still_destroys_every_instance(nursery, tmp_path):
     nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow  # ~1 min; the range fetch itself is in the default suite (test_rangefetch.py)
 async def test_each_rented_stage_fetches_only_its_slice_of_a_served_gguf(nursery, tmp_path, monkeypatch):
     from rangeserver import RangeServer, write_gguf
     from worker.partition import layer_range
