@@ -32,7 +32,8 @@ class Faults:
         return self.drop > 0 or self.delay > 0
 
     async def before_send(self) -> bool:
-        """Wait out an injected delay, if one is drawn; True if this send is to be dropped."""
+        """Wait out an injected delay, if one is drawn; True if this send is to be dropped. Callers on a
+        hop's path check `active` first: with no faults this is not even awaited."""
         if self.delay and self._rng.random() < self.delay:
             await trio.sleep(self.delay_ms / 1000.0)
         return bool(self.drop) and self._rng.random() < self.drop

@@ -325,7 +325,7 @@ class StageNode:
             delay *= 3
 
     async def _post_message(self, dest: str, addr: str, message) -> None:
-        if dest.startswith("pp-stage-") and await self.faults.before_send():
+        if self.faults.active and dest.startswith("pp-stage-") and await self.faults.before_send():
             raise PeerError(addr, "dropped by fault injection (PP_FAULTS)")
         started = hops.now()
         path, body, content_type = wire.body_of(message)

@@ -224,7 +224,7 @@ class _Body(httpx.AsyncByteStream):
             return frames.heartbeat(hops.now())
         self._idle_s = HEARTBEAT_AFTER_S
         data = b"".join(self._link.frame(message) for message in batch)  # kept for a resend from here on
-        if await self._link.faults.before_send():
+        if self._link.faults.active and await self._link.faults.before_send():
             raise httpx.WriteError("dropped by fault injection (PP_FAULTS)")  # as a connection that broke
         return data
 

@@ -79,6 +79,13 @@ class Held:
     next_position: int
 
 
+def is_live(held: dict[str, Held], request_id: str, generation: int) -> bool:
+    """Whether this life of the request is live at a middle or last stage (it started there, has not ended,
+    no replay since)."""
+    now = held.get(request_id)
+    return now is not None and now.generation == generation
+
+
 def admit_segments(held: dict[str, Held], queue: StageQueue, act: Activation, stage: int) -> list[tuple]:
     """Middle and last stages: check every segment of an activation before taking any (a message is taken
     whole or refused whole), then record where each request's next rows must start. `held` maps the

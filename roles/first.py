@@ -40,12 +40,16 @@ MAX_REPLAYS = 16  # a request lost more often than this fails: something other t
 class _Live:
     request: InferenceRequest
     prompt: tuple[int, ...]
-    next_position: int  # where the next fed-back token goes
     queued_ms: float = 0.0
     generated: list[int] = attrs.Factory(list)  # fed back so far: what a replay prefills after the prompt
     generation: int = 0
     replays: int = 0
     lost: bool = False  # a stage lost its rows: replay once the chain stands
+
+    @property
+    def next_position(self) -> int:
+        """Where the next fed-back token goes: after the prompt and every token fed back so far."""
+        return len(self.prompt) + len(self.generated)
 
 
 class FirstActor:
@@ -75,7 +79,7 @@ class FirstActor:
         if isinstance(msg, CancelRequest):
             return self._cancel(msg.request_id)
         if isinstance(msg, EndRequest) and msg.reason is EndReason.LOST:
-            return self._lost(msg.request_id, msg.generation, msg.error or "")
+            return self._lost(msg.request_id, msg.generation)
         if isinstance(msg, EndRequest):  # a stage failed it
             live = self.live.get(msg.request_id)
             return self.end(msg) if live is not None and msg.generation >= live.generation else []
@@ -93,7 +97,7 @@ class FirstActor:
             return []  # an EndRequest lost with its stage: nothing left there to free
         actions = []
         for s in send.message.meta.segments:
-            actions += self._lost(s.request_id, s.generation, f"could not deliver Activation to {send.dest}: {error}")
+            actions += self._lost(s.request_id, s.generation)
         return actions
 
     def set_chain(self, chain: tuple[str, ...] | None, *, standing: bool) -> list:
@@ -164,7 +168,7 @@ class FirstActor:
         return []
 
     def _start(self, req: InferenceRequest, ids: list[int], queued_ms: float) -> None:
-        live = self.live[req.request_id] = _Live(req, tuple(ids), len(ids), round(queued_ms, 3))
+        live = self.live[req.request_id] = _Live(req, tuple(ids), round(queued_ms, 3))
         self._send_prefill(req.request_id, live)
 
     def _send_prefill(self, rid: str, live: _Live) -> None:
@@ -180,12 +184,11 @@ class FirstActor:
         if live.replays >= MAX_REPLAYS:
             return self.end(failure(rid, self.stage, f"its rows were lost {live.replays} times; giving up"))
         live.generation, live.replays, live.lost = live.generation + 1, live.replays + 1, False
-        live.next_position = len(live.prompt) + len(live.generated)
         self.queue.restart(rid)
         self._send_prefill(rid, live)
         return []
 
-    def _lost(self, rid: str, generation: int, error: str) -> list:
+    def _lost(self, rid: str, generation: int) -> list:
         """A stage could not pass this life's rows on: replay now if the chain stands, else when it does."""
         if not self.is_live(rid, generation):
             return []  # ended, or already replayed
@@ -218,8 +221,7 @@ class FirstActor:
             if t.done:
                 actions += self.end(EndRequest(t.request_id, EndReason.FINISHED))
             else:
-                live.generated.append(t.token_id)
-                live.next_position = t.position + 1
+                live.generated.append(t.token_id)  # t.position was next_position: it moves on by one
                 self.queue.add(Unit(t.request_id, t.position, 1, decode=True, tokens=(t.token_id,),
                                     generation=live.generation))
         return actions

@@ -15,7 +15,8 @@ from worker.sampling import GREEDY
 from worker.stage import StepItem
 from worker.stopping import generation_done
 
-from .actions import Entries, Held, Reply, Send, admit_segments, compute, error_reply, failure, wrong_role
+from .actions import (Entries, Held, Reply, Send, admit_segments, compute, error_reply, failure, is_live,
+                      wrong_role)
 from .messages import Activation, EndRequest, InferenceResponse, NextTokens, RequestStart, Token
 from .schedule import StageQueue, Step, Unit
 from .topology import stage_name
@@ -107,9 +108,8 @@ class LastActor:
         return actions
 
     def is_live(self, request_id: str, generation: int) -> bool:
-        """Whether this life of the request is live here (it started here, has not ended, no replay since)."""
-        held = self.expected.get(request_id)
-        return held is not None and held.generation == generation
+        """Whether this life of the request is live here (roles.actions.is_live)."""
+        return is_live(self.expected, request_id, generation)
 
 
     def health(self) -> dict:

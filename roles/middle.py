@@ -7,7 +7,8 @@ from __future__ import annotations
 from worker.partition import Role
 from worker.stage import StepItem
 
-from .actions import Entries, Held, Send, admit_segments, compute, error_reply, failure, lost, pass_on, wrong_role
+from .actions import (Entries, Held, Send, admit_segments, compute, error_reply, failure, is_live, lost, pass_on,
+                      wrong_role)
 from .messages import Activation, EndReason, EndRequest
 from .schedule import StageQueue, Step, Unit
 from .topology import stage_name
@@ -67,9 +68,8 @@ class MiddleActor:
         return []
 
     def is_live(self, request_id: str, generation: int) -> bool:
-        """Whether this life of the request is live here (it started here, has not ended, no replay since)."""
-        held = self.expected.get(request_id)
-        return held is not None and held.generation == generation
+        """Whether this life of the request is live here (roles.actions.is_live)."""
+        return is_live(self.expected, request_id, generation)
 
 
     def health(self) -> dict:
