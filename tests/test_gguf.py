@@ -8,10 +8,11 @@ from gguf import GGMLQuantizationType as Q
 
 from ggufmake import quantize, write_llama_gguf
 from worker.config import ModelConfig, RopeScaling, llama3_freq_factors
+from worker import quants
 from worker.errors import ModelFileError
-from worker.gguf import (GGUFHeader, GGUFSource, IncompleteHeader, TensorInfo, config_from_header, dequantize,
-                         parse_header, read_header)
-from worker.weights import BLOCK_TENSORS, EMBEDDING, OUTPUT, OUTPUT_NORM
+from worker.gguf import (GGML_TYPES, SUPPORTED_TYPES, GGUFHeader, GGUFSource, IncompleteHeader, TensorInfo,
+                         config_from_header, dequantize, parse_header, read_header)
+from worker.weights import ALIGN, BLOCK_TENSORS, EMBEDDING, OUTPUT, OUTPUT_NORM
 
 SMALL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=300,
                     rope_theta=500000.0, max_context=4096)
@@ -151,25 +152,97 @@ def test_quantised_tensors_load_as_gguf_py_decodes_them(tmp_path):
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=name)
 
 
-# byte offsets of each block's float16 scale fields, which must be finite in random test blocks
-F16_FIELDS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2],
-              Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}
+# byte offsets of each block's float16 scale fields (ggml-common.h's block_* structs), which must be finite in
+# random test blocks; F16 and BF16 values are left as any bit pattern, NaNs included
+F16_FIELDS = {Q.F16: [], Q.BF16: [], Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2],
+              Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}
+
+
+def random_blocks(qtype, shape, seed, *, finite_scales=True) -> np.ndarray:
+    """Random bytes of a `shape` tensor of `qtype`: every bit pattern of quants and sub-block scales, not just
+    what an encoder would produce; (rows, row bytes) as gguf-py takes them."""
+    rng = np.random.default_rng(seed)
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (shape[0] * shape[1] // block_elems, block_bytes), dtype=np.uint8)
+    for at in F16_FIELDS[qtype] if finite_scales else []:
+        raw[:, at:at + 2] = (rng.standard_normal((len(raw), 1)) * 0.01).astype(np.float16).view(np.uint8)
+    return raw.reshape(shape[0], -1)
+
+
+def test_supported_types_are_exactly_those_real_files_use_with_ggml_block_sizes():
+    assert sorted(GGML_TYPES[t][0] for t in SUPPORTED_TYPES) == sorted(
+        ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+    assert set(quants.LAYOUTS) == {int(q) for q in F16_FIELDS} == SUPPORTED_TYPES - {0}
+    for ggml_type, layout in quants.LAYOUTS.items():
+        assert (layout.name, layout.block, layout.block_bytes) == GGML_TYPES[ggml_type]
+        assert (layout.block, layout.block_bytes) == gguf.GGML_QUANT_SIZES[Q(ggml_type)]
 
 
 @pytest.mark.parametrize("qtype", list(F16_FIELDS), ids=lambda q: q.name)
 def test_random_quantised_blocks_decode_bit_exactly_as_gguf_py(qtype):
-    # every bit pattern of quants and sub-block scales, not just what an encoder would produce
-    rng = np.random.default_rng(int(qtype))
-    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     shape = (3, 2 * 256)
-    raw = rng.integers(0, 256, (shape[0] * shape[1] // block_elems, block_bytes), dtype=np.uint8)
-    for at in F16_FIELDS[qtype]:
-        raw[:, at:at + 2] = (rng.standard_normal((len(raw), 1)) * 0.01).astype(np.float16).view(np.uint8)
-    want = gguf.quants.dequantize(raw.reshape(shape[0], -1), qtype)
+    raw = random_blocks(qtype, shape, int(qtype))
+    want = gguf.quants.dequantize(raw, qtype)
     got = dequantize(raw.ravel(), int(qtype), shape)
-    # exact equality of values; only the sign of zero may differ: tinygrad decodes Q5_0 as
-    # q*d + (-16*d), which gives +0.0 where gguf-py's d*(q-16) gives -0.0 for negative d
-    np.testing.assert_array_equal(got, want)
+    assert got.dtype == np.float32 and got.shape == shape
+    # the same bits, the sign of zero included (see worker/quants.py on why it can be so)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", list(F16_FIELDS), ids=lambda q: q.name)
+def test_non_finite_scales_decode_to_what_gguf_py_gives_without_a_warning(qtype):
+    # a corrupt file's inf or NaN scale: inf and NaN where ggml has them (inf * 0 is NaN), and no
+    # RuntimeWarning (which this suite makes an error)
+    shape = (64, 256)
+    raw = random_blocks(qtype, shape, int(qtype) + 100, finite_scales=False)
+    with np.errstate(all="ignore"):
+        want = gguf.quants.dequantize(raw, qtype)
+    assert np.isnan(want).any()  # the case is real: some scale (or, in F16/BF16, value) is not finite
+    np.testing.assert_array_equal(dequantize(raw.ravel(), int(qtype), shape), want)
+
+
+@pytest.mark.parametrize("qtype", list(F16_FIELDS), ids=lambda q: q.name)
+def test_a_tensor_decodes_in_chunks_exactly_as_in_one_go(qtype, monkeypatch):
+    # SmolLM2-135M's ffn_down, 576 x 1536: 3.4 default chunks; and chunks of 1000 values, which split no
+    # tensor evenly and leave a short last chunk (3 blocks of 256 or 31 blocks of 32 a step)
+    shape = (576, 1536)
+    raw = random_blocks(qtype, shape, int(qtype) + 200)
+    assert shape[0] * shape[1] > quants.CHUNK_ELEMENTS
+    chunked = dequantize(raw.ravel(), int(qtype), shape)
+    assert chunked.ctypes.data % ALIGN == 0  # page-aligned: the CPU device uses it in place
+    monkeypatch.setattr(quants, "CHUNK_ELEMENTS", 1000)
+    small_chunks = dequantize(raw.ravel(), int(qtype), shape)
+    monkeypatch.setattr(quants, "CHUNK_ELEMENTS", shape[0] * shape[1])
+    one_go = dequantize(raw.ravel(), int(qtype), shape)
+    np.testing.assert_array_equal(chunked.view(np.uint32), one_go.view(np.uint32))
+    np.testing.assert_array_equal(small_chunks.view(np.uint32), one_go.view(np.uint32))
+    np.testing.assert_array_equal(one_go.view(np.uint32), gguf.quants.dequantize(raw, qtype).view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0, Q.Q3_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
+def test_decoding_holds_the_result_and_a_chunk_sized_working_set(qtype):
+    import tracemalloc  # numpy reports its array memory to tracemalloc
+    shape = (576, 1536)
+    raw = random_blocks(qtype, shape, 0).ravel()
+    tracemalloc.start()
+    try:
+        out = dequantize(raw, int(qtype), shape)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # measured: at most ~2.6 bytes per chunk value (Q3_K, Q5_K), plus the result's page-alignment slack
+    assert peak - out.nbytes <= 4 * quants.CHUNK_ELEMENTS + ALIGN
+
+
+def test_decoding_writes_into_a_given_output():
+    raw = random_blocks(Q.Q4_K, (2, 512), 3)
+    out = np.full(1024, np.nan, np.float32)
+    assert quants.decode(raw, int(Q.Q4_K), out) is out
+    np.testing.assert_array_equal(out, gguf.quants.dequantize(raw, Q.Q4_K).ravel())
+    with pytest.raises(ValueError, match="want 1024 contiguous float32 values"):
+        quants.decode(raw, int(Q.Q4_K), np.empty(1023, np.float32))
+    with pytest.raises(ValueError, match="not whole Q4_K blocks of 144"):
+        quants.decode(raw.ravel()[:-1], int(Q.Q4_K))
 
 
 @pytest.mark.parametrize("qtype", [Q.F16, Q.BF16], ids=lambda q: q.name)
@@ -187,10 +260,13 @@ def test_test_helper_k_quant_encoders_approximate_their_input(qtype, max_error):
     assert np.abs(back - x).max() <= max_error * np.abs(x).max()
 
 
-def test_unsupported_tensor_type_is_refused_by_name():
-    with pytest.raises(ModelFileError, match="'w' has type Q2_K, which is not supported") as e:
-        dequantize(np.zeros(84, np.uint8), int(Q.Q2_K), (256,), path="m.gguf", tensor="'w'")
+@pytest.mark.parametrize("qtype", [Q.IQ2_XXS, Q.IQ4_XS, Q.TQ2_0, Q.MXFP4, Q.Q8_1], ids=lambda q: q.name)
+def test_unsupported_tensor_type_is_refused_by_name(qtype):
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    with pytest.raises(ModelFileError, match=f"'w' has type {qtype.name}, which is not supported") as e:
+        dequantize(np.zeros(block_bytes, np.uint8), int(qtype), (block_elems,), path="m.gguf", tensor="'w'")
     assert e.value.path == "m.gguf"
+    assert "(supported: BF16, F16, F32, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0)" in str(e.value)
 
 
 def test_data_of_the_wrong_size_for_its_shape_is_refused():

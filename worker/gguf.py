@@ -14,6 +14,7 @@ import struct
 import attrs
 import numpy as np
 
+from . import quants
 from .config import ModelConfig
 from .errors import ModelFileError
 from .packed import Q8_BLOCK, Q8_BLOCK_BYTES, Packed, permute_rows
@@ -31,8 +32,9 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
     26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56),
     30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66), 39: ("MXFP4", 32, 17),
 }
-# Types `dequantize` accepts: each is checked bit-exact against gguf-py in tests/test_gguf.py.
-SUPPORTED_TYPES = frozenset({0, 1, 30, 2, 3, 6, 7, 8, 12, 13, 14})
+# Types `dequantize` accepts: F32 (used as it is) and every type worker/quants.py decodes, namely F16, BF16,
+# Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K; each is checked bit-exact against gguf-py in tests/test_gguf.py.
+SUPPORTED_TYPES = frozenset({0, *quants.LAYOUTS})
 
 # Sanity bounds; a count or length past these means a corrupt file, not a big model.
 # (Llama 3's vocabulary is 128k tokens and 280k merges; a 405B model has ~1.1k tensors.)
@@ -193,7 +195,8 @@ DECODE_CHUNK_ELEMENTS = 1 << 22  # 16 MiB of float32 per decoding step
 
 
 def dequantize(raw: np.ndarray, ggml_type: int, shape, *, path="<memory>", tensor="tensor") -> np.ndarray:
-    """ggml-encoded bytes -> float32 array of `shape`; quantised types are decoded with tinygrad."""
+    """ggml-encoded bytes -> float32 array of `shape`: F32 as a view of `raw`, the rest decoded by
+    worker/quants.py a chunk of blocks at a time into one page-aligned result."""
     type_name, block, block_bytes = GGML_TYPES.get(ggml_type, (f"id {ggml_type}", 1, 0))
     if ggml_type not in SUPPORTED_TYPES:
         supported = ", ".join(sorted(GGML_TYPES[t][0] for t in SUPPORTED_TYPES))
@@ -201,26 +204,9 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape, *, path="<memory>", tenso
     n = math.prod(shape)
     if n % block or raw.nbytes != n // block * block_bytes:
         raise ModelFileError(path, f"{tensor} has {raw.nbytes} bytes, which is not {type_name} data of shape {shape}")
-    if ggml_type == 0:  # already float32: no device round trip needed
+    if ggml_type == 0:  # already float32
         return raw.view(np.float32).reshape(shape)
-    # imported here so header-only users (and device selection via DEV) don't pay for tinygrad
-    from tinygrad import Context, Tensor, dtypes
-    from tinygrad.llm.gguf import ggml_data_to_tensor
-    # Decoded a chunk of blocks at a time straight into the page-aligned result, which the CPU device then
-    # uses in place: what decoding needs besides the result stays small. LRU=0: the chunks' device buffers
-    # are freed when done, not kept by tinygrad for reuse (they would hold memory for the process's life).
-    out = aligned_empty(n * 4).view(np.float32)
-    blocks = n // block
-    step = max(1, DECODE_CHUNK_ELEMENTS // block)
-    with Context(LRU=0):
-        for first in range(0, blocks, step):
-            count = min(step, blocks - first)
-            chunk = np.ascontiguousarray(raw[first * block_bytes:(first + count) * block_bytes])
-            # ggml_data_to_tensor bitcasts F16/BF16 without widening; numpy has no bfloat16, so cast here
-            decoded = ggml_data_to_tensor(Tensor(chunk), count * block, ggml_type).cast(dtypes.float32).realize()
-            out[first * block:(first + count) * block] = np.frombuffer(
-                decoded.uop.buffer.as_memoryview(allow_zero_copy=True), dtype=np.float32)
-    return out.reshape(shape)
+    return quants.decode(raw, ggml_type).reshape(shape)
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
