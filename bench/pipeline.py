@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import trio
 
+from worker.fetch import DEFAULT_MODEL
 from worker.weights import PRECISIONS
 
 from .cluster import start_local_cluster
@@ -150,7 +151,7 @@ def hop_table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.pipeline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=["tiny", "small"])
+    p.add_argument("--models", nargs="+", default=[DEFAULT_MODEL])
     p.add_argument("--stages", nargs="+", type=int, default=[2, 3, 5])
     p.add_argument("--prompt", default="Say hello")
     p.add_argument("--max-tokens", type=int, default=32)

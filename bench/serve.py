@@ -27,6 +27,8 @@ import httpx
 import numpy as np
 import trio
 
+from worker.fetch import DEFAULT_MODEL
+
 from .cluster import start_local_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -206,7 +208,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=["tiny", "small"])
+    p.add_argument("--models", nargs="+", default=[DEFAULT_MODEL])
     p.add_argument("--stages", nargs="+", type=int, default=[2, 3, 5])
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     p.add_argument("--max-tokens", type=int, default=32)

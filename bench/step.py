@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from worker.batching import Segment
+from worker.fetch import DEFAULT_MODEL
 from worker.models import open_model
 from worker.weights import PRECISIONS
 
@@ -52,7 +53,7 @@ def step_ms(model, blocks: int, steps: int, batch: int, beam: int = 0, profile: 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny")
+    p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--blocks", nargs="+", type=int, default=[8, 4, 1])
     p.add_argument("--batch", nargs="+", type=int, default=[1], help="rows per step (default 1)")
     p.add_argument("--steps", type=int, default=40)

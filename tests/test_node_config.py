@@ -36,7 +36,7 @@ def test_a_minimal_environment_gives_the_documented_defaults():
     cfg = parse({"PP_NODE_ID": "n1"})
     assert cfg == NodeConfig(
         stage=1, num_stages=3, cluster_token=TOKEN, node_id="n1", cache_dir=Path("/home/alice/.cache/pp"),
-        ollama_models_dir=Path("/home/alice/.ollama/models"), seed_addr=None, peer_direct=(), model="tiny",
+        ollama_models_dir=Path("/home/alice/.ollama/models"), seed_addr=None, peer_direct=(), model="smollm2:135m",
         port=8000, bind_host="0.0.0.0", advertise_addr=None, public_ip=None, public_port=None,
         max_body_bytes=67108864, log_level="INFO")
 
@@ -59,7 +59,7 @@ def test_every_variable_is_read_from_the_environment():
 
 def test_empty_optional_variables_count_as_unset():
     cfg = parse({"SEED_ADDR": "", "PEER_DIRECT": " , ", "PP_PORT": "", "PUBLIC_IPADDR": "  ", "MODEL": " "})
-    assert (cfg.seed_addr, cfg.peer_direct, cfg.port, cfg.public_ip, cfg.model) == (None, (), 8000, None, "tiny")
+    assert (cfg.seed_addr, cfg.peer_direct, cfg.port, cfg.public_ip, cfg.model) == (None, (), 8000, None, "smollm2:135m")
 
 
 def test_the_cluster_token_loses_surrounding_whitespace():

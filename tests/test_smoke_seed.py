@@ -31,9 +31,10 @@ def processes_marked(mark: str) -> list[int]:
     return found
 
 
-def start(args, mark, *, vastai=False, **kw):
-    env = {**os.environ, MARK: mark, "DEV": "CPU", "VAST_API_KEY": "unused"}
-    mode = [] if vastai else ["--seed"]
+def start(args, mark, *, vastai=False, env_extra=None, **kw):
+    """ppsmoke.py with `args`, on the built-in tiny model unless they name another (the default is a real one)."""
+    env = {**os.environ, MARK: mark, "DEV": "CPU", "VAST_API_KEY": "unused", **(env_extra or {})}
+    mode = ([] if vastai else ["--seed"]) + ([] if "--model" in args else ["--model", "tiny"])
     return subprocess.Popen([sys.executable, str(ROOT / "ppsmoke.py"), *mode, *args], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
@@ -73,16 +74,15 @@ def test_ppsmoke_seed_prints_the_single_process_tokens_and_leaves_nothing_behind
     assert_all_gone(mark)
 
 
-def test_a_stage_that_fails_at_boot_ends_the_run_in_seconds_naming_it(tmp_path):
-    bad = tmp_path / "broken.gguf"
-    bad.write_bytes(b"not a gguf file")
+def test_a_stage_that_fails_at_boot_ends_the_run_in_seconds_naming_it():
+    # every node inherits the runner's environment, where this setting is one no node accepts
     mark = uuid.uuid4().hex
     started = time.monotonic()
-    proc = start(["-n", "3", "--model", str(bad)], mark)
+    proc = start(["-n", "3"], mark, env_extra={"PP_MAX_BODY": "lots"})
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 1
     assert time.monotonic() - started < 60
-    assert "FAILED: stage " in err and "not a GGUF file" in err
+    assert "FAILED: stage " in err and "PP_MAX_BODY" in err
     assert_all_gone(mark)
 
 
@@ -135,18 +135,21 @@ def test_sigkill_to_the_runner_still_stops_every_child():
     (["--model", ""], "--model is empty"),
     (["--model", "no-such-model"], "'no-such-model' is neither an existing file or directory nor a known model name"),
     (["--model", "."], "is a directory without config.json"),
+    (["--model", "{broken}"], "{broken}: not a GGUF file (magic b'not ', want b'GGUF')"),
     (["-n", "1"], "-n 1: a pipeline needs at least 2 stages"),
     (["--port", "{taken}"], "--port {taken}: cannot listen on 127.0.0.1:{taken}: Address already in use"),
     (["--vastai", "--image", "x", "--model", "/tmp/model.gguf"], "a rented node cannot read this machine's files"),
     (["--vastai", "--image", "x", "--model", "no-such-model"], "'no-such-model': a rented node cannot read"),
 ])
-def test_a_bad_argument_is_one_line_and_exit_2_before_any_node_starts(args, says):
+def test_a_bad_argument_is_one_line_and_exit_2_before_any_node_starts(args, says, tmp_path):
     mark = uuid.uuid4().hex
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"not a gguf file")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        args, says = [a.format(taken=port) for a in args], says.format(taken=port)
+        args, says = [a.format(taken=port, broken=broken) for a in args], says.format(taken=port, broken=broken)
         vastai = "--vastai" in args  # else --seed
         proc = start(["-n", "2", *args], mark, vastai=vastai)
         out, err = proc.communicate(timeout=60)
@@ -154,6 +157,22 @@ def test_a_bad_argument_is_one_line_and_exit_2_before_any_node_starts(args, says
     assert proc.returncode == 2 and len(lines) == 1 and says in lines[0], err
     assert "Traceback" not in err and out == ""
     assert_all_gone(mark, timeout_s=1)
+
+
+def test_a_broken_model_file_is_one_line_and_exit_2_from_ppnode_and_the_worker(tmp_path):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 8)  # a header cut short after the magic
+    env = {**os.environ, "STAGE": "0", "NUM_STAGES": "2", "MODEL": str(broken), "PP_CLUSTER_TOKEN": "t",
+           "PP_PORT": "0", "PP_BIND": "127.0.0.1", "DEV": "CPU"}
+    node = subprocess.run([sys.executable, str(ROOT / "ppnode.py")], env=env, capture_output=True, text=True,
+                          timeout=120, stdin=subprocess.DEVNULL)
+    worker = subprocess.run([sys.executable, "-m", "worker", "--model", str(broken)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    for done, prefix in ((node, "ppnode.py: error: stage 0 cannot load model"), (worker, "python -m worker: error:")):
+        errors = [line for line in done.stderr.splitlines() if not line.startswith("{")]  # ppnode logs JSON lines
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert len(errors) == 1 and errors[0].startswith(prefix) and f"{broken}: " in errors[0], done.stderr
+        assert "absurd" in errors[0] or "truncated" in errors[0], errors[0]
 
 
 def test_ppnode_on_a_taken_port_is_one_line_and_exit_2_before_it_loads_anything():

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 async def ppsmoke(standin_url: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     command = [sys.executable, str(ROOT / "ppsmoke.py"), "--vastai", "--api-key", "test-key", "--vastai-url",
                standin_url, "--image", "pp-node:test", "--status-poll", "0.2", "--ledger", str(tmp_path / "live.json"),
-               *args]
+               *([] if "--model" in args else ["--model", "tiny"]), *args]
     return await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False, cwd=ROOT)
 
 
@@ -78,7 +78,7 @@ async def test_fatal_faults_exit_1_with_a_reason_and_leave_zero_instances(nurser
 async def test_sigint_mid_run_still_destroys_every_instance(nursery, tmp_path):
     url = await with_standin(nursery)
     command = [sys.executable, str(ROOT / "ppsmoke.py"), "--vastai", "--api-key", "k", "--vastai-url", url,
-               "--image", "x", "--status-poll", "0.2", "--ledger", str(tmp_path / "live.json"), "-n", "3",
+               "--image", "x", "--status-poll", "0.2", "--ledger", str(tmp_path / "live.json"), "-n", "3", "--model", "tiny",
                "--max-tokens", "2000"]
     proc = await trio.lowlevel.open_process(command, stderr=subprocess.PIPE, cwd=ROOT)
     seen = b""
@@ -140,7 +140,7 @@ async def stream_text(client: httpx.AsyncClient, base: str, prompt: str, chunks:
 async def test_serving_a_lost_instance_is_destroyed_and_replaced_and_no_request_is_lost(nursery, tmp_path):
     url = await with_standin(nursery)
     command = [sys.executable, str(ROOT / "ppsmoke.py"), "--vastai", "--api-key", "k", "--vastai-url", url,
-               "--image", "x", "--status-poll", "0.2", "--ledger", str(tmp_path / "live.json"), "-n", "3",
+               "--image", "x", "--status-poll", "0.2", "--ledger", str(tmp_path / "live.json"), "-n", "3", "--model", "tiny",
                "--serve", "--token", "t"]
     proc = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
     err = bytearray()

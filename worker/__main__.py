@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 from .chain import run_chain
-from .fetch import default_cache_dir, default_ollama_dir
+from .errors import ModelFileError, ModelNameError, WorkerError
+from .fetch import DEFAULT_MODEL, default_cache_dir, default_ollama_dir
 from .models import open_model, open_worker
 from .reference import generate_full
 from .sampling import Sampling
@@ -18,8 +19,9 @@ from .sampling import Sampling
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m worker", description=__doc__)
-    p.add_argument("--model", default="tiny", help="tiny (built-in, random weights: its output is random text), "
-                   "stub, a .gguf file, a Hugging Face directory, or a name such as llama3.2:1b (default: tiny)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"a known name such as {DEFAULT_MODEL} or llama3.2:1b, a .gguf "
+                   "file, a Hugging Face directory, or tiny / stub (built in, random weights: random text) "
+                   f"(default {DEFAULT_MODEL})")
     p.add_argument("--prompt", default="Say hello")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--stages", type=int, default=0, help="run N stage slices in-process instead of one model")
@@ -33,6 +35,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        return generate(args)
+    except (ModelFileError, ModelNameError, WorkerError) as exc:  # a broken file, an unknown name, a prompt it refuses
+        print(f"python -m worker: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def generate(args: argparse.Namespace) -> int:
     home = Path.home()
     model = open_model(args.model, cache_dir=default_cache_dir(home, os.environ.get("XDG_CACHE_HOME")),
                        ollama_models_dir=default_ollama_dir(home, os.environ.get("OLLAMA_MODELS")))

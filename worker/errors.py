@@ -12,3 +12,7 @@ class ModelFileError(ValueError):
 
 class WorkerError(ValueError):
     """A worker op was called in a way the contract refuses (wrong role, bad shape, unknown request)."""
+
+
+class ModelNameError(ValueError):
+    """A model argument that is neither a built-in model, a path that exists nor a known name."""

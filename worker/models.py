@@ -7,12 +7,11 @@ from typing import Callable
 import attrs
 
 from .batching import DEFAULT_MAX_SEQS
-from .fetch import ModelKind, resolve_model
 from .partition import Role, layer_range, role_of
 from .slice import Slice, TinygradSlice
 from .stage import StageWorker
+from .sources import open_source
 from .stub import STUB_BLOCKS, StubSlice, StubTokenizer
-from .tiny import BUILT_IN, TinySource
 from .weights import WeightSource, narrow_kinds
 
 
@@ -54,14 +53,5 @@ def open_model(spec: str, *, cache_dir: Path, ollama_models_dir: Path | None, pr
                precision: str = "auto", tuned: bool = False) -> Model:
     """The one model argument: `stub`, `tiny`, `small`, a .gguf file, a Hugging Face directory or a known name.
     `precision` and `tuned` as tinygrad_model's."""
-    name = spec.strip().lower()
-    if name == "stub":
-        return stub_model()
-    if name in BUILT_IN:
-        return tinygrad_model(TinySource(BUILT_IN[name], path=name), precision, tuned=tuned)
-    ref = resolve_model(spec, cache_dir=cache_dir, ollama_models_dir=ollama_models_dir, progress=progress)
-    if ref.kind is ModelKind.GGUF:
-        from .gguf import GGUFSource
-        return tinygrad_model(GGUFSource(ref.path), precision, tuned=tuned)
-    from .hf import HFSource
-    return tinygrad_model(HFSource(ref.path), precision, tuned=tuned)
+    source = open_source(spec, cache_dir=cache_dir, ollama_models_dir=ollama_models_dir, progress=progress)
+    return stub_model() if source is None else tinygrad_model(source, precision, tuned=tuned)

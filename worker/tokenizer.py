@@ -14,7 +14,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from . import chat
 from .chat import LLAMA3_TEMPLATE
-from .errors import ModelFileError
+from .errors import ModelFileError, WorkerError
 from .gguf_vocab import (BYTE, CONTROL, LLAMA3_REGEX, NORMAL, USER_DEFINED, bytes_to_unicode, token_bytes,
                          vocab_from_gguf)
 from .hf import read_json
@@ -38,8 +38,10 @@ class Tokenizer:
     """Encodes prompts and conversations, decodes ids to bytes; `path` is named in every error about it."""
 
     def __init__(self, path: str, tok: HFTokenizer, token_bytes: list[bytes], *, special_ids: dict[str, int],
-                 bos_id: int, eos_id: int, stop_ids: Iterable[int], add_bos: bool, chat_template: str | None):
+                 bos_id: int, eos_id: int, stop_ids: Iterable[int], add_bos: bool, chat_template: str | None,
+                 unencodable: frozenset[int] = frozenset()):
         self.path, self._tok, self._bytes = path, tok, token_bytes
+        self._unencodable = unencodable  # bytes no token stands for: text holding one is refused (_encode)
         self.vocab_size = len(token_bytes)
         self.special_ids, self.bos_id, self.eos_id = special_ids, bos_id, eos_id
         self.stop_ids = frozenset({eos_id, *stop_ids} | {i for t, i in special_ids.items() if t in EOG_TEXTS})
@@ -58,6 +60,10 @@ class Tokenizer:
         return self._encode(text, specials=True)
 
     def _encode(self, text: str, *, specials: bool) -> list[int]:
+        if self._unencodable and (bad := self._unencodable.intersection(text.encode("utf-8", "surrogatepass"))):
+            # tokenizers and llama.cpp would drop the character silently: the model would see other text
+            raise WorkerError(f"the text holds a character with byte 0x{min(bad):02x}, for which the model's "
+                              f"vocabulary has no token")
         # llama.cpp's parse_special: added (control) tokens are matched only where specials may appear
         self._tok.encode_special_tokens = not specials
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -101,7 +107,8 @@ def tokenizer_from_gguf_metadata(kv: Mapping, path) -> Tokenizer:
     specials = {t: i for i, (t, kind) in enumerate(zip(vocab.tokens, vocab.types)) if kind in (CONTROL, USER_DEFINED)}
     return Tokenizer(path, vocab.tokenizer, token_bytes(vocab.model, vocab.tokens, vocab.types),
                      special_ids=specials, bos_id=vocab.bos_id, eos_id=vocab.eos_id,
-                     stop_ids={vocab.eot_id} - {None}, add_bos=vocab.add_bos, chat_template=template)
+                     stop_ids={vocab.eot_id} - {None}, add_bos=vocab.add_bos, chat_template=template,
+                     unencodable=vocab.unencodable)
 
 
 def tokenizer_from_json(path, *, chat_template: str | None = None) -> Tokenizer:
