@@ -28,6 +28,7 @@ from runner.common import RunFailed, Stopped
 from runner.seed import SeedOptions, run_seed
 from runner.vastai import VastOptions, destroy_leftovers, run_vastai
 from worker.batching import DEFAULT_MAX_SEQS
+from worker.config import DEFAULT_CONTEXT
 from worker.fetch import DEFAULT_MODEL, REGISTRY, default_cache_dir, default_ollama_dir
 from worker.sources import check_source, open_source
 from worker.tiny import BUILT_IN
@@ -53,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds for all stages to load and join (default 180)")
     p.add_argument("--max-seqs", type=int, default=DEFAULT_MAX_SEQS,
                    help=f"requests each node serves at once, one KV cache each (default {DEFAULT_MAX_SEQS})")
+    p.add_argument("--ctx", "--max-model-len", dest="ctx", type=int, default=DEFAULT_CONTEXT,
+                   help=f"context per request in tokens, prompt and answer; each node allocates KV for it per slot "
+                        f"at boot, so it sets their memory; at most the model's own (default {DEFAULT_CONTEXT})")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help=f"requests waiting at the entry for a free slot before it answers 429 "
                         f"(default {DEFAULT_MAX_QUEUE})")
@@ -110,6 +114,8 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
     elif args.vastai and not args.destroy_leftovers and not rentable_model(args.model):
         problems.append(f"--model {args.model!r}: a rented node cannot read this machine's files; give a built-in "
                         f"model, a known name ({', '.join(sorted(REGISTRY))}) or an http(s) URL of a GGUF")
+    if args.ctx < 16:
+        problems.append(f"--ctx {args.ctx}: must be at least 16 tokens")
     if not 1 <= args.max_tokens <= MAX_TOKENS_LIMIT:
         problems.append(f"--max-tokens {args.max_tokens}: must be 1..{MAX_TOKENS_LIMIT}")
     if not 0.0 <= args.temperature < math.inf:
@@ -220,9 +226,10 @@ def _token(args, env) -> str | None:
 
 
 def serving_env(args) -> dict[str, str]:
-    """The settings every node gets the same: how many requests it serves at once, kernel search, precision."""
-    return {"PP_MAX_SEQS": str(args.max_seqs), "PP_MAX_QUEUE": str(args.max_queue), "PP_BEAM": str(args.beam),
-            "PP_PRECISION": args.precision}
+    """The settings every node gets the same: how many requests it serves at once and with what context,
+    kernel search, precision."""
+    return {"PP_MAX_SEQS": str(args.max_seqs), "PP_MAX_QUEUE": str(args.max_queue), "PP_CTX": str(args.ctx),
+            "PP_BEAM": str(args.beam), "PP_PRECISION": args.precision}
 
 
 def _api_key(args, env) -> str:

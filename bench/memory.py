@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from worker.batching import DEFAULT_MAX_SEQS
+from worker.config import DEFAULT_CONTEXT
 from worker.models import open_model
 from worker.partition import Role, layer_range, role_of
 from worker.weights import PRECISIONS
@@ -27,11 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stage", type=int, default=0)
     p.add_argument("--stages", type=int, default=1, help="1: the whole model in one slice")
     p.add_argument("--max-seqs", type=int, default=DEFAULT_MAX_SEQS)
+    p.add_argument("--ctx", type=int, default=DEFAULT_CONTEXT, help="positions a slot holds, as a node's --ctx")
     p.add_argument("--precision", choices=PRECISIONS, default="auto",
                    help="which weights keep the file's precision (weights.narrow_kinds)")
     args = p.parse_args(argv)
     model = open_model(args.model, cache_dir=Path(tempfile.gettempdir()), ollama_models_dir=None,
-                       precision=args.precision)
+                       precision=args.precision, max_context=args.ctx)
     if args.stages == 1:
         layers, embed, head = range(model.total_blocks), True, True
     else:

@@ -62,8 +62,10 @@ def median_run(runs: list[dict]) -> dict:
 def one_process(model_name: str, concurrency: list[int], max_tokens: int, max_seqs: int, repeats: int) -> list[dict]:
     """Runs in a child process (`--single`): the whole model in one slice, driven by the same step planner
     the stages use (roles.schedule), with the same slots and batch buckets; greedy."""
+    from worker.config import DEFAULT_CONTEXT
     from worker.models import open_model
-    model = open_model(model_name, cache_dir=Path(tempfile.gettempdir()), ollama_models_dir=None)
+    model = open_model(model_name, cache_dir=Path(tempfile.gettempdir()), ollama_models_dir=None,
+                       max_context=DEFAULT_CONTEXT)  # as a node's
     full = model.open_slice(range(model.total_blocks), embed=True, head=True, max_seqs=max_seqs)
     full.warm_up()
     tokenizer = model.tokenizer()

@@ -16,6 +16,7 @@ import attrs
 
 from roles import DEFAULT_MAX_QUEUE
 from worker.batching import DEFAULT_MAX_SEQS
+from worker.config import DEFAULT_CONTEXT
 from roles.messages import is_http_url
 from worker.fetch import DEFAULT_MODEL, REGISTRY, default_cache_dir, default_ollama_dir
 from worker.partition import check_stage
@@ -61,6 +62,7 @@ class NodeConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_seqs: int = DEFAULT_MAX_SEQS    # requests whose KV caches a stage holds at once (its sequence slots)
     max_queue: int = DEFAULT_MAX_QUEUE  # stage 0: requests waiting for a slot before the entry answers 429
+    ctx: int = DEFAULT_CONTEXT          # PP_CTX: positions a slot's KV holds (prompt + answer), at most the model's
     beam: int = 0                       # PP_BEAM: tinygrad's kernel search width at boot (0 = off); cached on disk
     precision: str = "auto"             # PP_PRECISION: which matrices keep the file's precision (worker.weights.narrow_kinds)
     link_streams: bool = True           # PP_LINKS=stream: one long-lived HTTP/2 stream to the next stage; post: a POST each
@@ -131,6 +133,8 @@ ENV_TABLE = (
     ("PP_NODE_ID", "--node-id", "unique name of this node (stage<STAGE>-<8 random hex digits>)"),
     ("PP_MAX_BODY", "", f"largest request body accepted, in bytes ({DEFAULT_MAX_BODY_BYTES >> 20} MiB)"),
     ("PP_MAX_SEQS", "--max-seqs", f"requests in flight at once: each holds a KV cache on every stage ({DEFAULT_MAX_SEQS})"),
+    ("PP_CTX", "--ctx", f"context of each request, prompt and answer, in tokens; KV for it is allocated per slot "
+                        f"at boot, so it sets the node's memory; at most the model's own ({DEFAULT_CONTEXT})"),
     ("PP_MAX_QUEUE", "--max-queue", f"stage 0: requests waiting for a free slot; past it, 429 ({DEFAULT_MAX_QUEUE})"),
     ("PP_BEAM", "--beam", "kernel search at boot: tinygrad's BEAM width, e.g. 2; minutes once, cached on disk for the next boot (0 = off)"),
     ("PP_PRECISION", "--precision", "auto: Q8_0 weights stay as the file holds them, F16/BF16 too with --beam; file: all of them always; f32: every weight widened at load (auto)"),
@@ -176,6 +180,8 @@ def build_parser(prog: str = "python ppnode.py") -> argparse.ArgumentParser:
     p.add_argument("--advertise-addr", metavar="URL", help="address others reach us at (PP_ADVERTISE_ADDR)")
     p.add_argument("--node-id", metavar="ID", help="unique node name (PP_NODE_ID)")
     p.add_argument("--max-seqs", metavar="K", help=f"requests in flight at once (PP_MAX_SEQS, default {DEFAULT_MAX_SEQS})")
+    p.add_argument("--ctx", "--max-model-len", dest="ctx", metavar="TOKENS",
+                   help=f"context per request, prompt and answer (PP_CTX, default {DEFAULT_CONTEXT})")
     p.add_argument("--max-queue", metavar="Q", help=f"requests waiting at stage 0 (PP_MAX_QUEUE, default {DEFAULT_MAX_QUEUE})")
     p.add_argument("--beam", metavar="W", help="kernel search width at boot, 0 = off (PP_BEAM, default 0)")
     p.add_argument("--precision", metavar="P", help="auto, file or f32: which weights stay as the file holds them (PP_PRECISION, default auto)")
@@ -229,6 +235,7 @@ def _config_from(src: _Sources, *, home: Path, rng: random.Random | None) -> Nod
         max_body_bytes=_max_body(env), log_level=_log_level(*src.get("--log-level")),
         max_seqs=_count(src, "--max-seqs", DEFAULT_MAX_SEQS, lowest=1),
         max_queue=_count(src, "--max-queue", DEFAULT_MAX_QUEUE, lowest=0),
+        ctx=_count(src, "--ctx", DEFAULT_CONTEXT, lowest=16),
         beam=_count(src, "--beam", 0, lowest=0), precision=_precision(src), link_streams=_links(src), exit_on_stdin_eof=_flag(env, "PP_STDIN_LIFELINE"),
         faults=_faults(env))
 

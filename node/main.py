@@ -56,8 +56,8 @@ def load_worker(config: NodeConfig, model_spec: str):
     """Runs on the compute thread: tinygrad state stays on the thread that made it."""
     try:
         model = open_model(model_spec, cache_dir=config.cache_dir, ollama_models_dir=config.ollama_models_dir,
-                           progress=False, precision=config.precision,
-                           tuned=config.beam > 0)
+                           progress=False, precision=config.precision, tuned=config.beam > 0,
+                           max_context=config.ctx)
         worker = open_worker(model, config.stage, config.num_stages, max_seqs=config.max_seqs)
     except (ModelFileError, ValueError) as exc:  # a bad path, file or name: the user's to fix, not a crash
         raise ModelRefused(f"stage {config.stage} cannot load model {config.model!r}: {exc}") from exc

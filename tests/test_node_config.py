@@ -80,11 +80,13 @@ def test_the_cluster_token_loses_surrounding_whitespace():
     (["--node-id", "beta"], "node_id", "beta"),
     (["--log-level", "warning"], "log_level", "WARNING"),
     (["--precision", "F32"], "precision", "f32"),
+    (["--ctx", "4096"], "ctx", 4096),
+    (["--max-model-len", "512"], "ctx", 512),  # vLLM's name for it
 ])
 def test_a_flag_wins_over_its_variable(argv, field, expected):
     env = {"NUM_STAGES": "6", "SEED_ADDR": "s:1", "PEER_DIRECT": "p:1", "MODEL": "tiny", "PP_PORT": "8100",
            "PP_BIND": "10.0.0.1", "PP_ADVERTISE_ADDR": "x:1", "PP_NODE_ID": "alpha", "PP_LOG_LEVEL": "ERROR",
-           "PP_PRECISION": "file"}
+           "PP_PRECISION": "file", "PP_CTX": "1024"}
     assert getattr(parse(env, argv), field) == expected
 
 
@@ -117,6 +119,8 @@ def test_the_port_flag_also_selects_the_vast_port_mapping():
     ({"PEER_DIRECT": "a:1,b:2/ping"}, [], (), "PEER_DIRECT='b:2/ping': give a base address without a path"),
     ({"PP_ADVERTISE_ADDR": "http://"}, [], (), "PP_ADVERTISE_ADDR='http://' is not an http(s) address"),
     ({"PP_MAX_BODY": "0"}, [], (), "PP_MAX_BODY=0 must be a positive number of bytes"),
+    ({"PP_CTX": "8"}, [], (), "PP_CTX=8 must be at least 16"),
+    ({"PP_CTX": "lots"}, [], (), "PP_CTX='lots' is not a whole number"),
     ({"PP_LOG_LEVEL": "LOUD"}, [], (), "PP_LOG_LEVEL='LOUD' is not one of DEBUG, INFO"),
     ({"PP_PRECISION": "q4"}, [], (), "PP_PRECISION='q4': expected auto, file, f32"),
     ({"PP_NODE_ID": "my node"}, [], (), "PP_NODE_ID='my node': a node id must be printable and without spaces"),

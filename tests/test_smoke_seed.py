@@ -132,6 +132,7 @@ def test_sigkill_to_the_runner_still_stops_every_child():
     (["--converge-timeout", "0"], "--converge-timeout 0.0"),
     (["--max-tokens", "0"], "--max-tokens 0: must be 1..65536"),
     (["--max-tokens", "100000"], "--max-tokens 100000"),
+    (["--ctx", "8"], "--ctx 8: must be at least 16 tokens"),
     (["--model", ""], "--model is empty"),
     (["--model", "no-such-model"], "'no-such-model' is neither an existing file or directory nor a known model name"),
     (["--model", "."], "is a directory without config.json"),

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from .chain import run_chain
+from .config import DEFAULT_CONTEXT
 from .errors import ModelFileError, ModelNameError, WorkerError
 from .fetch import DEFAULT_MODEL, default_cache_dir, default_ollama_dir
 from .models import open_model, open_worker
@@ -24,6 +25,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    f"(default {DEFAULT_MODEL})")
     p.add_argument("--prompt", default="Say hello")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--ctx", type=int, default=DEFAULT_CONTEXT,
+                   help=f"context in tokens, prompt and answer: the KV allocated (default {DEFAULT_CONTEXT})")
     p.add_argument("--stages", type=int, default=0, help="run N stage slices in-process instead of one model")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -45,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 def generate(args: argparse.Namespace) -> int:
     home = Path.home()
     model = open_model(args.model, cache_dir=default_cache_dir(home, os.environ.get("XDG_CACHE_HOME")),
-                       ollama_models_dir=default_ollama_dir(home, os.environ.get("OLLAMA_MODELS")))
+                       ollama_models_dir=default_ollama_dir(home, os.environ.get("OLLAMA_MODELS")), max_context=args.ctx)
     sampling = Sampling(args.temperature, args.top_p, args.seed)
     tok = model.tokenizer()
     prompt_ids = tok.encode(args.prompt, bos=True) if args.raw else tok.encode_chat(args.prompt)

@@ -5,6 +5,11 @@ import math
 
 import attrs
 
+# Positions one sequence slot holds unless --ctx says otherwise: KV is allocated for every slot's whole
+# context on every stage, so this sets a node's memory. SmolLM2-135M at 2048 is 48 MB of KV a slot in
+# all (30 blocks × 2 × 192 floats × 4 bytes a position); its file allows 8192.
+DEFAULT_CONTEXT = 2048
+
 
 @attrs.frozen
 class RopeScaling:

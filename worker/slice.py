@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import attrs
 import numpy as np
 
 from .config import ModelConfig
@@ -77,8 +78,12 @@ class _OnDemand:
 
 class TinygradSlice:
     def __init__(self, source: WeightSource, layers: range, *, embed: bool, head: bool,
-                 max_seqs: int = DEFAULT_MAX_SEQS, keep: frozenset[str] = NARROW_KINDS):
+                 max_seqs: int = DEFAULT_MAX_SEQS, keep: frozenset[str] = NARROW_KINDS, max_context: int | None = None):
         config: ModelConfig = source.config
+        if max_context is not None:  # KV and RoPE tables are sized by it; the file's context is the most
+            if max_context < 1:
+                raise ValueError(f"max_context must be at least 1, got {max_context}")
+            config = attrs.evolve(config, max_context=min(max_context, config.max_context))
         tensors = _OnDemand(source, stage_tensor_names(config, layers, embed=embed, head=head), keep)
         self.hidden_dim, self.vocab_size, self.max_context = config.dim, config.vocab_size, config.max_context
         head_weight = (EMBEDDING if config.tie_embeddings else OUTPUT) if head else None
