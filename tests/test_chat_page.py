@@ -1,8 +1,8 @@
 """pp-entry's chat page in real headless Chromium (Debian's chromium and chromium-driver, which install.sh
 installs) against a real `ppsmoke.py --seed --serve` cluster on tiny: it takes the key, streams an answer,
 shows every stage alive with its blocks, stops a long answer (freeing its slots), shows a stage killed
-mid-answer lost and then replaced while the answer goes on; its screenshot is the README's (docs/chat-page.png, rewritten
-with PP_UPDATE_SCREENSHOT=1).
+mid-answer lost and then replaced while the answer goes on. (The README's screenshot, on the real model, is
+tools/chat_screenshot.py's.)
 
 No answer here is left to chance. tiny's weights are random, and at the API's default temperature a "long
 story" may end by itself after a few tokens, before the test looks at it. The page's settings are
@@ -25,10 +25,8 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
 from test_chaos import Cluster, TOKEN
-from test_smoke_seed import ROOT
 
 N = 3
-README_SCREENSHOT = ROOT / "docs" / "chat-page.png"  # rewritten only with PP_UPDATE_SCREENSHOT=1
 HELLO, HELLO_TOKENS = "Say hello", 16
 # A story is stopped a few tokens in, or (the kill) a few tokens and then a second or two after the replacement:
 # under 70 tokens at 30 ms a token, so never near its end.
@@ -127,7 +125,7 @@ def test_the_chat_page_streams_an_answer_shows_the_pipeline_and_stops_a_long_ans
         wait(browser, lambda: answers(browser)[-1].get_attribute("data-stopped") == "true")
         assert story.startswith(streamed(browser).removesuffix(" [stopped]"))
         assert cluster.wait_idle() == [0] * N  # stopping cancelled the request on every stage
-        shot = README_SCREENSHOT if os.environ.get("PP_UPDATE_SCREENSHOT") == "1" else tmp_path / "chat-page.png"
+        shot = tmp_path / "chat-page.png"  # the README's is tools/chat_screenshot.py's, on the real model
         browser.save_screenshot(str(shot))
         assert shot.stat().st_size > 10_000
 
