@@ -46,6 +46,14 @@ def test_every_op_of_every_role_runs_a_prefill_and_a_decode_step(chain3):
         w.release("r")  # idempotent
 
 
+def test_an_answers_text_leaves_control_tokens_out():
+    # the tiny model's byte vocabulary: ids 0..255 are bytes, then Llama 3's five control tokens
+    first, _, last = [open_worker(tinygrad_model(TinySource()), s, 3) for s in range(3)]
+    ids = [ord("h"), 256, ord("i"), 260]  # h <|begin_of_text|> i <|eot_id|>
+    assert last.detokenize(ids) == "hi" and last.token_bytes(ids) == first.token_bytes(ids) == b"hi"
+    assert last.tokenizer.decode(ids) == "h<|begin_of_text|>i<|eot_id|>"  # the tokenizer itself keeps them
+
+
 @pytest.mark.parametrize("stage,op", [
     (1, "tokenize"), (2, "tokenize"), (1, "embed_and_forward"), (2, "decode_step"),
     (0, "forward_range"), (2, "forward_range"), (0, "forward_and_sample"), (1, "forward_and_sample"),

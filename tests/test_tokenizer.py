@@ -107,6 +107,7 @@ def test_chat_prompt_follows_llama3_instruct_template(loaded, meta):
 
 def test_special_ids_decode_to_their_text(loaded):
     assert loaded.decode([128000, 9906, 128009]) == "<|begin_of_text|>Hello<|eot_id|>"
+    assert loaded.decode([128000, 9906, 128009], specials=False) == "Hello"  # an answer's text
 
 
 @pytest.mark.parametrize("bad", [128256, -1, 10**9])

@@ -130,16 +130,17 @@ class StageWorker:
     def detokenize(self, tokens: list[int]) -> str:
         self._require(Role.LAST, "detokenize")
         self._check_tokens(tokens)
-        return self.tokenizer.decode(tokens)
+        return self.tokenizer.decode(tokens, specials=False)  # an answer's text: no control tokens
 
     def token_bytes(self, tokens: list[int]) -> bytes:
         """The raw bytes of `tokens`, for the entry to stream text as tokens come back (the first stage
-        holds the tokenizer too); a character split across tokens is completed by the caller."""
+        holds the tokenizer too), control tokens left out as detokenize does; a character split across
+        tokens is completed by the caller."""
         if self.role is Role.MIDDLE:
             raise WorkerError(f"token_bytes is a first- or last-stage op; this worker is stage {self.info.stage} "
                               f"of {self.info.num_stages} (middle)")
         self._check_tokens(tokens)
-        return self.tokenizer.decode_bytes(tokens)
+        return self.tokenizer.decode_bytes(tokens, specials=False)
 
     # -- any stage ---------------------------------------------------------------------------
     def run(self, items: list[StepItem]) -> list[bytes | np.ndarray | WorkerError]:

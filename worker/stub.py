@@ -39,10 +39,10 @@ class StubTokenizer:
             ids += [*self.encode(f"{m['role']}:{m['content']}"), self.eot_id]
         return ids
 
-    def decode(self, ids) -> str:
-        return "".join(_ALPHABET[i] for i in ids)
+    def decode(self, ids, *, specials: bool = True) -> str:
+        return "".join(_ALPHABET[i] for i in ids)  # the stand-in has no control tokens
 
-    def decode_bytes(self, ids) -> bytes:
+    def decode_bytes(self, ids, *, specials: bool = True) -> bytes:
         return self.decode(ids).encode()
 
 

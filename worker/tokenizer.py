@@ -39,8 +39,11 @@ class Tokenizer:
 
     def __init__(self, path: str, tok: HFTokenizer, token_bytes: list[bytes], *, special_ids: dict[str, int],
                  bos_id: int, eos_id: int, stop_ids: Iterable[int], add_bos: bool, chat_template: str | None,
-                 unencodable: frozenset[int] = frozenset()):
+                 unencodable: frozenset[int] = frozenset(), control_ids: Iterable[int] | None = None):
         self.path, self._tok, self._bytes = path, tok, token_bytes
+        # control tokens (<|im_start|>, <|eot_id|>, ...): the text of an answer leaves them out, as vLLM's
+        # skip_special_tokens does by default; all of special_ids unless the vocabulary tells them apart
+        self.control_ids = frozenset(special_ids.values() if control_ids is None else control_ids)
         self._unencodable = unencodable  # bytes no token stands for: text holding one is refused (_encode)
         self.vocab_size = len(token_bytes)
         self.special_ids, self.bos_id, self.eos_id = special_ids, bos_id, eos_id
@@ -81,19 +84,20 @@ class Tokenizer:
         """One user message through the chat template."""
         return self.encode_messages([{"role": "user", "content": prompt}])
 
-    def decode_bytes(self, ids: Iterable[int]) -> bytes:
-        """The raw bytes of `ids` (specials as their text); for decoding UTF-8 incrementally. An id outside
-        the vocabulary is a ValueError."""
+    def decode_bytes(self, ids: Iterable[int], *, specials: bool = True) -> bytes:
+        """The raw bytes of `ids` (control tokens as their text, or left out with specials=False); for
+        decoding UTF-8 incrementally. An id outside the vocabulary is a ValueError."""
         parts = []
         for token in ids:
             i = operator.index(token)
             if not 0 <= i < self.vocab_size:
                 raise ValueError(f"token id {i} is not in the vocabulary (size {self.vocab_size})")
-            parts.append(self._bytes[i])
+            if specials or i not in self.control_ids:
+                parts.append(self._bytes[i])
         return b"".join(parts)
 
-    def decode(self, ids: Iterable[int]) -> str:
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+    def decode(self, ids: Iterable[int], *, specials: bool = True) -> str:
+        return self.decode_bytes(ids, specials=specials).decode("utf-8", errors="replace")
 
 
 def tokenizer_from_gguf_metadata(kv: Mapping, path) -> Tokenizer:
@@ -108,7 +112,8 @@ def tokenizer_from_gguf_metadata(kv: Mapping, path) -> Tokenizer:
     return Tokenizer(path, vocab.tokenizer, token_bytes(vocab.model, vocab.tokens, vocab.types),
                      special_ids=specials, bos_id=vocab.bos_id, eos_id=vocab.eos_id,
                      stop_ids={vocab.eot_id} - {None}, add_bos=vocab.add_bos, chat_template=template,
-                     unencodable=vocab.unencodable)
+                     unencodable=vocab.unencodable,
+                     control_ids={i for i, kind in enumerate(vocab.types) if kind == CONTROL})
 
 
 def tokenizer_from_json(path, *, chat_template: str | None = None) -> Tokenizer:
