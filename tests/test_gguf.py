@@ -367,12 +367,24 @@ def test_file_truncated_inside_the_header_is_refused(tmp_path):
     assert e.value.path == str(path)
 
 
-def test_truncated_tensor_is_refused_naming_file_and_tensor(tmp_path):
+def test_a_file_cut_short_in_its_tensors_is_refused_when_opened_naming_the_first_missing(tmp_path):
     path = tiny_file(tmp_path)
-    last = max(GGUFSource(path).header.tensors.values(), key=lambda t: t.offset)
+    by_offset = sorted(GGUFSource(path).header.tensors.values(), key=lambda t: t.offset)
+    cut = by_offset[-2]  # the file ends one byte into the second-to-last tensor: two are cut off
+    path.write_bytes(path.read_bytes()[:cut.offset + cut.nbytes - 1])
+    with pytest.raises(ModelFileError, match=f"truncated: tensor '{cut.name}' needs bytes up to "
+                                             f"{cut.offset + cut.nbytes} .*2 tensors cut off") as e:
+        GGUFSource(path)
+    assert e.value.path == str(path)
+
+
+def test_a_file_that_shrinks_after_it_was_opened_is_refused_naming_the_tensor(tmp_path):
+    path = tiny_file(tmp_path)
+    source = GGUFSource(path)
+    last = max(source.header.tensors.values(), key=lambda t: t.offset)
     path.write_bytes(path.read_bytes()[:last.offset + last.nbytes - 1])
     with pytest.raises(ModelFileError, match=f"tensor '{last.name}'.*truncated") as e:
-        GGUFSource(path).load(last.name)
+        source.load(last.name)
     assert e.value.path == str(path)
 
 
@@ -395,14 +407,13 @@ def test_loading_a_tensor_touches_only_its_own_bytes(tmp_path):
     tensors = parse_header(path.read_bytes(), path).tensors
     target = tensors["blk.0.ffn_up.weight"]
     end = target.offset + target.nbytes
-    # every data byte but the target's becomes NaN, and the file stops where the target does
-    data = bytearray(path.read_bytes()[:end])
+    # every data byte but the target's becomes NaN
+    data = bytearray(path.read_bytes())
     start = min(t.offset for t in tensors.values())
     data[start:target.offset] = b"\xff" * (target.offset - start)
+    data[end:] = b"\xff" * (len(data) - end)
     path.write_bytes(data)
     source = GGUFSource(path)
     np.testing.assert_array_equal(source.load("blk.0.ffn_up.weight"), weights["blk.0.ffn_up.weight"])
-    # the damage is real: earlier tensors are garbage, later ones are gone
-    assert np.isnan(source.load(EMBEDDING)).all()
-    with pytest.raises(ModelFileError, match="truncated"):
-        source.load(OUTPUT)
+    # the damage is real: the tensors before and after it are garbage
+    assert np.isnan(source.load(EMBEDDING)).all() and np.isnan(source.load(OUTPUT)).all()

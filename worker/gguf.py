@@ -294,6 +294,17 @@ _NARROW = {0: "f32", 1: "f16", 30: "bf16", 8: "q8_0"}  # ggml types kernels read
 _NUMPY = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
 
 
+def _check_extents(header: GGUFHeader, size: int, path: str) -> None:
+    """A file cut short (an interrupted copy or download) is refused when opened, naming the first tensor it
+    lacks, rather than when a stage reaches that tensor. A stage's range-fetched slice is a sparse file of
+    the full size (worker/rangefetch.py), so it passes."""
+    short = [t for t in header.tensors.values() if t.offset + t.nbytes > size]
+    if short:
+        first = min(short, key=lambda t: t.offset)
+        raise ModelFileError(path, f"truncated: tensor {first.name!r} needs bytes up to {first.offset + first.nbytes} "
+                                   f"but the file has {size} ({len(short)} tensors cut off)")
+
+
 class GGUFSource:
     """WeightSource over a local llama.cpp GGUF file; reads the header now and tensors on demand."""
 
@@ -301,9 +312,11 @@ class GGUFSource:
         self.path = str(path)
         try:
             with open(self.path, "rb") as f:
-                self.header = read_header(f, os.fstat(f.fileno()).st_size, self.path)
+                size = os.fstat(f.fileno()).st_size
+                self.header = read_header(f, size, self.path)
         except OSError as e:
             raise ModelFileError(self.path, f"cannot read GGUF file: {e.strerror}") from None
+        _check_extents(self.header, size, self.path)
         factors = None
         if "rope_freqs.weight" in self.header.tensors:
             factors = tuple(float(x) for x in self._decoded("rope_freqs.weight").ravel())
