@@ -1,7 +1,7 @@
 """Each Llama-architecture family the names in worker/fetch.py point at, shrunk to a few dimensions per head but
 keeping what the families differ in (head counts, tied or untied head, RoPE theta and scaling, vocabulary size
 and kind): the GGUF and the Hugging Face directory load to the same config, and greedy generation, whole and
-through a chain of stages, gives the tokens and logits of an independent numpy forward pass."""
+through a chain of stages, gives the tokens and logits of an independent numpy forward pass (tests/npforward.py)."""
 import json
 
 import attrs
@@ -10,6 +10,7 @@ import pytest
 
 from ggufmake import write_llama_gguf
 from hfmake import write_hf_dir
+from npforward import reference_greedy
 from vocabfiles import gguf_fields_of
 from worker.config import ModelConfig, RopeScaling, llama3_freq_factors
 from worker.weights import BLOCK_TENSORS, EMBEDDING, OUTPUT, OUTPUT_NORM
@@ -80,57 +81,6 @@ def padded_vocabulary(name: str, size: int) -> dict:
     if "scores" in f:
         f["scores"] = f["scores"] + [-1e9] * extra
     return f
-
-
-# --- the independent reference: Llama's forward pass in numpy, float64, HF layout ----------------------
-
-def rms_norm(x, weight, eps):
-    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * weight
-
-
-def rope(x, c: ModelConfig):
-    """x: (positions, heads, head_dim), Hugging Face's rotate-half layout."""
-    half = c.head_dim // 2
-    inv = 1.0 / c.rope_theta ** (np.arange(half) * 2 / c.head_dim)
-    if c.rope_freq_factors is not None:
-        inv = inv / np.asarray(c.rope_freq_factors)
-    angle = np.arange(len(x))[:, None] * inv[None, :]
-    cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
-    a, b = x[..., :half], x[..., half:]
-    return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
-
-
-def reference_logits(c: ModelConfig, w: dict, ids: list[int]) -> np.ndarray:
-    w = {k: v.astype(np.float64) for k, v in w.items()}
-    t, x = len(ids), w[EMBEDDING][ids]
-    mask = np.triu(np.full((t, t), -np.inf), 1)
-    for layer in range(c.n_layers):
-        p = f"blk.{layer}."
-        h = rms_norm(x, w[p + "attn_norm.weight"], c.norm_eps)
-        q = rope((h @ w[p + "attn_q.weight"].T).reshape(t, c.n_heads, c.head_dim), c)
-        k = rope((h @ w[p + "attn_k.weight"].T).reshape(t, c.n_kv_heads, c.head_dim), c)
-        v = (h @ w[p + "attn_v.weight"].T).reshape(t, c.n_kv_heads, c.head_dim)
-        group = c.n_heads // c.n_kv_heads
-        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-        scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(c.head_dim) + mask
-        probs = np.exp(scores - scores.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-        x = x + np.einsum("hts,shd->thd", probs, v).reshape(t, c.dim) @ w[p + "attn_output.weight"].T
-        h = rms_norm(x, w[p + "ffn_norm.weight"], c.norm_eps)
-        gate = h @ w[p + "ffn_gate.weight"].T
-        x = x + (gate / (1 + np.exp(-gate)) * (h @ w[p + "ffn_up.weight"].T)) @ w[p + "ffn_down.weight"].T
-    head = w[EMBEDDING] if c.tie_embeddings else w[OUTPUT]
-    return rms_norm(x[-1], w[OUTPUT_NORM], c.norm_eps) @ head.T
-
-
-def reference_greedy(c: ModelConfig, w: dict, prompt: list[int], n: int) -> tuple[list[int], list[np.ndarray]]:
-    ids, tokens, logits = list(prompt), [], []
-    for _ in range(n):
-        step = reference_logits(c, w, ids)
-        tokens.append(int(step.argmax()))
-        logits.append(step)
-        ids.append(tokens[-1])
-    return tokens, logits
 
 
 # --- the tests --------------------------------------------------------------------------------------
