@@ -29,14 +29,15 @@ PROMPTS = [f"Story number {i}:" for i in range(CLIENTS)]
 
 
 class Cluster:
-    """One `ppsmoke.py --seed --serve` run; its stderr goes to a file the test reads as it grows."""
+    """One `ppsmoke.py --seed --serve` run, on tiny unless `model` names another; its stderr goes to a file the
+    test reads as it grows."""
 
-    def __init__(self, tmp, env_extra=None, *, n=N):
-        self.mark, self.err_path = uuid.uuid4().hex, tmp / "ppsmoke.err"
+    def __init__(self, tmp, env_extra=None, *, n=N, model="tiny"):
+        self.mark, self.err_path, self.model = uuid.uuid4().hex, tmp / "ppsmoke.err", model
         env = {**os.environ, MARK: self.mark, "DEV": "CPU", **(env_extra or {})}
         self.err_file = open(self.err_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "ppsmoke.py"), "--seed", "-n", str(n), "--model", "tiny", "--serve",
+            [sys.executable, str(ROOT / "ppsmoke.py"), "--seed", "-n", str(n), "--model", model, "--serve",
              "--token", TOKEN, "--max-seqs", str(CLIENTS)], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=self.err_file, text=True)
         self.seen: list[tuple[float, str]] = []  # (when the test read it, line) of ppsmoke's stderr
         self._lock = threading.Lock()  # the fault's thread reads lines too
@@ -114,9 +115,9 @@ class Cluster:
         assert_all_gone(self.mark, timeout_s=20)
 
 
-def stream(base_url: str, prompt: str, chunks: list) -> None:
+def stream(base_url: str, prompt: str, chunks: list, model: str = "tiny") -> None:
     """One streaming completion; appends (arrival time, text or the error) to `chunks` as they come."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
     with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=180,
                       headers={"Authorization": f"Bearer {TOKEN}"}) as r:
         assert r.status_code == 200, r.read()
@@ -133,7 +134,7 @@ def run_clients(cluster: Cluster, fault=None, *, after_chunks: int = 3) -> tuple
     chunks = [[] for _ in PROMPTS]
     struck = None
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS) + 1) as pool:
-        futures = [pool.submit(stream, cluster.base_url, p, c) for p, c in zip(PROMPTS, chunks)]
+        futures = [pool.submit(stream, cluster.base_url, p, c, cluster.model) for p, c in zip(PROMPTS, chunks)]
         if fault is not None:
             while min(len(c) for c in chunks) < after_chunks and not all(f.done() for f in futures):
                 time.sleep(0.01)

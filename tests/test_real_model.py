@@ -259,3 +259,17 @@ async def test_the_api_answers_the_reference_text_without_control_tokens_and_sto
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     nursery.cancel_scope.cancel()
 
+
+# --- a real-process cluster under a fault -------------------------------------------------------------
+
+@SLOW
+def test_sigkill_of_a_middle_stage_while_eight_clients_stream_costs_a_pause_not_an_answer(tmp_path):
+    import test_chaos as chaos  # here, not at the top: test_chaos imports test_smoke_seed, which imports this
+    cluster = chaos.Cluster(tmp_path, model=MODEL)
+    try:
+        chunks, _ = chaos.run_clients(cluster)
+        cluster.undisturbed = [chaos.text_of(c) for c in chunks]
+        assert all(cluster.undisturbed) and not any('"error"' in t for t in cluster.undisturbed)
+        chaos.kill_and_replace(cluster, 2, f"SIGKILL stage 2 (middle) of {chaos.N}, {MODEL}")
+    finally:
+        cluster.stop()
