@@ -9,8 +9,13 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from npforward import teacher_forced
+from test_real_model import MAX_TOKENS, MODEL, TRANSFORMERS, assert_greedy_by
+from worker.fetch import installed_model
+from worker.gguf import GGUFSource
 from worker.models import tinygrad_model
 from worker.reference import generate_full
 from worker.tiny import TinySource
@@ -71,6 +76,24 @@ def test_ppsmoke_seed_prints_the_single_process_tokens_and_leaves_nothing_behind
     assert result["token_ids"] == generate_full(model, result["prompt_token_ids"], 8).token_ids
     assert result["text"] and result["num_stages"] == n
     assert set(result["timings"]) >= {"converge_s", "first_token_s", "tokens_per_s", "stage_compute_ms_per_token"}
+    assert_all_gone(mark)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_ppsmoke_seed_on_smollm2_answers_as_the_float32_reference_and_transformers(n):
+    mark = uuid.uuid4().hex
+    proc = start(["-n", str(n), "--model", MODEL, "--ctx", "256", "--max-seqs", "1", "--max-tokens",
+                  str(MAX_TOKENS), "--json"], mark)
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]
+    result, want = json.loads(out), TRANSFORMERS["Say hello"]
+    assert result["num_stages"] == n and result["prompt_token_ids"] == want["prompt_ids"]
+    source = GGUFSource(installed_model(MODEL))
+    weights = {name: source.load(name) for name in source.names()}
+    rows = teacher_forced(source.config, weights, result["prompt_token_ids"], result["token_ids"], np.float32)
+    assert_greedy_by(rows, result["token_ids"], source.tokenizer().stop_ids)
+    assert result["token_ids"] == want["token_ids"] and result["text"] == want["text"]
     assert_all_gone(mark)
 
 
