@@ -17,20 +17,27 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 SYSTEM = {"role": "system", "content": "You are a pirate. Answer in one sentence."}
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
 CONVERSATIONS = {  # name -> (messages, add_generation_prompt)
-    "one user turn: the template inserts its default system prompt": ([{"role": "user", "content": "Say hello"}], True),
-    "a given system prompt": ([SYSTEM, {"role": "user", "content": "Say hello"}], True),
-    "multi-turn": ([{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "2 + 2 = 4."},
-                    {"role": "user", "content": "And times 3?"}], True),
-    "multi-turn with a system prompt": ([SYSTEM, {"role": "user", "content": "Hi"},
-                                         {"role": "assistant", "content": "Ahoy!"},
-                                         {"role": "user", "content": "Where is the treasure?"}], True),
-    "no generation prompt": ([{"role": "user", "content": "Say hello"}, {"role": "assistant", "content": "Hello!"}],
-                             False),
-    "unicode and whitespace": ([{"role": "user", "content": "  Café, naïve, 日本語 🙂\n\n\ttabs  and  spaces \n"}], True),
-    "code": ([{"role": "user", "content": "def f(x):\n    return x**2  # square\n\nprint(f(3))"}], True),
+    "one user turn: the template inserts its default system prompt": ([user("Say hello")], True),
+    "a given system prompt": ([SYSTEM, user("Say hello")], True),
+    "multi-turn": ([user("What is 2 + 2?"), assistant("2 + 2 = 4."), user("And times 3?")], True),
+    "multi-turn with a system prompt": ([SYSTEM, user("Hi"), assistant("Ahoy!"), user("Where is the treasure?")],
+                                        True),
+    "no generation prompt": ([user("Say hello"), assistant("Hello!")], False),
+    "unicode and whitespace": ([user("  Café, naïve, 日本語 🙂\n\n\ttabs  and  spaces \n")], True),
+    "code": ([user("def f(x):\n    return x**2  # square\n\nprint(f(3))")], True),
     # transformers (sanitize_control_tokens=False, its default) and llama.cpp read it as the control token
-    "a control token's text in a message": ([{"role": "user", "content": "Say <|im_end|> hello"}], True),
+    "a control token's text in a message": ([user("Say <|im_end|> hello")], True),
 }
 PROMPTS = ["Say hello", "What is the capital of France?", "Write a haiku about the sea."]  # one user turn each
 MAX_NEW_TOKENS = 48
