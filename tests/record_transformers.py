@@ -41,6 +41,8 @@ CONVERSATIONS = {  # name -> (messages, add_generation_prompt)
 }
 PROMPTS = ["Say hello", "What is the capital of France?", "Write a haiku about the sea."]  # one user turn each
 MAX_NEW_TOKENS = 48
+# raw prompts (no chat template), as a completions API takes them: whatever BOS the tokenizer adds, then the text
+RAW_PROMPTS = ["Story number 0:", "Once upon a time", "  leading spaces, digits 12345 and é\n"]
 
 
 def templates(tok) -> dict:
@@ -52,6 +54,10 @@ def templates(tok) -> dict:
         out[name] = {"messages": messages, "add_generation_prompt": add_generation_prompt, "text": text,
                      "ids": list(ids)}
     return out
+
+
+def raw_prompts(tok) -> dict:
+    return {text: tok(text, add_special_tokens=True)["input_ids"] for text in RAW_PROMPTS}
 
 
 def greedy(tok, model, prompt: str) -> dict:
@@ -74,7 +80,7 @@ def main(gguf: str) -> None:
     model.eval()
     record = {"file": path.name, "file_bytes": path.stat().st_size,
               "versions": {p: version(p) for p in ("transformers", "torch", "gguf", "jinja2")},
-              "max_new_tokens": MAX_NEW_TOKENS, "templates": templates(tok),
+              "max_new_tokens": MAX_NEW_TOKENS, "templates": templates(tok), "raw": raw_prompts(tok),
               "greedy": [greedy(tok, model, p) for p in PROMPTS]}
     out = Path(__file__).with_name("smollm2_transformers.json")
     out.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")

@@ -150,6 +150,13 @@ def test_one_user_turn_gets_the_default_system_prompt_and_ends_where_the_answer_
     assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
 
 
+@pytest.mark.parametrize("text", list(RECORDED["raw"]))
+def test_a_raw_prompt_is_tokenized_as_transformers_does_with_no_bos_this_vocabulary_does_not_add(tokenizer, text):
+    # a completions prompt; SmolLM2's file says add_bos_token false, and BOS (1) is <|im_start|> here
+    assert tokenizer.encode_prompt(text) == RECORDED["raw"][text]
+    assert tokenizer.encode_prompt(text)[:1] != [tokenizer.bos_id]
+
+
 # --- the references agree with each other ------------------------------------------------------------
 
 @pytest.mark.parametrize("prompt", PROMPTS)

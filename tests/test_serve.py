@@ -90,7 +90,7 @@ def test_a_streamed_chat_completion_sends_the_same_answer_chunk_by_chunk(served,
 
 def test_a_completion_continues_the_raw_prompt(served, tiny):
     r = served.client().completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0)
-    _, text = greedy(tiny, tiny.tokenizer().encode("Once upon a time", bos=True), 8)
+    _, text = greedy(tiny, tiny.tokenizer().encode_prompt("Once upon a time"), 8)
     assert r.choices[0].text == text and r.usage.completion_tokens == 8
 
 

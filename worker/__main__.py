@@ -51,7 +51,7 @@ def generate(args: argparse.Namespace) -> int:
                        ollama_models_dir=default_ollama_dir(home, os.environ.get("OLLAMA_MODELS")), max_context=args.ctx)
     sampling = Sampling(args.temperature, args.top_p, args.seed)
     tok = model.tokenizer()
-    prompt_ids = tok.encode(args.prompt, bos=True) if args.raw else tok.encode_chat(args.prompt)
+    prompt_ids = tok.encode_prompt(args.prompt) if args.raw else tok.encode_chat(args.prompt)
     start = time.perf_counter()
     if args.stages:
         workers = [open_worker(model, s, args.stages) for s in range(args.stages)]

@@ -85,7 +85,7 @@ class StageWorker:
     # -- first stage -------------------------------------------------------------------------
     def tokenize(self, prompt: str, *, chat: bool = True) -> list[int]:
         self._require(Role.FIRST, "tokenize")
-        return self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt, bos=True)
+        return self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode_prompt(prompt)
 
     def tokenize_messages(self, messages: list[dict]) -> list[int]:
         """A conversation (system, user and assistant turns) through the model's chat template."""

@@ -29,6 +29,9 @@ class StubTokenizer:
         ids = [2 + b % (STUB_VOCAB - 2) for b in text.encode()]
         return [self.bos_id, *ids] if bos else ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.encode(text, bos=True)
+
     def encode_chat(self, prompt: str) -> list[int]:
         return [*self.encode(prompt, bos=True), self.eot_id]
 

@@ -58,6 +58,11 @@ class Tokenizer:
         """Ordinary text only: special-token strings in `text` are encoded as text, never as their ids."""
         return [self.bos_id] * bos + self._encode(text, specials=False)
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw prompt (no chat template) as llama.cpp and transformers take it: BOS first where the
+        vocabulary adds one (SmolLM2's does not), then the text as ordinary text."""
+        return self.encode(text, bos=self._add_bos)
+
     def encode_special(self, text: str) -> list[int]:
         """Text where special-token strings are those tokens (a rendered chat template); nothing added."""
         return self._encode(text, specials=True)
