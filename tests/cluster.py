@@ -20,6 +20,10 @@ from worker.stub import StubSlice
 TOKEN = "test-cluster-token"
 # fast enough for tests, slow enough that a busy 2-core machine doesn't look dead
 FAST_SWIM = SwimConfig(protocol_period_s=0.3, probe_timeout_s=0.15, suspicion_mult=4, sync_interval_s=2.0)
+# for in-process clusters of tinygrad models: the nodes share one event loop with a compute thread that holds
+# the GIL through long stretches of graph capture, and 5 such nodes on 2 cores missed 150 ms probes for long
+# enough to be declared dead (test_serving at N = 5, most runs on a loaded machine)
+PATIENT_SWIM = SwimConfig(protocol_period_s=0.5, probe_timeout_s=0.4, suspicion_mult=10, sync_interval_s=2.0)
 
 
 def stage_config(stage: int, n: int, *, model: str, seed: str, peer: str | None, tmp: Path, **kw) -> NodeConfig:
@@ -28,21 +32,22 @@ def stage_config(stage: int, n: int, *, model: str, seed: str, peer: str | None,
                       model=model, port=0, bind_host="127.0.0.1", **kw)
 
 
-async def _node_until_listening(config: NodeConfig, compute, *, task_status=trio.TASK_STATUS_IGNORED):
-    await run_node(config, swim_config=FAST_SWIM, on_listening=task_status.started, compute=compute)
+async def _node_until_listening(config: NodeConfig, compute, swim_config: SwimConfig = FAST_SWIM, *,
+                                task_status=trio.TASK_STATUS_IGNORED):
+    await run_node(config, swim_config=swim_config, on_listening=task_status.started, compute=compute)
 
 
 async def start_cluster(nursery: trio.Nursery, n: int, tmp: Path, *, model: str = "stub",
-                        **kw) -> tuple[Orchestrator, list[str], list[trio.CancelScope]]:
+                        swim_config: SwimConfig = FAST_SWIM, **kw) -> tuple[Orchestrator, list[str], list[trio.CancelScope]]:
     """Start everything in `nursery`; returns once pp-entry resolves. Each node has its own cancel
     scope, so a test can stop one."""
-    orch = await nursery.start(functools.partial(run_orchestrator, TOKEN, swim_config=FAST_SWIM))
+    orch = await nursery.start(functools.partial(run_orchestrator, TOKEN, swim_config=swim_config))
     compute = await nursery.start(_shared_compute)  # tinygrad is not thread-safe: one thread for all
     urls, scopes, prev = [], [], None
     for stage in range(n):
         scope = trio.CancelScope()
         config = stage_config(stage, n, model=model, seed=orch.url, peer=prev, tmp=tmp, **kw)
-        prev = await nursery.start(_scoped, scope, config, compute)
+        prev = await nursery.start(_scoped, scope, config, compute, swim_config)
         urls.append(prev)
         scopes.append(scope)
     with trio.fail_after(120):
@@ -50,9 +55,10 @@ async def start_cluster(nursery: trio.Nursery, n: int, tmp: Path, *, model: str 
     return orch, urls, scopes
 
 
-async def _scoped(scope: trio.CancelScope, config: NodeConfig, compute, *, task_status=trio.TASK_STATUS_IGNORED):
+async def _scoped(scope: trio.CancelScope, config: NodeConfig, compute, swim_config: SwimConfig = FAST_SWIM, *,
+                  task_status=trio.TASK_STATUS_IGNORED):
     with scope:
-        await _node_until_listening(config, compute, task_status=task_status)
+        await _node_until_listening(config, compute, swim_config, task_status=task_status)
 
 
 async def _shared_compute(*, task_status=trio.TASK_STATUS_IGNORED):

@@ -8,7 +8,7 @@ import httpx
 import pytest
 import trio
 
-from cluster import TOKEN, slow_stub, start_cluster, stub_tokens
+from cluster import PATIENT_SWIM, TOKEN, slow_stub, start_cluster, stub_tokens
 from node import wire
 from worker.errors import WorkerError
 from worker.models import tinygrad_model
@@ -71,9 +71,9 @@ async def until_idle(urls):
             await trio.sleep(0.05)
 
 
-@pytest.mark.parametrize("n", [2, 3, 5])
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow), 5])  # 3: slow tier (suite time)
 async def test_eight_requests_at_once_each_get_exactly_their_tokens_alone(nursery, tmp_path, tiny, alone, n):
-    orch, urls, _ = await start_cluster(nursery, n, tmp_path, model="tiny", max_seqs=8)
+    orch, urls, _ = await start_cluster(nursery, n, tmp_path, model="tiny", max_seqs=8, swim_config=PATIENT_SWIM)
     with trio.fail_after(240):
         responses = await submit_all(orch, PROMPTS, max_tokens=16)
     for prompt, r in zip(PROMPTS, responses):
