@@ -64,7 +64,8 @@ def assert_all_gone(mark, timeout_s=10):
     assert processes_marked(mark) == []
 
 
-@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow), 5])  # 3: slow tier (suite time)
+# 2 and 3: slow tier (suite time); N = 2 runs in the default suite through test_serve and the vocabularies'
+@pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow), 5])
 def test_ppsmoke_seed_prints_the_single_process_tokens_and_leaves_nothing_behind(n):
     mark = uuid.uuid4().hex
     proc = start(["-n", str(n), "--max-tokens", "8", "--json"], mark)
