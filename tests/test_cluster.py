@@ -32,6 +32,7 @@ async def test_stub_cluster_answers_with_the_single_process_tokens(nursery, tmp_
     nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow  # suite time: test_serving's tiny clusters check the same over HTTP/2 at N = 2 and 5
 async def test_tiny_model_cluster_of_3_equals_generate_full(nursery, tmp_path):
     orch, _, _ = await start_cluster(nursery, 3, tmp_path, model="tiny")
     with trio.fail_after(120):

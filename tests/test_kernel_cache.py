@@ -28,6 +28,7 @@ def run(cache_db: Path, script: str = SCRIPT) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # suite time; every default-suite run after the first takes its kernels from this cache
 def test_a_second_process_takes_the_lowered_kernels_from_disk_and_computes_the_same(tmp_path):
     first, second = run(tmp_path / "cache.db"), run(tmp_path / "cache.db")
     assert first["disk_hits"] == 0 and second["disk_hits"] > 0

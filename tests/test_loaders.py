@@ -61,6 +61,7 @@ def test_both_files_carry_the_same_config_and_tokenizer(files):
     assert hf.tokenizer().encode_chat(text) == gg.tokenizer().encode_chat(text) == byte_tokenizer().encode_chat(text)
 
 
+@pytest.mark.slow  # suite time: the real Q4_1/Q8_0 file runs through 3 stages in the default suite (test_real_model)
 def test_a_quantised_gguf_stage_chain_runs_end_to_end(tmp_path):
     source = TinySource()
     weights = {name: source.load(name) for name in source.names()}
