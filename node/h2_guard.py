@@ -1,6 +1,21 @@
-"""Two adjustments to hypercorn 0.18's HTTP/2: survive data for a stream it already closed, and
-advertise a large receive window so a prefill activation (128 KiB for 16 tokens at dim 2048) is not
-held back by HTTP/2's 64 KiB default window, which costs a WINDOW_UPDATE round trip mid-body.
+"""Adjustments to hypercorn 0.18's HTTP/2: survive data for a stream it already closed; advertise a large
+receive window so a prefill activation (128 KiB for 16 tokens at dim 2048) is not held back by HTTP/2's
+64 KiB default window, which costs a WINDOW_UPDATE round trip mid-body; and stop a client that resets the
+streams it opens (HTTP/2 rapid reset) before it ends the server.
+
+Rapid reset (CVE-2023-44487):
+
+A client opens a stream and resets it at once, over and over. h2 counts a reset stream as closed, so
+SETTINGS_MAX_CONCURRENT_STREAMS does not bound them, but hypercorn keeps each in its send-priority tree
+until its response is out; a client that never grants flow-control credit keeps them there, and the
+1001st stream raised `priority.TooManyStreamsError` out of hypercorn's connection handler, which under
+trio ended the whole server (a node exited ~10 s after 100k open+reset pairs, no token needed). Upstream
+hypercorn has no reset budget (pgjones/hypercorn#146 answered rapid reset with keep_alive_max_requests,
+which pp must raise for its long-lived links). Here, as Go's net/http and nginx do: once a connection has
+reset more than half of the streams it opened, past a floor, it gets GOAWAY ENHANCE_YOUR_CALM and is
+closed (`too_many_resets`); and a full priority tree closes that connection the same way rather than the
+server. pp's own peers reset a stream only when a request of theirs is cancelled (a gossip ping that
+timed out), far below that share.
 
 Closed streams:
 
@@ -12,10 +27,43 @@ lands, a closed stream's leftovers go to a sink; hypercorn still acknowledges th
 """
 from __future__ import annotations
 
+import logging
+
+import attrs
+import h2.errors
+import h2.events
 import h2.settings
+import priority
+from hypercorn.events import Closed
 from hypercorn.protocol import h2 as hypercorn_h2
 
 RECEIVE_WINDOW = 1 << 24  # per stream and per connection; bodies are bounded by PP_MAX_BODY anyway
+RESET_FLOOR = 100  # resets a connection may make before its share of resets is judged
+
+log = logging.getLogger("pp.hypercorn")
+
+
+def too_many_resets(opened: int, reset: int) -> bool:
+    """Whether a connection that opened `opened` streams, of which the client reset `reset`, is abusing
+    resets: past the floor, more than half of what it opened."""
+    return reset > RESET_FLOOR and 2 * reset > opened
+
+
+@attrs.define
+class _Tally:
+    opened: int = 0
+    reset: int = 0
+
+    def count(self, events) -> None:
+        for event in events:
+            if isinstance(event, h2.events.RequestReceived):
+                self.opened += 1
+            elif isinstance(event, h2.events.StreamReset) and event.remote_reset:
+                self.reset += 1
+
+
+class _Calm(Exception):
+    """Raised inside the protocol to leave a batch of events whose connection is being closed."""
 
 
 class _ClosedStream:
@@ -36,10 +84,12 @@ def install() -> None:
     if getattr(protocol, "_pp_adjusted", False):
         return
     original_init, original_initiate = protocol.__init__, protocol.initiate
+    original_events, original_create = protocol._handle_events, protocol._create_stream
 
     def __init__(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
         self.streams = _Streams(self.streams)
+        self._pp_tally = _Tally()
         settings = dict(self.connection.local_settings.items())  # what hypercorn chose, plus h2's defaults
         settings[h2.settings.SettingCodes.INITIAL_WINDOW_SIZE] = RECEIVE_WINDOW
         self.connection.local_settings = h2.settings.Settings(client=False, initial_values=settings)
@@ -50,5 +100,30 @@ def install() -> None:
         self.connection.increment_flow_control_window(RECEIVE_WINDOW - 65535)
         await self._flush()
 
+    async def _handle_events(self, events):
+        self._pp_tally.count(events)
+        try:
+            if too_many_resets(self._pp_tally.opened, self._pp_tally.reset):
+                raise _Calm(f"{self._pp_tally.reset} of {self._pp_tally.opened} streams reset by the client")
+            await original_events(self, events)
+        except _Calm as why:
+            await _close_calmly(self, str(why))
+
+    async def _create_stream(self, request):
+        try:
+            await original_create(self, request)
+        except priority.TooManyStreamsError:
+            raise _Calm("more streams waiting to send than hypercorn's priority tree holds") from None
+
     protocol.__init__, protocol.initiate = __init__, initiate
+    protocol._handle_events, protocol._create_stream = _handle_events, _create_stream
     protocol._pp_adjusted = True
+
+
+async def _close_calmly(protocol, why: str) -> None:
+    """GOAWAY ENHANCE_YOUR_CALM, then the connection closes; the server and its other connections go on."""
+    log.warning("closing an HTTP/2 connection from %s: %s", protocol.client, why)
+    if not protocol.closed:
+        protocol.connection.close_connection(error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
+        await protocol._flush()
+        await protocol.send(Closed())
