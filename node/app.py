@@ -22,6 +22,7 @@ from quart_trio import QuartTrio
 from roles.actions import Refused
 
 from . import frames, gossip, h1_guard, h2_guard, wire
+from . import conn_guard
 from .log import error_event
 from .metrics import CONTENT_TYPE as node_metrics_content_type
 from .openai_api import API_PATHS, api_refusal
@@ -270,6 +271,7 @@ async def serve_app(app: QuartTrio, host: str, port: int, *, task_status=trio.TA
     # hypercorn closes an HTTP/2 connection after 1000 requests by default; a pipeline makes far more
     config.keep_alive_max_requests = 2 ** 31
     config.graceful_timeout = 1.0
+    conn_guard.install(config)  # connections per peer address and in all
 
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(functools.partial(serve, app, config))

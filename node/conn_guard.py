@@ -1,0 +1,94 @@
+"""Connection limits at a node's socket edge: at most so many TCP connections from one peer address, and
+in all. hypercorn 0.18 has no such limit, so a client could open connections until the process ran out of
+file descriptors (or memory for their protocol state), each costing a task and buffers before a byte is
+authenticated. A connection past a limit is closed at once, before hypercorn reads from it: no protocol
+state, no app task. A kept connection costs nothing here but a count.
+
+The limits are loose for pp's own traffic: a stage holds a few connections to each peer (gossip, links,
+the runner's polls), and a client of the OpenAI API one per stream; tests run every node and client on
+127.0.0.1, one peer address for all of them.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+
+import attrs
+import trio
+from hypercorn.trio import run as hypercorn_run
+from hypercorn.trio.tcp_server import TCPServer
+
+PER_PEER = 256
+TOTAL = 1024
+
+log = logging.getLogger("pp.hypercorn")
+
+
+@attrs.frozen
+class ConnectionLimits:
+    per_peer: int = PER_PEER
+    total: int = TOTAL
+
+
+def refusal(limits: ConnectionLimits, open_from_peer: int, open_in_all: int) -> str | None:
+    """Why a new connection is refused, given what is open already (None: it is taken)."""
+    if open_in_all >= limits.total:
+        return f"{open_in_all} connections open, the most this node takes"
+    if open_from_peer >= limits.per_peer:
+        return f"{open_from_peer} connections open from this address, the most it may hold"
+    return None
+
+
+class Admission:
+    """The connections one server holds, by peer address."""
+
+    def __init__(self, limits: ConnectionLimits = ConnectionLimits()):
+        self.limits = limits
+        self.by_peer: collections.Counter[str] = collections.Counter()
+        self.refused = 0
+
+    def take(self, peer: str) -> str | None:
+        why = refusal(self.limits, self.by_peer[peer], sum(self.by_peer.values()))
+        if why is None:
+            self.by_peer[peer] += 1
+        else:
+            self.refused += 1
+        return why
+
+    def release(self, peer: str) -> None:
+        self.by_peer[peer] -= 1
+        if not self.by_peer[peer]:
+            del self.by_peer[peer]
+
+
+class _GuardedTCPServer(TCPServer):
+    async def run(self) -> None:
+        admission: Admission | None = getattr(self.config, "pp_admission", None)
+        if admission is None:
+            return await super().run()
+        peer = _peer(self.stream)
+        why = admission.take(peer)
+        if why is not None:
+            if admission.refused in (1, 10, 100) or admission.refused % 1000 == 0:  # a flood logs a few lines
+                log.warning("refusing a connection from %s: %s (%d refused so far)", peer, why, admission.refused)
+            with trio.CancelScope(shield=True):
+                await self.stream.aclose()
+            return
+        try:
+            await super().run()
+        finally:
+            admission.release(peer)
+
+
+def _peer(stream) -> str:
+    try:
+        return str(stream.socket.getpeername()[0])
+    except (AttributeError, OSError):  # a TLS stream, or a peer already gone
+        return "?"
+
+
+def install(config, limits: ConnectionLimits = ConnectionLimits()) -> Admission:
+    """Limit the connections of servers started with this hypercorn `config`."""
+    hypercorn_run.TCPServer = _GuardedTCPServer  # worker_serve builds its per-connection servers from this name
+    config.pp_admission = Admission(limits)
+    return config.pp_admission

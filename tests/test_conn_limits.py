@@ -1,0 +1,73 @@
+"""Connection limits at a node's socket edge (issue 23): past so many connections from one address, or in
+all, a new connection is closed at once; the node serves again as soon as they go."""
+import httpx
+import pytest
+import trio
+
+from cluster import start_cluster
+from node import conn_guard
+from node.conn_guard import ConnectionLimits, refusal
+
+LIMITS = ConnectionLimits(per_peer=3, total=5)
+
+
+@pytest.mark.parametrize("from_peer, in_all, refused", [
+    (0, 0, None), (2, 4, None), (3, 3, "from this address"), (0, 5, "the most this node takes"),
+    (3, 5, "the most this node takes"),  # the total is said first
+])
+def test_a_connection_is_refused_past_the_per_address_or_the_total_limit(from_peer, in_all, refused):
+    why = refusal(LIMITS, from_peer, in_all)
+    assert why is None if refused is None else refused in why
+
+
+def test_admission_counts_by_address_and_gives_back_what_closes():
+    admission = conn_guard.Admission(LIMITS)
+    assert [admission.take("a") for _ in range(3)] == [None] * 3
+    assert "from this address" in admission.take("a")
+    assert admission.take("b") is None and admission.take("b") is None
+    assert "the most this node takes" in admission.take("c")
+    admission.release("a")
+    assert admission.take("c") is None and admission.refused == 2
+    assert dict(admission.by_peer) == {"a": 2, "b": 2, "c": 1}
+
+
+async def open_idle(url: str, n: int) -> tuple[list[trio.SocketStream], int]:
+    """Open `n` connections that send nothing; the ones the node kept, and how many it closed at once."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    streams = [await trio.open_tcp_stream(host, int(port)) for _ in range(n)]
+    closed = []
+
+    async def watch(stream):
+        with trio.move_on_after(1):
+            if await stream.receive_some() == b"":
+                closed.append(stream)
+    async with trio.open_nursery() as watchers:
+        for stream in streams:
+            watchers.start_soon(watch, stream)
+    for stream in closed:
+        await stream.aclose()
+    return [s for s in streams if s not in closed], len(closed)
+
+
+async def test_a_flood_of_idle_connections_is_cut_at_the_limit_and_the_node_serves_once_they_go(
+        nursery, tmp_path, monkeypatch):
+    limits = ConnectionLimits(per_peer=40, total=50)  # room for the cluster's own connections on 127.0.0.1
+    monkeypatch.setattr(conn_guard.install, "__defaults__", (limits,))  # what serve_app installs
+    _, urls, _ = await start_cluster(nursery, 2, tmp_path)
+    kept, closed = await open_idle(urls[1], 60)
+    assert closed >= 20 and len(kept) <= 40  # the cluster's own connections count too
+    for stream in kept:
+        await stream.aclose()
+    with trio.fail_after(10):  # hypercorn lets a connection that closed unused go after its 5 s keep-alive
+        while not await health_ok(urls[1]):
+            await trio.sleep(0.25)
+    assert await health_ok(urls[0])
+    nursery.cancel_scope.cancel()
+
+
+async def health_ok(url: str) -> bool:
+    async with httpx.AsyncClient(http1=False, http2=True, timeout=5) as client:
+        try:
+            return (await client.get(url + "/health")).status_code == 200
+        except httpx.TransportError:  # refused at the limit: closed before a byte was read
+            return False
