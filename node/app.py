@@ -2,13 +2,13 @@
 caller's nursery, HTTP/2 cleartext with prior knowledge, HTTP/1.1 still accepted.
 
 Handlers validate, hand the message to the dispatcher and answer at once: a hop never waits for
-downstream compute. Every endpoint but /health needs `Authorization: Bearer <cluster token>`.
+downstream compute. Who may call what is node/auth.py's: the client surface (the OpenAI API, /v1/pipeline,
+/metrics) takes a client API key, everything else the cluster token; /health and the chat page are open.
 """
 from __future__ import annotations
 
 import collections
 import functools
-import hmac
 import logging
 import socket
 from typing import Protocol
@@ -21,7 +21,7 @@ from quart_trio import QuartTrio
 
 from roles.actions import Refused
 
-from . import frames, gossip, h1_guard, h2_guard, wire
+from . import auth, frames, gossip, h1_guard, h2_guard, wire
 from . import conn_guard
 from .log import error_event
 from .metrics import CONTENT_TYPE as node_metrics_content_type
@@ -46,9 +46,11 @@ class Dispatcher(Protocol):
     def health(self) -> dict: ...
 
 
-def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_streams: bool = False) -> QuartTrio:
-    """`link_streams`: serve /v1/link and /v1/hops (a stage; the dispatcher then has `take_frame`, `links_in`
-    and `hops`)."""
+def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_streams: bool = False,
+             api_keys: tuple[str, ...] = (), token_is_api_key: bool = False) -> QuartTrio:
+    """`token` opens the cluster's endpoints, `api_keys` the client surface (and `token` too if
+    `token_is_api_key`): node/auth.py. `link_streams`: serve /v1/link and /v1/hops (a stage; the dispatcher
+    then has `take_frame`, `links_in` and `hops`)."""
     h1_guard.install()
     h2_guard.install()
     app = QuartTrio("pp")
@@ -56,20 +58,22 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_st
     app.config["BODY_TIMEOUT"] = 120
     app.http_versions = collections.Counter()  # requests served per HTTP version, for tests and /health
     app.body_bytes = collections.Counter()  # request body bytes received per path: bytes on the wire
-    expected = f"Bearer {token}".encode()
+    keys = auth.Keys.of(token, api_keys, token_is_api_key=token_is_api_key)
 
     @app.before_request
     async def authorize():
         app.http_versions[request.http_version] += 1
-        if request.path in ("/health", "/"):  # the chat page holds no secret; every call it makes carries the key
+        if request.path in auth.OPEN_PATHS:  # the chat page holds no secret; every call it makes carries a key
             return None
-        given = request.headers.get("Authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            message = "missing or wrong cluster token (Authorization: Bearer ...)"
-            if request.path in API_PATHS:
-                return api_refusal(401, message).body(), 401
-            return _error(401, message)
-        return None
+        credential = keys.credential(request.headers.get("Authorization", ""))
+        refused = auth.refusal(request.path, credential, token_is_api_key=keys.token_is_api_key)
+        if refused is None:
+            return None
+        if refused.status == 403:  # a credential of the wrong kind: worth a line, unlike a stray 401
+            log.info("refused %s %s to a %s: %s", request.method, request.path, credential.value, refused.message)
+        if request.path in API_PATHS:
+            return api_refusal(refused.status, refused.message).body(), refused.status
+        return _error(refused.status, refused.message)
 
     @app.after_request
     async def close_after_early_refusal(response):

@@ -1,5 +1,6 @@
-"""pp-entry's chat page (`GET /`, no token: it holds no secret) and the live view of the pipeline it reads
-(`GET /v1/pipeline`, with the token like every call the page makes). The page is one self-contained file,
+"""pp-entry's chat page (`GET /`, no key: it holds no secret) and the live view of the pipeline it reads
+(`GET /v1/pipeline`, with a client API key like every call the page makes; the view asks the other stages for
+their hop figures with the cluster token, which stays here). The page is one self-contained file,
 node/static/chat.html: no build step, nothing fetched from elsewhere (the machines may have no internet)."""
 from __future__ import annotations
 

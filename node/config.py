@@ -33,6 +33,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 LOOPBACK = "127.0.0.1"
 TOKEN_ENV = "PP_CLUSTER_TOKEN"
+API_KEY_ENV, API_KEY_FILE_ENV, TOKEN_IS_API_KEY_ENV = "PP_API_KEY", "PP_API_KEY_FILE", "PP_TOKEN_IS_API_KEY"
 
 
 class ConfigError(ValueError):
@@ -41,11 +42,12 @@ class ConfigError(ValueError):
 
 @attrs.frozen(kw_only=True)
 class NodeConfig:
-    """Everything one node needs to know about itself. Its repr (and str) never shows the cluster token."""
+    """Everything one node needs to know about itself. Its repr (and str) never shows the cluster token or a
+    client API key."""
 
     stage: int
     num_stages: int
-    cluster_token: str = attrs.field(repr=False)
+    cluster_token: str = attrs.field(repr=False)  # opens the cluster's own endpoints (node/auth.py)
     node_id: str
     cache_dir: Path
     ollama_models_dir: Path
@@ -69,10 +71,12 @@ class NodeConfig:
     exit_on_stdin_eof: bool = False     # PP_STDIN_LIFELINE=1: a local runner holds our stdin; EOF = it is gone
     faults: Faults = NO_FAULTS          # PP_FAULTS: drop or delay some link sends (chaos tests; node/faults.py)
     log_level: str = DEFAULT_LOG_LEVEL
+    api_keys: tuple[str, ...] = attrs.field(default=(), repr=False)  # PP_API_KEY(_FILE): open the client surface
+    token_is_api_key: bool = False      # PP_TOKEN_IS_API_KEY=1: the cluster token opens the client surface too
 
 
 def loggable(config: NodeConfig) -> dict[str, object]:
-    """The config as JSON-friendly fields for a log line, without the fields hidden from repr (the token)."""
+    """The config as JSON-friendly fields for a log line, without the fields hidden from repr (the secrets)."""
     return {f.name: _plain(getattr(config, f.name)) for f in attrs.fields(NodeConfig) if f.repr}
 
 
@@ -119,7 +123,11 @@ def normalise_url(raw: str, label: str) -> str:
 ENV_TABLE = (
     ("STAGE", "--stage", "this node's stage, 0 .. NUM_STAGES-1 (required)"),
     ("NUM_STAGES", "--num-stages", "how many stages the pipeline has, at least 2 (required)"),
-    (TOKEN_ENV, "", "secret shared by the cluster's nodes (required; no flag: it would show in ps)"),
+    (TOKEN_ENV, "", "secret shared by the cluster's nodes, for them only (required; no flag: it would show in ps)"),
+    (API_KEY_ENV, "--api-key", "the clients' API key; several comma-separated, or the flag repeated: opens the "
+                               "OpenAI API, /v1/pipeline and /metrics, nothing else (none: those answer 401)"),
+    (API_KEY_FILE_ENV, "--api-key-file", "a file of client API keys, one a line (taken with PP_API_KEY's)"),
+    (TOKEN_IS_API_KEY_ENV, "--token-is-api-key", "1: the cluster token opens the client surface too (0)"),
     ("SEED_ADDR", "--seed-addr", "a node to join through, e.g. http://10.0.0.5:8000 or 10.0.0.5:8000"),
     ("PEER_DIRECT", "--peer-direct", "comma-separated addresses of peers to dial directly"),
     ("MODEL", "--model", f"a known name such as {DEFAULT_MODEL} or llama3.2:1b, a .gguf file, a Hugging Face "
@@ -155,16 +163,18 @@ sends it back to stage 0. Nodes find each other through a seed node (SEED_ADDR) 
 other by gossip.
 
 Every setting can be given as an environment variable (below); a flag wins over its variable. The cluster
-token is read only from the environment, so that it never shows in the process list."""
+token is read only from the environment, so that it never shows in the process list; it authenticates the
+nodes to each other. Clients (the OpenAI API on stage 0, /metrics on every node) use a client API key: a
+key is visible ASCII without spaces or commas, and differs from the cluster token."""
 
 EXAMPLE = """example, a two-stage pipeline on one machine (two shells):
-  PP_CLUSTER_TOKEN=s3cret STAGE=0 NUM_STAGES=2 PP_PORT=8000 {prog}
-  PP_CLUSTER_TOKEN=s3cret STAGE=1 NUM_STAGES=2 PP_PORT=8001 SEED_ADDR=127.0.0.1:8000 {prog}"""
+  PP_CLUSTER_TOKEN=s3cret PP_API_KEY=client-key STAGE=0 NUM_STAGES=2 PP_PORT=8000 {prog}
+  PP_CLUSTER_TOKEN=s3cret PP_API_KEY=client-key STAGE=1 NUM_STAGES=2 PP_PORT=8001 SEED_ADDR=127.0.0.1:8000 {prog}"""
 
 
 def build_parser(prog: str = "python ppnode.py") -> argparse.ArgumentParser:
     epilog = "environment variables:\n" + "\n".join(
-        f"  {env:<24} {flag:<17} {meaning}" for env, flag, meaning in ENV_TABLE) + "\n\n" + EXAMPLE.format(prog=prog)
+        f"  {env:<24} {flag:<18} {meaning}" for env, flag, meaning in ENV_TABLE) + "\n\n" + EXAMPLE.format(prog=prog)
     p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, epilog=epilog, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     # Flags are read as strings, so that one set of checks and messages covers flags and variables alike.
@@ -187,6 +197,12 @@ def build_parser(prog: str = "python ppnode.py") -> argparse.ArgumentParser:
     p.add_argument("--precision", metavar="P", help="auto, file or f32: which weights stay as the file holds them (PP_PRECISION, default auto)")
     p.add_argument("--links", metavar="KIND", help="stream or post: how messages go to the next stage (PP_LINKS)")
     p.add_argument("--log-level", metavar="LEVEL", help=f"{', '.join(LOG_LEVELS)} (PP_LOG_LEVEL)")
+    p.add_argument("--api-key", metavar="KEY", action="append",
+                   help="a client API key; repeat for several (PP_API_KEY; in argv every local user sees it: "
+                        "prefer PP_API_KEY or --api-key-file)")
+    p.add_argument("--api-key-file", metavar="PATH", help="file of client API keys, one a line (PP_API_KEY_FILE)")
+    p.add_argument("--token-is-api-key", action="store_const", const="1",
+                   help="let the cluster token open the client surface too (PP_TOKEN_IS_API_KEY=1)")
     return p
 
 
@@ -204,7 +220,7 @@ def parse_config(environ: Mapping[str, str], argv: list[str], *, home: Path,
 
 @attrs.frozen
 class _Sources:
-    flags: Mapping[str, object]
+    flags: Mapping[str, object] = attrs.field(repr=False)  # they may hold client API keys
     environ: Mapping[str, str] = attrs.field(repr=False)  # it holds the cluster token
 
     def get(self, flag: str) -> tuple[object | None, str]:
@@ -222,9 +238,11 @@ def _config_from(src: _Sources, *, home: Path, rng: random.Random | None) -> Nod
         check_stage(stage, num_stages)
     except ValueError as exc:  # its message already names STAGE / NUM_STAGES and the way out
         raise ConfigError(str(exc)) from None
-    env, port = src.environ, _port(src)
+    env, port, token = src.environ, _port(src), _token(src.environ)
+    token_is_api_key = _flag_of(src, "--token-is-api-key")
     return NodeConfig(
-        stage=stage, num_stages=num_stages, cluster_token=_token(env), node_id=_node_id(src, stage, rng),
+        stage=stage, num_stages=num_stages, cluster_token=token, node_id=_node_id(src, stage, rng),
+        api_keys=_api_keys(src, token, token_is_api_key=token_is_api_key), token_is_api_key=token_is_api_key,
         cache_dir=default_cache_dir(home, env.get("XDG_CACHE_HOME")),
         ollama_models_dir=default_ollama_dir(home, env.get("OLLAMA_MODELS")),
         seed_addr=_optional_url(*src.get("--seed-addr")), peer_direct=_peer_direct(*src.get("--peer-direct")),
@@ -330,6 +348,58 @@ def _token(environ: Mapping[str, str]) -> str:
     return token
 
 
+def _api_keys(src: _Sources, token: str, *, token_is_api_key: bool) -> tuple[str, ...]:
+    """The client API keys: those of --api-key (or PP_API_KEY) and of --api-key-file (or PP_API_KEY_FILE)."""
+    raw, label = src.get("--api-key")
+    texts = raw if isinstance(raw, list) else [raw or ""]  # a list when given as repeated flags
+    keys = [key for text in texts for key in split_keys(text, label)]
+    path, path_label = src.get("--api-key-file")
+    if path is not None and path.strip():
+        keys += read_key_file(path.strip(), path_label)
+    return check_keys(keys, token, label="client API keys", token_is_api_key=token_is_api_key)
+
+
+# A key travels in an Authorization header and, from the runner to its nodes, in PP_API_KEY (comma-separated):
+# visible ASCII, no spaces, no commas.
+KEY_CHARS = frozenset(chr(c) for c in range(0x21, 0x7F)) - {","}
+
+
+def split_keys(text: str, label: str) -> list[str]:
+    """Comma-separated keys; blanks around them are dropped. A message names the key by position, never by value."""
+    keys = [part.strip() for part in text.split(",") if part.strip()]
+    for n, key in enumerate(keys, 1):
+        if not set(key) <= KEY_CHARS:
+            raise ConfigError(f"{label}: key {n} holds a space or a character outside visible ASCII")
+    return keys
+
+
+def read_key_file(path: str, label: str) -> list[str]:
+    """One key a line; blank lines are skipped, blanks around a key dropped."""
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{label}={path!r}: cannot read it: {getattr(exc, 'strerror', None) or exc}") from None
+    keys = []
+    for n, line in enumerate(text.splitlines(), 1):
+        key = line.strip()
+        if key and not set(key) <= KEY_CHARS:
+            raise ConfigError(f"{label}={path!r}: line {n} holds a space, a comma or a character outside "
+                              "visible ASCII")
+        keys += [key] if key else []
+    if not keys:
+        raise ConfigError(f"{label}={path!r} holds no key")
+    return keys
+
+
+def check_keys(keys: list[str], token: str | None, *, label: str, token_is_api_key: bool = False) -> tuple[str, ...]:
+    """The keys without repeats, refused if one is the cluster token: it would open the cluster to clients."""
+    if token is not None and token in keys and not token_is_api_key:
+        raise ConfigError(f"{label}: one of them is the cluster token ({TOKEN_ENV}); a client holding it could "
+                          f"steer the cluster: give the clients a key of their own (or set "
+                          f"{TOKEN_IS_API_KEY_ENV}=1 to let the token open the client surface too)")
+    return tuple(dict.fromkeys(keys))
+
+
 def _node_id(src: _Sources, stage: int, rng: random.Random | None) -> str:
     raw, label = src.get("--node-id")
     node_id = (raw or "").strip()
@@ -346,6 +416,14 @@ def _faults(environ: Mapping[str, str]) -> Faults:
         return parse_faults(environ.get("PP_FAULTS"))
     except FaultSpecError as exc:
         raise ConfigError(f"PP_FAULTS: {exc}") from None
+
+
+def _flag_of(src: _Sources, flag: str) -> bool:
+    raw, label = src.get(flag)
+    raw = (raw or "0").strip()
+    if raw not in ("0", "1"):
+        raise ConfigError(f"{label}={raw!r}: use 1 or 0")
+    return raw == "1"
 
 
 def _flag(environ: Mapping[str, str], name: str) -> bool:

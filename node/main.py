@@ -154,10 +154,13 @@ async def _serve(config, swim_config, on_listening, compute, task_status) -> Non
             trio.open_nursery() as nursery:
         node = StageNode(stage, n, client, node_id=config.node_id, max_queue=config.max_queue,
                          link_streams=config.link_streams, faults=config.faults)
-        app = make_app(node, token=config.cluster_token, max_body_bytes=config.max_body_bytes, link_streams=True)
+        app = make_app(node, token=config.cluster_token, max_body_bytes=config.max_body_bytes, link_streams=True,
+                       api_keys=config.api_keys, token_is_api_key=config.token_is_api_key)
         if stage == 0:  # pp-entry serves the OpenAI API too, and a chat page that uses it
             add_openai_routes(app, node, model_name=config.model_name)
             add_chat_page(app, node, token=config.cluster_token, model_name=config.model_name)
+            if not config.api_keys and not config.token_is_api_key:
+                log.warning("no client API key (PP_API_KEY, PP_API_KEY_FILE): the OpenAI API answers 401 to everyone")
         url = advertised_url(config, await nursery.start(serve_app, app, config.bind_host, config.port))
         node.url = url
         event(log, "listening", url=url, stage=stage, num_stages=n)

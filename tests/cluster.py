@@ -17,7 +17,8 @@ from worker.models import stub_model
 from worker.reference import generate_full
 from worker.stub import StubSlice
 
-TOKEN = "test-cluster-token"
+TOKEN = "test-cluster-token"  # the nodes' own secret: gossip, links, /v1/inference ...
+API_KEY = "test-client-key"  # what a client holds: the OpenAI API, /v1/pipeline, /metrics
 # fast enough for tests, slow enough that a busy 2-core machine doesn't look dead
 FAST_SWIM = SwimConfig(protocol_period_s=0.3, probe_timeout_s=0.15, suspicion_mult=4, sync_interval_s=2.0)
 # for in-process clusters of tinygrad models: the nodes share one event loop with a compute thread that holds
@@ -27,6 +28,7 @@ PATIENT_SWIM = SwimConfig(protocol_period_s=0.5, probe_timeout_s=0.4, suspicion_
 
 
 def stage_config(stage: int, n: int, *, model: str, seed: str, peer: str | None, tmp: Path, **kw) -> NodeConfig:
+    kw = {"api_keys": (API_KEY,), **kw}
     return NodeConfig(stage=stage, num_stages=n, cluster_token=TOKEN, node_id=f"stage{stage}", cache_dir=tmp,
                       ollama_models_dir=tmp / "ollama", seed_addr=seed, peer_direct=(peer,) if peer else (),
                       model=model, port=0, bind_host="127.0.0.1", **kw)

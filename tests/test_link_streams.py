@@ -9,7 +9,7 @@ import httpx
 import pytest
 import trio
 
-from cluster import TOKEN, _node_until_listening, slow_stub, stage_config, start_cluster, stub_tokens
+from cluster import API_KEY, _node_until_listening, slow_stub, stage_config, start_cluster, stub_tokens
 from node import hops
 from node.orchestrator import StageDied
 from node.stage_node import StageNode
@@ -86,7 +86,7 @@ async def test_a_stage_restarted_mid_request_fails_it_naming_the_stage_then_the_
     assert old is None or old.addr != new_url
     # through the entry's API: the runner's own submit refuses to ask a cluster that has lost a member
     messages = [{"role": "user", "content": "Say hello"}]
-    async with httpx.AsyncClient(timeout=30, headers={"Authorization": f"Bearer {TOKEN}"}) as c:
+    async with httpx.AsyncClient(timeout=30, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
         r = await c.post(urls[0] + "/v1/chat/completions", json={
             "model": "stub", "messages": messages, "max_tokens": 8, "temperature": 0, "return_token_ids": True})
     assert r.status_code == 200, r.text

@@ -4,10 +4,10 @@ import httpx
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster import TOKEN, start_cluster
+from cluster import API_KEY, start_cluster
 from worker.models import stub_model
 
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
+AUTH = {"Authorization": f"Bearer {API_KEY}"}  # a scraper is a client
 
 
 async def scrape(client, url) -> dict:
@@ -27,7 +27,7 @@ async def test_metrics_parse_and_move_by_what_one_request_did(nursery, tmp_path)
     messages = [{"role": "user", "content": "Say hello"}]
     prompt = len(stub_model().tokenizer().encode_messages(messages))
     async with httpx.AsyncClient(timeout=30) as client:
-        assert (await client.get(urls[0] + "/metrics")).status_code == 401  # like every endpoint but /health
+        assert (await client.get(urls[0] + "/metrics")).status_code == 401  # it takes a client API key
         before = [await scrape(client, u) for u in urls]
         with trio.fail_after(30):
             r = await client.post(urls[0] + "/v1/chat/completions", headers=AUTH, json={

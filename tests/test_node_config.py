@@ -204,6 +204,70 @@ def test_the_token_never_shows_in_repr_str_or_loggable_fields():
     assert "n1" in repr(cfg) and loggable(cfg)["node_id"] == "n1"
 
 
+# --- client API keys (node/auth.py says what they open) -----------------------------------------------------------
+
+KEY_A, KEY_B, KEY_C = "key-a-71c2", "key-b-9e04", "key-c-33d1"
+
+
+def test_no_client_key_is_the_default_and_the_token_is_not_one():
+    cfg = parse()
+    assert (cfg.api_keys, cfg.token_is_api_key) == ((), False)
+
+
+def test_client_keys_come_from_pp_api_key_comma_separated_or_from_repeated_flags_which_win():
+    assert parse({"PP_API_KEY": f" {KEY_A} , {KEY_B},"}).api_keys == (KEY_A, KEY_B)
+    assert parse({"PP_API_KEY": KEY_A}, ["--api-key", KEY_B, "--api-key", f"{KEY_C},{KEY_B}"]).api_keys == (KEY_B, KEY_C)
+
+
+def test_client_keys_come_from_a_file_one_a_line_together_with_pp_api_key(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text(f"{KEY_B}\n\n  {KEY_C}  \n{KEY_A}\n")
+    assert parse({"PP_API_KEY": KEY_A, "PP_API_KEY_FILE": str(keys)}).api_keys == (KEY_A, KEY_B, KEY_C)
+    other = tmp_path / "other"
+    other.write_text(KEY_C)
+    assert parse({"PP_API_KEY_FILE": str(keys)}, ["--api-key-file", str(other)]).api_keys == (KEY_C,)
+
+
+def test_the_cluster_token_opens_the_client_surface_only_when_the_operator_says_so():
+    assert parse({"PP_TOKEN_IS_API_KEY": "1"}).token_is_api_key
+    assert parse({}, ["--token-is-api-key"]).token_is_api_key
+    assert parse({"PP_TOKEN_IS_API_KEY": "1", "PP_API_KEY": TOKEN}).api_keys == (TOKEN,)  # said so: allowed
+
+
+@pytest.mark.parametrize("env, argv, message", [
+    ({"PP_API_KEY": f"{KEY_A},{TOKEN}"}, [], "one of them is the cluster token (PP_CLUSTER_TOKEN)"),
+    ({}, ["--api-key", TOKEN], "PP_TOKEN_IS_API_KEY=1"),
+    ({"PP_API_KEY": "two words"}, [], "PP_API_KEY: key 1 holds a space"),
+    ({}, ["--api-key", f"{KEY_A},caf\u00e9"], "--api-key: key 2 holds a space or a character outside visible ASCII"),
+    ({"PP_API_KEY_FILE": "/no/such/keys"}, [], "PP_API_KEY_FILE='/no/such/keys': cannot read it: No such file"),
+    ({}, ["--api-key-file", "{empty}"], "holds no key"),
+    ({}, ["--api-key-file", "{comma}"], "line 2 holds a space, a comma"),
+    ({"PP_TOKEN_IS_API_KEY": "yes"}, [], "PP_TOKEN_IS_API_KEY='yes': use 1 or 0"),
+])
+def test_a_bad_client_key_exits_2_naming_its_source_and_never_the_secret(capsys, tmp_path, env, argv, message):
+    (tmp_path / "empty").write_text("\n \n")
+    (tmp_path / "comma").write_text(f"{KEY_A}\n{KEY_B},{KEY_C}\n")
+    argv = [a.format(empty=tmp_path / "empty", comma=tmp_path / "comma") for a in argv]
+    with pytest.raises(SystemExit) as exc_info:
+        parse(env, argv)
+    err = capsys.readouterr().err
+    assert exc_info.value.code == 2 and message in err, err
+    assert TOKEN not in err and KEY_B not in err and "two words" not in err
+
+
+def test_client_keys_never_show_in_repr_or_loggable_fields():
+    cfg = parse({"PP_API_KEY": f"{KEY_A},{KEY_B}"})
+    for text in (repr(cfg), str(cfg), json.dumps(loggable(cfg))):
+        assert KEY_A not in text and KEY_B not in text
+
+
+def test_help_names_the_client_key_settings(capsys):
+    with pytest.raises(SystemExit):
+        parse(argv=["--help"])
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("PP_API_KEY", "--api-key-file", "PP_TOKEN_IS_API_KEY", "/metrics"))
+
+
 # --- logging ----------------------------------------------------------------------------------------------------
 
 @pytest.fixture

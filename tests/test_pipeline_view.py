@@ -2,9 +2,9 @@
 real browser: tests/test_chat_page.py)."""
 import httpx
 
-from cluster import TOKEN, start_cluster
+from cluster import API_KEY, start_cluster
 
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
+AUTH = {"Authorization": f"Bearer {API_KEY}"}  # what the page sends: a client key
 
 
 async def test_the_chat_page_needs_no_key_and_the_pipeline_view_needs_one(nursery, tmp_path):

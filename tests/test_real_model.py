@@ -29,7 +29,7 @@ import httpx
 import numpy as np
 import pytest
 
-from cluster import TOKEN, start_cluster
+from cluster import API_KEY, start_cluster
 from npforward import teacher_forced
 from worker import chat
 from worker.chain import run_chain
@@ -253,7 +253,7 @@ async def test_the_api_answers_the_reference_text_without_control_tokens_and_sto
     _, urls, _ = await start_cluster(nursery, 2, tmp_path, model=MODEL, max_seqs=1, ctx=CTX)
     body = {"model": MODEL, "messages": [{"role": "user", "content": HELLO}], "max_tokens": MAX_TOKENS,
             "temperature": 0}
-    headers = {"Authorization": f"Bearer {TOKEN}"}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
     want = TRANSFORMERS[HELLO]
     async with httpx.AsyncClient(http2=True, timeout=600) as client:
         whole = (await client.post(urls[0] + "/v1/chat/completions", json=body, headers=headers)).json()

@@ -8,7 +8,7 @@ import httpx
 import pytest
 import trio
 
-from cluster import PATIENT_SWIM, TOKEN, slow_stub, start_cluster, stub_tokens
+from cluster import API_KEY, PATIENT_SWIM, TOKEN, slow_stub, start_cluster, stub_tokens
 from node import wire
 from worker.errors import WorkerError
 from worker.models import tinygrad_model
@@ -18,7 +18,8 @@ from worker.stopping import generation_done
 from worker.stub import StubTokenizer
 from worker.tiny import TinySource
 
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
+AUTH = {"Authorization": f"Bearer {TOKEN}"}  # the runner's: /v1/inference, /v1/cancel
+CLIENT = {"Authorization": f"Bearer {API_KEY}"}  # a client's: the OpenAI API
 PROMPTS = ["Say hello", "x", "Tell me a story about a cat who learned to fly over the sea", "Why?",
            "1 2 3 4 5 6 7 8 9 10 11 12", "What is the capital of France?", "ok", "A long one " * 6]
 
@@ -179,7 +180,7 @@ async def test_a_stage_failing_mid_stream_ends_the_stream_with_an_error_event_an
     body = {"model": "stub", "messages": messages, "max_tokens": 50, "stream": True, "temperature": 0}
     async with httpx.AsyncClient(http2=True, timeout=30) as client:
         with trio.fail_after(30):
-            async with client.stream("POST", urls[0] + "/v1/chat/completions", json=body, headers=AUTH) as r:
+            async with client.stream("POST", urls[0] + "/v1/chat/completions", json=body, headers=CLIENT) as r:
                 assert r.status_code == 200
                 events = await sse_events(r)
     assert events[-1] == "[DONE]"

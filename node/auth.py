@@ -1,0 +1,87 @@
+"""Who may call what: two kinds of credential, and the surface each one opens.
+
+The cluster token (PP_CLUSTER_TOKEN) is the secret the nodes of one cluster and their runner share. It opens
+what nodes say to each other: gossip (/swim/*), link streams and the per-message posts (activations, next
+tokens, ends), requests, cancels and responses, hop figures, membership. Holding it is being a member, so it
+never leaves the cluster: no client is given it, and no page asks for it.
+
+A client API key (PP_API_KEY, PP_API_KEY_FILE; vLLM's and llama-server's --api-key) opens the client surface
+only: the OpenAI API on the entry, the chat page's view of the pipeline, and /metrics on every node. With a
+client key nobody can steer the cluster: declare a stage dead, announce a member, or have a node dial an
+address of their choosing with the token attached (ping-req). The cluster token is not a client key unless
+the operator says so (PP_TOKEN_IS_API_KEY=1), and a client key equal to the token is refused at boot.
+
+/health and the chat page (`/`) hold no secret and stay open. Every path not named here is the cluster's:
+a route added later is closed to clients until someone decides otherwise.
+
+Decisions are pure (`refusal`); the app only asks them. A header is compared with every credential, each
+comparison hmac.compare_digest's, so the time taken does not tell which key matched, or how much of one.
+"""
+from __future__ import annotations
+
+import enum
+import hmac
+
+import attrs
+
+OPEN_PATHS = frozenset({"/health", "/"})
+CLIENT_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/pipeline", "/metrics"})
+
+
+class Credential(enum.Enum):
+    NONE = "none"  # no header, or one that is no credential of this node's
+    CLUSTER = "cluster token"
+    CLIENT = "client API key"
+
+
+@attrs.frozen
+class Refusal:
+    status: int  # 401: no credential of the kind wanted; 403: a credential of the other kind
+    message: str  # says which credential the path wants; never holds one
+
+
+@attrs.frozen
+class Keys:
+    """The credentials one node accepts, as the `Authorization` header values that carry them."""
+
+    token: bytes = attrs.field(repr=False)
+    api_keys: tuple[bytes, ...] = attrs.field(repr=False)
+    token_is_api_key: bool = False
+
+    @classmethod
+    def of(cls, token: str, api_keys: tuple[str, ...] = (), *, token_is_api_key: bool = False) -> Keys:
+        return cls(bearer(token), tuple(bearer(k) for k in api_keys), token_is_api_key)
+
+    def credential(self, authorization: str) -> Credential:
+        given = authorization.encode()
+        cluster = hmac.compare_digest(given, self.token)
+        client = False
+        for key in self.api_keys:  # no early exit: every key is compared
+            client |= hmac.compare_digest(given, key)
+        return Credential.CLUSTER if cluster else Credential.CLIENT if client else Credential.NONE
+
+
+def bearer(secret: str) -> bytes:
+    return f"Bearer {secret}".encode()
+
+
+CLUSTER_ONLY = "this endpoint is for the cluster's own nodes"
+WANT_TOKEN = f"missing or wrong cluster token (Authorization: Bearer <PP_CLUSTER_TOKEN>): {CLUSTER_ONLY}"
+WANT_KEY = "missing or wrong API key (Authorization: Bearer <a client API key: PP_API_KEY>)"
+KEY_IS_NOT_TOKEN = (f"a client API key opens only the OpenAI API, /v1/pipeline and /metrics; {CLUSTER_ONLY}, "
+                    "which authenticate with the cluster token")
+TOKEN_IS_NOT_KEY = ("the cluster token is not a client API key here: use a client API key (PP_API_KEY), or start "
+                    "the nodes with PP_TOKEN_IS_API_KEY=1")
+
+
+def refusal(path: str, credential: Credential, *, token_is_api_key: bool = False) -> Refusal | None:
+    """Why a request for `path` carrying `credential` is refused, or None if it may go on."""
+    if path in OPEN_PATHS:
+        return None
+    if path in CLIENT_PATHS:
+        if credential is Credential.CLIENT or (credential is Credential.CLUSTER and token_is_api_key):
+            return None
+        return Refusal(403, TOKEN_IS_NOT_KEY) if credential is Credential.CLUSTER else Refusal(401, WANT_KEY)
+    if credential is Credential.CLUSTER:
+        return None
+    return Refusal(403, KEY_IS_NOT_TOKEN) if credential is Credential.CLIENT else Refusal(401, WANT_TOKEN)
