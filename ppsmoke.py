@@ -3,9 +3,15 @@
 answer as it is generated, tear everything down. Any failure stops every node and exits 1, naming the
 stage at fault. With --serve, keep the cluster up behind an OpenAI-compatible API until Ctrl-C.
 
+Two kinds of secret: the cluster token (--token, --token-file, PP_CLUSTER_TOKEN; random per run by default)
+is the nodes' own and never leaves them; clients use a client API key (--api-key, --api-key-file,
+PP_API_KEY; random and printed as OPENAI_API_KEY=... by default). The vast.ai key is --vast-api-key or
+VAST_API_KEY. A secret in argv is visible to every local user: prefer the variables or the files.
+
   python ppsmoke.py --seed -n 5                                  # 5 local node processes, SmolLM2-135M
   python ppsmoke.py --seed -n 5 --model llama3.2:1b --prompt "Say hello"
   python ppsmoke.py --seed -n 5 --serve --port 8000              # then use http://127.0.0.1:8000/v1
+  PP_API_KEY=... python ppsmoke.py --seed -n 5 --serve --port 8000  # the clients' key of your choosing
   VAST_API_KEY=... python ppsmoke.py --vastai -n 5 --image you/pp-node:1 --model llama3.2:1b
   VAST_API_KEY=... python ppsmoke.py --vastai --destroy-leftovers
 """
@@ -20,7 +26,10 @@ from pathlib import Path
 
 import trio
 
+import attrs
+
 from node.app import ListenError, check_listenable
+from node.config import ConfigError, check_keys, read_key_file, split_keys
 from roles import DEFAULT_MAX_QUEUE
 from roles.messages import MAX_TOKENS_LIMIT, is_http_url
 from runner.report import as_json, stats_line
@@ -70,10 +79,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--serve", action="store_true",
                    help="keep the cluster up and serve the OpenAI API on stage 0 until Ctrl-C, instead of one prompt")
     p.add_argument("--port", type=int, help="--seed: stage 0's port, so the API's URL stays the same (default: any)")
-    p.add_argument("--token", help="cluster token, which is the API key (default: $PP_CLUSTER_TOKEN, else random)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of text")
+    s = p.add_argument_group("secrets (on a command line every local user sees them: prefer the variables or files)")
+    token = s.add_mutually_exclusive_group()
+    token.add_argument("--token", help="the cluster token: the nodes' own secret, never a client's "
+                       "(default: $PP_CLUSTER_TOKEN, else random per run)")
+    token.add_argument("--token-file", metavar="PATH", type=Path, help="a file holding the cluster token")
+    s.add_argument("--api-key", metavar="KEY", action="append", help="a client API key for the OpenAI API, "
+                   "/v1/pipeline and /metrics; repeat for several (default: $PP_API_KEY, comma-separated, else a "
+                   "random one, printed)")
+    s.add_argument("--api-key-file", metavar="PATH", help="a file of client API keys, one a line, taken with "
+                   "--api-key's (default: $PP_API_KEY_FILE)")
     v = p.add_argument_group("vast.ai (--vastai)")
-    v.add_argument("--api-key", help="vast.ai API key (default: $VAST_API_KEY)")
+    v.add_argument("--vast-api-key", metavar="KEY", help="your vast.ai API key (default: $VAST_API_KEY)")
     v.add_argument("--vastai-url", help="API base URL (default: $VAST_URL, else https://console.vast.ai)")
     v.add_argument("--image", help="the node image to run: build and push this repo's Dockerfile")
     v.add_argument("--max-dph", type=float, help="most $/hour per instance")
@@ -153,9 +171,64 @@ def local_model(spec: str, env: dict[str, str]) -> str:
     return source.path if name in REGISTRY else spec
 
 
+@attrs.frozen
+class Secrets:
+    token: str | None = attrs.field(repr=False)  # the cluster token; None: a random one per run
+    api_keys: tuple[str, ...] = attrs.field(repr=False)  # the clients' keys; none: a random one, printed
+    vast_api_key: str | None = attrs.field(repr=False)  # --vastai only
+
+
+def secrets_of(args: argparse.Namespace, env: dict[str, str]) -> Secrets:
+    """The run's secrets from flags, files and the environment (a flag wins over its variable). Raises
+    ConfigError naming the flag or variable at fault, never a secret's value."""
+    token = _token(args, env)
+    keys = [key for text in (args.api_key or [env.get("PP_API_KEY") or ""])
+            for key in split_keys(text, "--api-key" if args.api_key else "PP_API_KEY")]
+    key_file, label = (args.api_key_file, "--api-key-file") if args.api_key_file else (
+        (env.get("PP_API_KEY_FILE") or "").strip(), "PP_API_KEY_FILE")
+    if key_file:
+        keys += read_key_file(key_file, label)
+    api_keys = check_keys(keys, token, label="--api-key")
+    return Secrets(token, api_keys, _vast_api_key(args, env) if args.vastai else None)
+
+
+def _token(args, env) -> str | None:
+    if args.token_file is not None:
+        try:
+            token = args.token_file.read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"--token-file {str(args.token_file)!r}: cannot read it: "
+                              f"{getattr(exc, 'strerror', None) or exc}") from None
+        if not token or "\n" in token:
+            raise ConfigError(f"--token-file {str(args.token_file)!r}: expected one line, the token")
+        return token
+    if args.token is not None:
+        if not args.token.strip():
+            raise ConfigError("--token is empty")
+        return args.token.strip()
+    return (env.get("PP_CLUSTER_TOKEN") or "").strip() or None
+
+
+def _vast_api_key(args, env) -> str:
+    """--api-key was vast.ai's key before it was the clients' (as vLLM's --api-key is): a run that gives one but
+    no vast.ai key is refused rather than guessed at."""
+    key = (args.vast_api_key or env.get("VAST_API_KEY") or "").strip()
+    if key:
+        return key
+    if args.api_key:
+        raise ConfigError("--api-key is the clients' API key now; give the vast.ai key as --vast-api-key "
+                          "or VAST_API_KEY")
+    raise ConfigError("--vastai needs your vast.ai API key: --vast-api-key or VAST_API_KEY")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     env = dict(os.environ)
+    try:
+        args.secrets = secrets_of(args, env)
+    except ConfigError as exc:
+        print(f"ppsmoke.py: error: {exc}", file=sys.stderr)
+        return 2
     progress = lambda line: print(f"ppsmoke: {line}", file=sys.stderr, flush=True)  # noqa: E731
     live = not args.json and sys.stdout.isatty()  # a person watching: the answer as it is generated
     on_text = (lambda text: print(text, end="", flush=True)) if live else (lambda text: None)
@@ -175,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.vastai:
             if args.destroy_leftovers:
-                trio.run(destroy_leftovers, _api_key(args, env), _vast_url(args, env), _ledger(args, env), progress)
+                trio.run(destroy_leftovers, args.secrets.vast_api_key, _vast_url(args, env), _ledger(args, env),
+                         progress)
                 return 0
             result = trio.run(functools.partial(run_vastai, _vast_options(args, env), progress, on_text=on_text,
                                                 announce=announce))
@@ -205,24 +279,20 @@ def _seed_options(args, env) -> SeedOptions:
     return SeedOptions(num_stages=args.num_stages, model=args.model_path, prompt=args.prompt,
                        max_tokens=args.max_tokens, sampling=Sampling(args.temperature, args.top_p),
                        timeout_s=args.timeout, converge_timeout_s=args.converge_timeout,
-                       base_env={**env, **serving_env(args)}, serve=args.serve, token=_token(args, env),
-                       port=args.port, model_name=args.model)
+                       base_env={**env, **serving_env(args)}, serve=args.serve, token=args.secrets.token,
+                       api_keys=args.secrets.api_keys, port=args.port, model_name=args.model)
 
 
 def _vast_options(args, env) -> VastOptions:
     # the model goes to the nodes as given: each stage range-fetches its own slice of a named model
     return VastOptions(num_stages=args.num_stages, model=args.model, prompt=args.prompt, max_tokens=args.max_tokens,
                        sampling=Sampling(args.temperature, args.top_p), timeout_s=args.timeout,
-                       converge_timeout_s=args.converge_timeout, api_key=_api_key(args, env),
+                       converge_timeout_s=args.converge_timeout, vast_api_key=args.secrets.vast_api_key,
                        base_url=_vast_url(args, env), image=args.image, ledger_path=_ledger(args, env),
                        disk_gb=args.disk, min_gpu_ram_gb=args.min_gpu_ram, min_reliability=args.min_reliability,
                        max_dph=args.max_dph, running_timeout_s=args.running_timeout,
                        poll_status_s=args.status_poll, node_settings=serving_env(args), serve=args.serve,
-                       token=_token(args, env))
-
-
-def _token(args, env) -> str | None:
-    return args.token or (env.get("PP_CLUSTER_TOKEN") or "").strip() or None
+                       token=args.secrets.token, api_keys=args.secrets.api_keys)
 
 
 def serving_env(args) -> dict[str, str]:
@@ -230,13 +300,6 @@ def serving_env(args) -> dict[str, str]:
     kernel search, precision."""
     return {"PP_MAX_SEQS": str(args.max_seqs), "PP_MAX_QUEUE": str(args.max_queue), "PP_CTX": str(args.ctx),
             "PP_BEAM": str(args.beam), "PP_PRECISION": args.precision}
-
-
-def _api_key(args, env) -> str:
-    key = args.api_key or env.get("VAST_API_KEY")
-    if not key:
-        raise SystemExit("ppsmoke.py: --vastai needs an API key: --api-key or VAST_API_KEY")
-    return key
 
 
 def _vast_url(args, env) -> str:

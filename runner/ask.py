@@ -25,7 +25,7 @@ class Asked:
     first_token_s: float  # from sending to the first token's chunk
 
 
-async def ask(entry_url: str, *, token: str, model: str, prompt: str, max_tokens: int, sampling: Sampling,
+async def ask(entry_url: str, *, api_key: str, model: str, prompt: str, max_tokens: int, sampling: Sampling,
               on_text: Callable[[str], None] = lambda text: None, transport=None) -> Asked:
     """Stream one answer; raises RunFailed with the cluster's error (it names the stage at fault)."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
@@ -35,7 +35,7 @@ async def ask(entry_url: str, *, token: str, model: str, prompt: str, max_tokens
     sent = time.monotonic()
     async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=READ_TIMEOUT_S), transport=transport) as client:
         async with client.stream("POST", entry_url + "/v1/chat/completions", json=body,
-                                 headers={"Authorization": f"Bearer {token}"}) as r:
+                                 headers={"Authorization": f"Bearer {api_key}"}) as r:
             if r.status_code != 200:
                 raise RunFailed(f"pp-entry refused the prompt: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
             async for line in r.aiter_lines():

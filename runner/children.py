@@ -88,11 +88,17 @@ async def _read_address(process: trio.Process) -> str | None:
 
 
 def child_env(base: dict[str, str], *, stage: int, num_stages: int, token: str, model: str, seed: str,
-              peer: str | None, max_body: int | None = None) -> dict[str, str]:
+              peer: str | None, max_body: int | None = None, api_keys: tuple[str, ...] = ()) -> dict[str, str]:
+    """A node's environment: `base` with its stage, the cluster token and the clients' keys (`api_keys`, none:
+    the node serves no client) set here, never on its command line, where every local user could read them.
+    The runner's own vast.ai key, and key files it has read already, are not passed on."""
     env = {**base, "STAGE": str(stage), "NUM_STAGES": str(num_stages), "PP_CLUSTER_TOKEN": token, "MODEL": model,
            "SEED_ADDR": seed, "PP_PORT": "0", "PP_BIND": "127.0.0.1", "PYTHONUNBUFFERED": "1",
            "PP_STDIN_LIFELINE": "1"}
-    env.pop("PEER_DIRECT", None)
+    for name in ("PEER_DIRECT", "PP_API_KEY", "PP_API_KEY_FILE", "VAST_API_KEY"):
+        env.pop(name, None)
     if peer:
         env["PEER_DIRECT"] = peer
+    if api_keys:
+        env["PP_API_KEY"] = ",".join(api_keys)
     return env

@@ -34,11 +34,12 @@ class SeedOptions:
     sampling: Sampling
     timeout_s: float
     converge_timeout_s: float
-    base_env: dict[str, str]
+    base_env: dict[str, str] = attrs.field(repr=False)  # the runner's environment: it may hold secrets
     run_dir: Path | None = None
     grace_s: float = 5.0
     serve: bool = False  # keep the cluster up for the OpenAI API until stopped, instead of one prompt
-    token: str | None = None  # the cluster token, which is the API key; None: a fresh random one
+    token: str | None = attrs.field(default=None, repr=False)  # the cluster token, the nodes' own; None: random
+    api_keys: tuple[str, ...] = attrs.field(default=(), repr=False)  # the clients' keys; none: one random, printed
     port: int | None = None  # stage 0's port, so pp-entry's URL stays the same across runs; None: any
     model_name: str | None = None  # what the API calls the model (what the user named); None: `model`
 
@@ -49,8 +50,10 @@ async def run_seed(opts: SeedOptions, progress: Callable[[str], None], *, on_tex
     `serve`, the cluster kept up until a signal (raises Stopped) or a failure (RunFailed)."""
     run_dir = opts.run_dir or Path(tempfile.mkdtemp(prefix="ppsmoke-"))
     token = opts.token or secrets.token_urlsafe(24)  # fresh per run: only this run's nodes can talk
+    given = bool(opts.api_keys)
+    opts = attrs.evolve(opts, api_keys=opts.api_keys or (secrets.token_urlsafe(24),))  # the clients' key(s)
     use = Use(opts.prompt, opts.max_tokens, opts.sampling, opts.timeout_s, opts.model_name or opts.model,
-              serve=opts.serve, on_text=on_text, announce=announce)
+              api_key=opts.api_keys[0], key_given=given, serve=opts.serve, on_text=on_text, announce=announce)
     children: list[Child] = []
     started = time.monotonic()
     try:
@@ -63,10 +66,10 @@ async def run_seed(opts: SeedOptions, progress: Callable[[str], None], *, on_tex
             if opts.serve:
                 replace = functools.partial(_replace, nursery, opts, token, orch, run_dir, children, progress)
                 holders = {c.stage: LocalHolder(c) for c in children}
-                await serve(orch, use, token, keep=functools.partial(
+                await serve(orch, use, keep=functools.partial(
                     keep_stages, orch.swim, holders, replace, ready_timeout_s=opts.converge_timeout_s,
                     progress=progress, on_replaced=functools.partial(announce_entry, use)))
-            result = await answer_once(orch, use, token, converged=converged, started=started,
+            result = await answer_once(orch, use, converged=converged, started=started,
                                        num_stages=opts.num_stages, run_dir=run_dir)
             nursery.cancel_scope.cancel()  # done: stop every node
     except BaseExceptionGroup as group:
@@ -115,7 +118,7 @@ async def _start_children(nursery, opts, token, seed_url, run_dir, children, pro
 async def _start_child(nursery, opts, token, seed_url, stage, peer, log_path) -> Child:
     """One node process. Serving, its exit is the keeper's to handle, not a failure of the run."""
     env = child_env(opts.base_env, stage=stage, num_stages=opts.num_stages, token=token, model=opts.model,
-                    seed=seed_url, peer=peer)
+                    seed=seed_url, peer=peer, api_keys=opts.api_keys)
     if stage == 0 and opts.port is not None:
         env["PP_PORT"] = str(opts.port)
     env["PP_MODEL_NAME"] = opts.model_name or opts.model

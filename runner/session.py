@@ -28,6 +28,8 @@ class Use:
     sampling: Sampling
     timeout_s: float
     model_name: str  # as the API serves it: the --model the run was started with
+    api_key: str = attrs.field(default="", repr=False)  # a client key: the runner asks as a client does
+    key_given: bool = False  # the user chose the clients' keys: they are not printed back
     serve: bool = False
     on_text: Callable[[str], None] = lambda text: None  # each piece of the answer as it arrives
     announce: Callable[[str], None] = print  # --serve: the lines a user pastes
@@ -40,13 +42,13 @@ def entry_url(orch: Orchestrator) -> str:
     return entry.addr
 
 
-async def answer_once(orch: Orchestrator, use: Use, token: str, *, converged: float, started: float,
+async def answer_once(orch: Orchestrator, use: Use, *, converged: float, started: float,
                       num_stages: int, run_dir) -> RunResult:
     try:
         with trio.fail_after(use.timeout_s), unwrapped(StageDied):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(orch.watch)
-                asked = await ask(entry_url(orch), token=token, model=use.model_name, prompt=use.prompt,
+                asked = await ask(entry_url(orch), api_key=use.api_key, model=use.model_name, prompt=use.prompt,
                                   max_tokens=use.max_tokens, sampling=use.sampling, on_text=use.on_text)
                 nursery.cancel_scope.cancel()
     except StageDied as exc:
@@ -64,16 +66,25 @@ def announce_entry(use: Use, stage: int, holder) -> None:
         use.announce(f"OPENAI_BASE_URL={holder.url}/v1")
 
 
-async def serve(orch: Orchestrator, use: Use, token: str,
-                keep: Callable[[], Awaitable[None]] | None = None) -> None:
-    """Announce the API and wait: only a signal (Stopped) or a failure (RunFailed) ends this. `keep`
-    replaces stages that die (runner/keeper.py); without it, a dead stage ends the run."""
-    base = entry_url(orch) + "/v1"
+def announcement(base: str, use: Use) -> list[str]:
+    """The lines a user pastes to reach the API. A key the runner made up is printed; one the user gave (from a
+    file or the environment, so as not to show it) is not: the curl line reads it from $OPENAI_API_KEY. The
+    cluster token is never printed: it is the nodes' alone."""
     body = ('{"model": "%s", "messages": [{"role": "user", "content": "Say hello"}], "stream": true}'
             % use.model_name)
-    for line in (f"OPENAI_BASE_URL={base}", f"OPENAI_API_KEY={token}",
-                 f"curl -N {base}/chat/completions -H 'Authorization: Bearer {token}' "
-                 f"-H 'Content-Type: application/json' -d {shlex.quote(body)}"):
+    if use.key_given:
+        key_line, header = "# OPENAI_API_KEY: a client key you gave (--api-key, --api-key-file, PP_API_KEY)", \
+            '"Authorization: Bearer $OPENAI_API_KEY"'
+    else:
+        key_line, header = f"OPENAI_API_KEY={use.api_key}", shlex.quote(f"Authorization: Bearer {use.api_key}")
+    return [f"OPENAI_BASE_URL={base}", key_line,
+            f"curl -N {base}/chat/completions -H {header} -H 'Content-Type: application/json' -d {shlex.quote(body)}"]
+
+
+async def serve(orch: Orchestrator, use: Use, keep: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Announce the API and wait: only a signal (Stopped) or a failure (RunFailed) ends this. `keep`
+    replaces stages that die (runner/keeper.py); without it, a dead stage ends the run."""
+    for line in announcement(entry_url(orch) + "/v1", use):
         use.announce(line)
     if keep is not None:
         await keep()

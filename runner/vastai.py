@@ -41,7 +41,7 @@ class VastOptions:
     sampling: Sampling
     timeout_s: float
     converge_timeout_s: float
-    api_key: str = attrs.field(repr=False)
+    vast_api_key: str = attrs.field(repr=False)  # the runner's own, for vast.ai's API: never given to a node
     base_url: str
     image: str
     ledger_path: Path
@@ -54,19 +54,22 @@ class VastOptions:
     poll_status_s: float = POLL_STATUS_S
     node_settings: dict[str, str] = attrs.field(factory=dict)  # extra environment for every node
     serve: bool = False  # keep the cluster up for the OpenAI API until stopped, instead of one prompt
-    token: str | None = None  # the cluster token, which is the API key; None: a fresh random one
+    token: str | None = attrs.field(default=None, repr=False)  # the cluster token, the nodes' own; None: random
+    api_keys: tuple[str, ...] = attrs.field(default=(), repr=False)  # the clients' keys; none: one random, printed
 
 
 async def run_vastai(opts: VastOptions, progress: Callable[[str], None], *, transport=None,
                      on_text: Callable[[str], None] = lambda text: None, announce: Callable[[str], None] = print
                      ) -> RunResult:
     """As run_seed, on rented instances; `transport` replaces httpx's network transport (tests)."""
+    given = bool(opts.api_keys)
+    opts = attrs.evolve(opts, api_keys=opts.api_keys or (secrets.token_urlsafe(24),))  # the clients' key(s)
     ledger = Ledger(opts.ledger_path)
     created: list[int] = []
-    async with VastClient(opts.api_key, base_url=opts.base_url, transport=transport) as vast:
+    async with VastClient(opts.vast_api_key, base_url=opts.base_url, transport=transport) as vast:
         try:
-            use = Use(opts.prompt, opts.max_tokens, opts.sampling, opts.timeout_s, opts.model, serve=opts.serve,
-                      on_text=on_text, announce=announce)
+            use = Use(opts.prompt, opts.max_tokens, opts.sampling, opts.timeout_s, opts.model,
+                      api_key=opts.api_keys[0], key_given=given, serve=opts.serve, on_text=on_text, announce=announce)
             return await _run_guarded(vast, opts, use, ledger, created, progress)
         except BaseException:
             with trio.CancelScope(shield=True):
@@ -102,10 +105,10 @@ async def _run(nursery, vast: VastClient, opts: VastOptions, use: Use, ledger: L
         renter = Renter(vast, opts, token, ledger, created, orch, progress)
         holders = {stage: InstanceHolder(vast, contract, url, opts.poll_status_s)
                    for stage, (contract, url) in enumerate(zip(created, urls))}
-        await serve(orch, use, token, keep=functools.partial(
+        await serve(orch, use, keep=functools.partial(
             keep_stages, orch.swim, holders, renter.replace, ready_timeout_s=opts.converge_timeout_s,
             progress=progress, on_replaced=functools.partial(announce_entry, use), retire=renter.retire))
-    return await answer_once(orch, use, token, converged=converged, started=started, num_stages=opts.num_stages,
+    return await answer_once(orch, use, converged=converged, started=started, num_stages=opts.num_stages,
                              run_dir=opts.ledger_path.parent)
 
 
@@ -167,8 +170,10 @@ def pick_offers(offers: list[Offer], count: int) -> list[Offer]:
 
 
 def node_env(opts: VastOptions, stage: int, token: str) -> dict[str, str]:
+    """The instance's environment (vast.ai passes it to the container, not on a command line): its stage, the
+    cluster token and the clients' keys, which every node needs for /metrics."""
     return {**opts.node_settings, "STAGE": str(stage), "NUM_STAGES": str(opts.num_stages), "MODEL": opts.model,
-            "PP_CLUSTER_TOKEN": token, "PP_PORT": str(NODE_PORT)}
+            "PP_CLUSTER_TOKEN": token, "PP_API_KEY": ",".join(opts.api_keys), "PP_PORT": str(NODE_PORT)}
 
 
 async def _wait_running(vast, opts, stage: int, contract: int, progress) -> str:
@@ -239,7 +244,7 @@ class Renter:
 
     vast: VastClient
     opts: VastOptions
-    token: str
+    token: str = attrs.field(repr=False)
     ledger: Ledger
     created: list[int]
     orch: Orchestrator
@@ -332,12 +337,12 @@ async def _show_logs(vast: VastClient, instances: list[int], progress) -> None:
             progress(f"stage {stage} (instance {contract}) log tail:\n" + "\n".join("    " + ln for ln in lines))
 
 
-async def destroy_leftovers(api_key: str, base_url: str, ledger_path: Path, progress, *, transport=None) -> int:
+async def destroy_leftovers(vast_api_key: str, base_url: str, ledger_path: Path, progress, *, transport=None) -> int:
     ledger = Ledger(ledger_path)
     leftover = ledger.ids()
     if not leftover:
         progress(f"no leftover instances recorded in {ledger_path}")
         return 0
-    async with VastClient(api_key, base_url=base_url, transport=transport) as vast:
+    async with VastClient(vast_api_key, base_url=base_url, transport=transport) as vast:
         await destroy_all(vast, leftover, ledger, progress)
     return len(leftover)

@@ -24,7 +24,7 @@ from node.gossip import SwimConfig, suspicion_timeout_s
 from test_smoke_seed import MARK, ROOT, assert_all_gone
 
 N, CLIENTS, MAX_TOKENS = 4, 8, 64
-TOKEN = "chaos-key"
+API_KEY = "chaos-key"  # the clients', given in the environment (the cluster token is the runner's own)
 PROMPTS = [f"Story number {i}:" for i in range(CLIENTS)]
 
 
@@ -34,11 +34,11 @@ class Cluster:
 
     def __init__(self, tmp, env_extra=None, *, n=N, model="tiny"):
         self.mark, self.err_path, self.model = uuid.uuid4().hex, tmp / "ppsmoke.err", model
-        env = {**os.environ, MARK: self.mark, "DEV": "CPU", **(env_extra or {})}
+        env = {**os.environ, MARK: self.mark, "DEV": "CPU", "PP_API_KEY": API_KEY, **(env_extra or {})}
         self.err_file = open(self.err_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, str(ROOT / "ppsmoke.py"), "--seed", "-n", str(n), "--model", model, "--serve",
-             "--token", TOKEN, "--max-seqs", str(CLIENTS)], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=self.err_file, text=True)
+             "--max-seqs", str(CLIENTS)], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=self.err_file, text=True)
         self.seen: list[tuple[float, str]] = []  # (when the test read it, line) of ppsmoke's stderr
         self._lock = threading.Lock()  # the fault's thread reads lines too
         self.base_url = self._read_base_url()
@@ -96,7 +96,7 @@ class Cluster:
         return found
 
     def slots_in_use(self) -> list[int]:
-        return [httpx.get(url + "/health", headers={"Authorization": f"Bearer {TOKEN}"}).json()["slots_in_use"]
+        return [httpx.get(url + "/health").json()["slots_in_use"]
                 for url, _ in sorted(self.holders().values())]
 
     def wait_idle(self, timeout_s: float = 20) -> list[int]:
@@ -115,11 +115,12 @@ class Cluster:
         assert_all_gone(self.mark, timeout_s=20)
 
 
-def stream(base_url: str, prompt: str, chunks: list, model: str = "tiny") -> None:
-    """One streaming completion; appends (arrival time, text or the error) to `chunks` as they come."""
-    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+def stream(base_url: str, prompt: str, chunks: list, model: str = "tiny", **params) -> None:
+    """One streaming completion (greedy unless `params` say); appends (arrival time, text or the error) to
+    `chunks` as they come."""
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True, **params}
     with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=180,
-                      headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":

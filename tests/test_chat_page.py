@@ -24,7 +24,7 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
-from test_chaos import Cluster, TOKEN
+from test_chaos import API_KEY, Cluster
 
 N = 3
 HELLO, HELLO_TOKENS = "Say hello", 16
@@ -84,7 +84,7 @@ def greedy_answer(cluster, text, max_tokens) -> str:
     body = {"model": "tiny", "messages": [{"role": "user", "content": text}], "temperature": 0,
             "max_tokens": max_tokens}
     r = httpx.post(cluster.base_url + "/v1/chat/completions", json=body, timeout=180,
-                   headers={"Authorization": f"Bearer {TOKEN}"})
+                   headers={"Authorization": f"Bearer {API_KEY}"})
     assert r.status_code == 200, r.text
     choice, usage = r.json()["choices"][0], r.json()["usage"]
     assert (choice["finish_reason"], usage["completion_tokens"]) == ("length", max_tokens), (choice, usage)
@@ -98,7 +98,7 @@ def test_the_chat_page_streams_an_answer_shows_the_pipeline_and_stops_a_long_ans
         browser.get(cluster.base_url + "/")
         assert browser.title == "pp — tiny"  # the blocks and the answers below are tiny's
         assert "Enter the API key" in browser.find_element(By.ID, "banner").text  # nothing shown without it
-        browser.find_element(By.ID, "key").send_keys(TOKEN)
+        browser.find_element(By.ID, "key").send_keys(API_KEY)  # a client key
         browser.find_element(By.ID, "save-key").click()
         wait(browser, lambda: [s for s, _ in stages(browser)] == ["alive"] * N)
         assert [b for _, b in stages(browser)] == ["0,3", "3,6", "6,8"]  # tiny's 8 blocks over 3 stages
@@ -112,7 +112,7 @@ def test_the_chat_page_streams_an_answer_shows_the_pipeline_and_stops_a_long_ans
         assert streamed(browser) == hello  # the settings went with the request
         assert browser.find_element(By.ID, "ttft").text.endswith(" s")
         wait(browser, lambda: "ms/token" in browser.find_element(By.ID, "stages").text)  # the last answer's compute
-        assert browser.execute_script("return localStorage.getItem('pp-api-key')") == TOKEN
+        assert browser.execute_script("return localStorage.getItem('pp-api-key')") == API_KEY
         browser.refresh()  # the key is kept: the pipeline shows again without asking
         wait(browser, lambda: [s for s, _ in stages(browser)] == ["alive"] * N)
         assert browser.find_element(By.ID, "temperature").get_attribute("value") == "0"  # and so are the settings

@@ -5,26 +5,27 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from test_smoke_seed import ROOT, assert_all_gone, start, wait_for_line
+from test_smoke_seed import ROOT, assert_all_gone, processes_marked, start, wait_for_line
 from worker.models import tinygrad_model
 from worker.reference import generate_full
 from worker.tiny import TinySource
 
-TOKEN = "serve-test-key"
+TOKEN = "serve-test-cluster-token"  # the nodes' own, from the environment: never printed, never a client's
 PROMPT = "Say hello"
 
 
 class Served:
-    def __init__(self, proc, base_url: str, stage_urls: list[str], mark: str):
-        self.proc, self.base_url, self.stage_urls, self.mark = proc, base_url, stage_urls, mark
+    def __init__(self, proc, base_url: str, api_key: str, stage_urls: list[str], mark: str):
+        self.proc, self.base_url, self.api_key, self.stage_urls, self.mark = proc, base_url, api_key, stage_urls, mark
 
     def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base_url, api_key=TOKEN, timeout=120, **kw)
+        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, timeout=120, **kw)
 
     def slots_in_use(self) -> list[int]:
         return [httpx.get(u + "/health").json()["slots_in_use"] for u in self.stage_urls]
@@ -33,14 +34,16 @@ class Served:
 @pytest.fixture(scope="module")
 def served():
     mark = uuid.uuid4().hex
-    proc = start(["-n", "2", "--serve", "--token", TOKEN, "--max-seqs", "2", "--max-queue", "1"], mark)
-    out = wait_for_line(proc.stdout, "OPENAI_API_KEY=", 240)
+    proc = start(["-n", "2", "--serve", "--max-seqs", "2", "--max-queue", "1"], mark,
+                 env_extra={"PP_CLUSTER_TOKEN": TOKEN})
+    out = wait_for_line(proc.stdout, "curl -N", 240)
     base_url = next(line.split("=", 1)[1].strip() for line in out if line.startswith("OPENAI_BASE_URL="))
-    assert out[-1].strip() == f"OPENAI_API_KEY={TOKEN}"
+    api_key = next(line.split("=", 1)[1].strip() for line in out if line.startswith("OPENAI_API_KEY="))
+    assert api_key != TOKEN and TOKEN not in "".join(out)  # a client key of its own making, printed; the token not
     err = wait_for_line(proc.stderr, "pp-entry is ready", 30)
     stage_urls = [line.split(" listening at ")[1].split()[0] for line in err if " listening at " in line]
     assert len(stage_urls) == 2
-    yield Served(proc, base_url, stage_urls, mark)
+    yield Served(proc, base_url, api_key, stage_urls, mark)
     proc.send_signal(signal.SIGINT)
     try:
         assert proc.wait(timeout=30) == 0, proc.stderr.read()[-2000:]
@@ -113,6 +116,31 @@ def test_a_missing_or_wrong_key_is_401_in_openai_s_shape(served):
     with pytest.raises(openai.AuthenticationError) as info:
         client.models.list()
     assert openai_error(info)["code"] == "invalid_api_key"
+
+
+def test_the_cluster_token_is_no_api_key(served):
+    client = openai.OpenAI(base_url=served.base_url, api_key=TOKEN)
+    with pytest.raises(openai.PermissionDeniedError) as info:
+        client.models.list()
+    assert "not a client API key" in openai_error(info)["message"]
+
+
+def proc_file(pid: int, name: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes()
+    except OSError:  # a compiler worker of tinygrad's that has just ended
+        return b""
+
+
+def test_every_node_has_the_client_key_in_its_environment_and_no_secret_is_on_a_command_line(served):
+    pids = processes_marked(served.mark)
+    nodes = [pid for pid in pids if b"ppnode.py" in proc_file(pid, "cmdline")]
+    assert len(nodes) == 2
+    for pid in nodes:
+        assert f"PP_API_KEY={served.api_key}\0".encode() in proc_file(pid, "environ")
+    for pid in pids:
+        cmdline = proc_file(pid, "cmdline")
+        assert TOKEN.encode() not in cmdline and served.api_key.encode() not in cmdline
 
 
 def test_a_prompt_longer_than_the_context_is_400_context_length_exceeded(served):

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 async def ppsmoke(standin_url: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(ROOT / "ppsmoke.py"), "--vastai", "--api-key", "test-key", "--vastai-url",
+    command = [sys.executable, str(ROOT / "ppsmoke.py"), "--vastai", "--vast-api-key", "test-key", "--vastai-url",
                standin_url, "--image", "pp-node:test", "--status-poll", "0.2", "--ledger", str(tmp_path / "live.json"),
                *([] if "--model" in args else ["--model", "tiny"]), *args]
     return await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False, cwd=ROOT)
@@ -77,7 +77,7 @@ async def test_fatal_faults_exit_1_with_a_reason_and_leave_zero_instances(nurser
 
 async def test_sigint_mid_run_still_destroys_every_instance(nursery, tmp_path):
     url = await with_standin(nursery)
-    command = [sys.executable, str(ROOT / "ppsmoke.py"), "--vastai", "--api-key", "k", "--vastai-url", url,
+    command = [sys.executable, str(ROOT / "ppsmoke.py"), "--vastai", "--vast-api-key", "k", "--vastai-url", url,
                "--image", "x", "--status-poll", "0.2", "--ledger", str(tmp_path / "live.json"), "-n", "3", "--model", "tiny",
                "--max-tokens", "2000"]
     proc = await trio.lowlevel.open_process(command, stderr=subprocess.PIPE, cwd=ROOT)
@@ -139,9 +139,9 @@ async def stream_text(client: httpx.AsyncClient, base: str, prompt: str, chunks:
 @pytest.mark.slow
 async def test_serving_a_lost_instance_is_destroyed_and_replaced_and_no_request_is_lost(nursery, tmp_path):
     url = await with_standin(nursery)
-    command = [sys.executable, str(ROOT / "ppsmoke.py"), "--vastai", "--api-key", "k", "--vastai-url", url,
+    command = [sys.executable, str(ROOT / "ppsmoke.py"), "--vastai", "--vast-api-key", "k", "--vastai-url", url,
                "--image", "x", "--status-poll", "0.2", "--ledger", str(tmp_path / "live.json"), "-n", "3", "--model", "tiny",
-               "--serve", "--token", "t"]
+               "--serve"]
     proc = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
     err = bytearray()
 
@@ -151,11 +151,12 @@ async def test_serving_a_lost_instance_is_destroyed_and_replaced_and_no_request_
     nursery.start_soon(drain)
     out = b""
     with trio.fail_after(150):
-        while b"OPENAI_API_KEY=" not in out:
+        while b"curl -N" not in out:
             out += await proc.stdout.receive_some()
     base = next(line.split("=", 1)[1] for line in out.decode().splitlines() if line.startswith("OPENAI_BASE_URL="))
+    key = next(line.split("=", 1)[1] for line in out.decode().splitlines() if line.startswith("OPENAI_API_KEY="))
     prompts = [f"Tale {i}:" for i in range(4)]
-    async with httpx.AsyncClient(timeout=120, headers={"Authorization": "Bearer t"}) as client:
+    async with httpx.AsyncClient(timeout=120, headers={"Authorization": f"Bearer {key}"}) as client:
         undisturbed = [await stream_text(client, base, p, []) for p in prompts]
         chunks = [[] for _ in prompts]
         texts = [None] * len(prompts)

@@ -49,7 +49,7 @@ class FakeVast:
 
 def options(tmp_path, n=5, **kw) -> VastOptions:
     return VastOptions(num_stages=n, model="llama3.2:1b", prompt="Say hello", max_tokens=4, sampling=GREEDY,
-                       timeout_s=5, converge_timeout_s=5, api_key="secret-key", base_url="http://vast.test",
+                       timeout_s=5, converge_timeout_s=5, vast_api_key="secret-key", base_url="http://vast.test",
                        image="me/pp-node:1", ledger_path=tmp_path / "live.json", running_timeout_s=0.5,
                        poll_status_s=0.1, **kw)
 
@@ -62,6 +62,8 @@ async def test_n_creates_carry_distinct_stages_and_every_instance_is_destroyed(t
     assert [e["STAGE"] for e in envs] == ["0", "1", "2", "3", "4"]
     assert {e["NUM_STAGES"] for e in envs} == {"5"} and {e["MODEL"] for e in envs} == {"llama3.2:1b"}
     assert len({e["PP_CLUSTER_TOKEN"] for e in envs}) == 1 and all("-p 8000:8000" in e for e in envs)
+    assert len({e["PP_API_KEY"] for e in envs}) == 1 and envs[0]["PP_API_KEY"] != envs[0]["PP_CLUSTER_TOKEN"]
+    assert all("secret-key" not in str(e) for e in envs)  # the vast.ai key stays with the runner
     assert sorted(fake.destroyed) == fake.created == [100, 101, 102, 103, 104]
     assert Ledger(tmp_path / "live.json").ids() == []
 
