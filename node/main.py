@@ -159,9 +159,9 @@ async def _serve(config, swim_config, on_listening, compute, task_status) -> Non
         if stage == 0:  # pp-entry serves the OpenAI API too, and a chat page that uses it
             add_openai_routes(app, node, model_name=config.model_name)
             add_chat_page(app, node, token=config.cluster_token, model_name=config.model_name)
-            if not config.api_keys and not config.token_is_api_key:
-                log.warning("no client API key (PP_API_KEY, PP_API_KEY_FILE): the OpenAI API answers 401 to everyone")
         url = advertised_url(config, await nursery.start(serve_app, app, config.bind_host, config.port))
+        if stage == 0 and not config.api_keys and not config.token_is_api_key:  # after listening: see ppnode.py
+            log.warning("no client API key (PP_API_KEY, PP_API_KEY_FILE): the OpenAI API answers 401 to everyone")
         node.url = url
         event(log, "listening", url=url, stage=stage, num_stages=n)
         on_listening(url)
