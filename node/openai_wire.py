@@ -15,7 +15,7 @@ import time
 
 import attrs
 
-from worker.sampling import Sampling
+from worker.sampling import MAX_SEED, Sampling
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOPS = 4
@@ -113,6 +113,8 @@ def _sampling(body: dict, seed_if_unset: int) -> Sampling:
     temperature = float(_get(body, "temperature", float, default=1.0))
     top_p = float(_get(body, "top_p", float, default=1.0))
     seed = _get(body, "seed", int, default=seed_if_unset)
+    if not 0 <= seed <= MAX_SEED:
+        raise ApiError(400, f"seed: {seed} is outside 0..{MAX_SEED}", param="seed", code="invalid_value")
     if not 0.0 <= temperature <= 2.0:
         raise ApiError(400, f"temperature: {temperature} is outside 0..2", param="temperature", code="invalid_value")
     if not 0.0 < top_p <= 1.0:

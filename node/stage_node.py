@@ -1,6 +1,11 @@
 """A stage at run time: admits messages for its actor, runs its batched steps on the compute thread one
 after another, and hands what each step produces to the links, which send it without holding up the
-next step. Replies go to whoever asked, or are kept here for an asker behind NAT to fetch."""
+next step. Replies go to whoever asked, or are kept here for an asker behind NAT to fetch.
+
+A step whose compute raises fails the requests in it, each answered with the stage and the error, and the
+stage goes on with the next step: one request's failure is that request's alone, and a process that died of
+it would only be replaced and handed the request again. Cancellation and other BaseExceptions still end
+the loop."""
 from __future__ import annotations
 
 import collections
@@ -21,7 +26,7 @@ from .faults import NONE as NO_FAULTS, Faults
 from .gossip import State
 from .links import Links
 from .metrics import NodeMetrics
-from .log import error_event, event
+from .log import as_extra, error_event, event
 from .streams import LinkReceiver, LinkStream
 from .swim import Swim
 
@@ -207,6 +212,7 @@ class StageNode:
                 "weight_bytes": info.weight_bytes if info else None, "kv_bytes": info.kv_bytes if info else None,
                 "max_seqs": info.max_seqs if info else None, "max_batch": info.max_batch if info else None,
                 "slots_in_use": self.worker.slots_in_use if self.worker else None,
+                "followed": len(self._local),  # stage 0: API requests whose asker is still being answered
                 "steps": self._steps, "rows": self._rows, "compute_s": round(self._compute_s, 3),
                 **(self.actor.health() if self.actor else {}),
                 "links": self.links.pending() if self.links else {},
@@ -266,7 +272,13 @@ class StageNode:
             for source, arrived in self._arrivals:
                 self.hops.record(f"from {source}", "queue", started - arrived)
             self._arrivals.clear()
-            outcome, ran_from, ran_to = await compute.call(_clocked, self.actor.run, step, self.worker)
+            try:
+                outcome, ran_from, ran_to = await compute.call(_clocked, self.actor.run, step, self.worker)
+            except trio.ClosedResourceError:
+                raise  # the compute thread is gone: the node is stopping
+            except Exception as exc:  # noqa: BLE001 - the job's own error, whatever it is: its requests fail
+                self._step_failed(step, exc)
+                continue
             resumed = hops.now()
             for part, seconds in (("to_thread", ran_from - started), ("compute", ran_to - ran_from),
                                   ("back", resumed - ran_to)):
@@ -277,6 +289,13 @@ class StageNode:
             self._rows += sum(u.rows for u in step.units)
             for action in self.actor.finish(step, outcome):
                 self._post(action)
+
+    def _step_failed(self, step, exc: Exception) -> None:
+        error = f"compute failed: {type(exc).__name__}: {exc}"
+        requests = list(dict.fromkeys(u.request_id for u in step.units))
+        log.error("step_failed", exc_info=exc, extra=as_extra(stage=self.stage, requests=requests, error=error))
+        for action in self.actor.step_failed(step, error):
+            self._post(action)
 
     def _open_stream(self, dest: str) -> LinkStream | None:
         """The next stage (the last stage: stage 0) gets a link stream; askers get POSTs."""

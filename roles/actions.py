@@ -49,9 +49,10 @@ def wrong_role(stage: int, role, message) -> Refused:
     return Refused(409, f"stage {stage} ({role.value}) does not accept {kind} messages")
 
 
-def failure(request_id: str, stage: int, error: str, generation: int = 0) -> EndRequest:
-    """To stage 0: this life of the request failed here (a failure of a life since replayed is ignored)."""
-    return EndRequest(request_id, EndReason.FAILED, f"stage {stage}: {error}", stage, generation)
+def failure(request_id: str, stage: int, error: str, generation: int = 0, *, poison: bool = False) -> EndRequest:
+    """To stage 0: this life of the request failed here (a failure of a life since replayed is ignored,
+    unless it is `poison`: computing the request failed, which no replay mends)."""
+    return EndRequest(request_id, EndReason.FAILED, f"stage {stage}: {error}", stage, generation, poison)
 
 
 def lost(request_id: str, stage: int, generation: int, error: str) -> EndRequest:
@@ -163,6 +164,19 @@ def compute(step: Step, worker, items: list) -> tuple[list, float]:
     with timed(ms):
         results = worker.run(items) if items else []
     return results, ms[0]
+
+
+def step_failed(step: Step, queue: StageQueue, error: str, *, live: Callable[[str, int], bool],
+                fail: Callable[[str, str], list]) -> list:
+    """The compute of a step raised (not a WorkerError refusing one item: something nobody expected). Each
+    live request with rows in it fails with `error`, since its KV cache may be half-written; the slots the
+    step was to free are freed before the next step instead (freeing twice is harmless)."""
+    queue.release_again(step.release)
+    actions = []
+    for rid, generation in dict.fromkeys((u.request_id, u.generation) for u in step.units):
+        if live(rid, generation):
+            actions += fail(rid, error)
+    return actions
 
 
 def pass_on(step: Step, outcome: tuple[list, float], *, dest: str, live: Callable[[str, int], bool],

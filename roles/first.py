@@ -27,7 +27,7 @@ from worker.errors import WorkerError
 from worker.partition import Role
 from worker.stage import StepItem
 
-from .actions import Progress, Refused, Send, compute, error_reply, failure, pass_on, wrong_role
+from .actions import Progress, Refused, Send, compute, error_reply, failure, pass_on, step_failed, wrong_role
 from .messages import Activation, CancelRequest, EndReason, EndRequest, InferenceRequest, NextTokens, RequestStart
 from .schedule import StageQueue, Step, Unit
 from .topology import stage_name
@@ -82,15 +82,18 @@ class FirstActor:
             return self._lost(msg.request_id, msg.generation)
         if isinstance(msg, EndRequest):  # a stage failed it
             live = self.live.get(msg.request_id)
-            return self.end(msg) if live is not None and msg.generation >= live.generation else []
+            return self.end(msg) if live is not None and (msg.generation >= live.generation or msg.poison) else []
         raise wrong_role(self.stage, self.role, msg)
 
     def plan(self) -> Step | None:
         return None if self.paused else self.queue.next_step()
 
     def finish(self, step: Step, outcome) -> list:
-        return pass_on(step, outcome, dest=self.next, live=self.is_live,
-                       fail=lambda rid, error: self.end(failure(rid, self.stage, error)))
+        return pass_on(step, outcome, dest=self.next, live=self.is_live, fail=self._fail)
+
+    def step_failed(self, step: Step, error: str) -> list:
+        """The step's compute raised: its requests fail (roles.actions.step_failed)."""
+        return step_failed(step, self.queue, error, live=self.is_live, fail=self._fail)
 
     def undeliverable(self, send: Send, error: str) -> list:
         if not isinstance(send.message, Activation):
@@ -225,6 +228,10 @@ class FirstActor:
                 self.queue.add(Unit(t.request_id, t.position, 1, decode=True, tokens=(t.token_id,),
                                     generation=live.generation))
         return actions
+
+    def _fail(self, request_id: str, error: str) -> list:
+        """Computing the request failed here: it ends, never replayed."""
+        return self.end(failure(request_id, self.stage, error, poison=True))
 
     def _cancel(self, request_id: str) -> list:
         if self.waiting.pop(request_id, None) is not None:  # never started: nothing holds a slot for it

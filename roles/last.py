@@ -16,7 +16,7 @@ from worker.stage import StepItem
 from worker.stopping import generation_done
 
 from .actions import (Entries, Held, Reply, Send, admit_segments, compute, error_reply, failure, is_live,
-                      wrong_role)
+                      step_failed, wrong_role)
 from .messages import Activation, EndRequest, InferenceResponse, NextTokens, RequestStart, Token
 from .schedule import StageQueue, Step, Unit
 from .topology import stage_name
@@ -93,6 +93,10 @@ class LastActor:
             actions.append(Send(self.feedback, NextTokens(tuple(tokens))))
         return actions
 
+    def step_failed(self, step: Step, error: str) -> list:
+        """The step's compute raised: its requests fail (roles.actions.step_failed)."""
+        return step_failed(step, self.queue, error, live=self.is_live, fail=self._fail)
+
     def undeliverable(self, send: Send, error: str) -> list:
         """Tokens that cannot reach stage 0 end their requests; the asker hears it from here."""
         actions = []
@@ -122,7 +126,7 @@ class LastActor:
         results, ms = compute(step, worker, [StepItem(u.request_id, u.position, hidden=u.hidden, seq_len=u.rows,
                                                       sampling=u.start.sampling if u.start else GREEDY)
                                              for u in step.units])
-        return [r if isinstance(r, WorkerError) else worker.sample(u.request_id, r) if u.sample else None
+        return [r if isinstance(r, WorkerError) else _sample(worker, u.request_id, r) if u.sample else None
                 for u, r in zip(step.units, results)], ms
 
     # -- internals ---------------------------------------------------------------------------
@@ -146,11 +150,12 @@ class LastActor:
             tuple(round((t - prog.first_token_at) * 1000.0, 3) for t in prog.sampled_at), s.queued_ms / 1000.0))
 
     def _fail(self, request_id: str, error: str) -> list:
-        """Report to stage 0, which ends the request everywhere and tells the asker."""
+        """Computing the request failed: report it to stage 0, which ends it everywhere (never replaying it)
+        and tells the asker."""
         self.failed_reply_to[request_id] = self.progress[request_id].start.reply_to
         generation = self.expected[request_id].generation
         self._end_here(request_id)
-        return [Send(self.feedback, failure(request_id, self.stage, error, generation))]
+        return [Send(self.feedback, failure(request_id, self.stage, error, generation, poison=True))]
 
     def _end_here(self, request_id: str) -> None:
         if not self.queue.ended(request_id):
@@ -158,3 +163,12 @@ class LastActor:
         self.expected.pop(request_id, None)
         self.entries.drop(request_id)
         self.progress.pop(request_id, None)
+
+
+def _sample(worker, request_id: str, logits) -> int | WorkerError:
+    """One request's token, or the WorkerError that refused its sampling (logits that are not finite): that
+    request fails, the others of the step go on."""
+    try:
+        return worker.sample(request_id, logits)
+    except WorkerError as exc:
+        return exc

@@ -174,13 +174,16 @@ class EndReason(enum.Enum):
 @attrs.frozen
 class EndRequest:
     """Stage 0 → down the chain: free this request's slot. Any stage → stage 0: this request failed here,
-    or (LOST) the rows of its `generation` did not get past this stage."""
+    or (LOST) the rows of its `generation` did not get past this stage. A `poison` failure is the request's
+    own (computing it failed: its input, or an error of the compute itself), not the transport's: a replay
+    would compute it again, so it ends the request whatever life stage 0 has started since."""
 
     request_id: str
     reason: EndReason
     error: str | None = None
     failed_stage: int | None = None
     generation: int = 0
+    poison: bool = False
 
 
 @attrs.frozen

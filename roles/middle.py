@@ -8,7 +8,7 @@ from worker.partition import Role
 from worker.stage import StepItem
 
 from .actions import (Entries, Held, Send, admit_segments, compute, error_reply, failure, is_live, lost, pass_on,
-                      wrong_role)
+                      step_failed, wrong_role)
 from .messages import Activation, EndReason, EndRequest
 from .schedule import StageQueue, Step, Unit
 from .topology import stage_name
@@ -51,6 +51,10 @@ class MiddleActor:
     def finish(self, step: Step, outcome) -> list:
         return pass_on(step, outcome, dest=self.next, live=self.is_live, fail=self._fail)
 
+    def step_failed(self, step: Step, error: str) -> list:
+        """The step's compute raised: its requests fail (roles.actions.step_failed)."""
+        return step_failed(step, self.queue, error, live=self.is_live, fail=self._fail)
+
     def undeliverable(self, send: Send, error: str) -> list:
         """Rows that could not go on are reported lost to stage 0, which replays their requests (the slot
         here is kept: the replay overwrites it); a failure report that could not reach stage 0 goes to the
@@ -82,9 +86,10 @@ class MiddleActor:
 
     # -- internals ---------------------------------------------------------------------------
     def _fail(self, request_id: str, error: str) -> list:
-        """Report to stage 0, which ends the request everywhere and tells the asker."""
+        """Computing the request failed: report it to stage 0, which ends it everywhere (never replaying it)
+        and tells the asker."""
         held = self.expected.get(request_id)
-        end = failure(request_id, self.stage, error, held.generation if held else 0)
+        end = failure(request_id, self.stage, error, held.generation if held else 0, poison=True)
         self._end_here(request_id, keep_reply_to=True)
         return [Send(self.entry, end)]
 

@@ -113,6 +113,10 @@ class StageQueue:
         self.waiting = [u for u in self.waiting if u.request_id != request_id]
         self._release.append(request_id)
 
+    def release_again(self, request_ids) -> None:
+        """Free these slots before the next step: those of a step whose compute failed before freeing them."""
+        self._release.extend(request_ids)
+
     def next_step(self) -> Step | None:
         """Take the next step's rows off the queue, or None when there is nothing to do."""
         take = plan_rows(self.waiting, self.max_rows)

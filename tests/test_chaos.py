@@ -4,7 +4,11 @@ no stage holds a slot, and (at teardown) no process is left behind. Each test pr
 with what it measured (run with -s to see them): requests completed and lost, the time from the fault to
 the runner noticing, to the replacement being ready, and to the first token after the pause.
 
-The default suite runs SIGKILL of a middle stage; the other faults are in the slow tier."""
+Poison requests (issue 23) are a row too: values that once ended the last stage's process, and then each
+replacement's as stage 0 replayed them into it.
+
+The default suite runs SIGKILL of a middle stage and the poison requests; the other faults are in the slow
+tier."""
 import concurrent.futures
 import datetime
 import json
@@ -268,6 +272,33 @@ def test_a_stage_frozen_past_the_dead_timeout_is_replaced_and_exits_when_it_wake
         time.sleep(0.1)
     assert not pid_alive(pid), "the frozen stage went on serving after it woke"
     assert any('"event": "replaced"' in p.read_text() for p in logs_of(cluster) if p.name.startswith("stage2"))
+    assert cluster.wait_idle() == [0] * N
+
+
+def test_poison_requests_fail_alone_and_no_node_exits_or_keeps_a_slot(cluster):
+    """A temperature so small that the probabilities were NaN (1e-310) and seeds numpy refuses passed the API's
+    checks and ended the last stage's process. Now the first samples greedily (its answer is the temperature-0
+    one) and the seeds are a 400 naming `seed`, while eight clients stream: their answers are unchanged, every
+    node is the one it was, and no slot is left taken."""
+    pids = {stage: pid for stage, (_, pid) in cluster.holders().items()}
+    seen = len(cluster.lines())
+    outcome = {}
+
+    def poison():
+        chunks = []
+        stream(cluster.base_url, PROMPTS[0], chunks, cluster.model, temperature=1e-310)
+        outcome["temperature 1e-310"] = text_of(chunks)
+        for seed in (-1, 2 ** 64):
+            body = {"model": cluster.model, "prompt": PROMPTS[1], "max_tokens": 4, "seed": seed}
+            r = httpx.post(cluster.base_url + "/v1/completions", json=body, timeout=60,
+                           headers={"Authorization": f"Bearer {API_KEY}"})
+            outcome[f"seed {seed}"] = (r.status_code, r.json()["error"]["param"])
+    chunks, _ = run_clients(cluster, poison)
+    report("poison requests (temperature 1e-310; seeds -1, 2**64)", chunks, cluster.undisturbed, None)
+    assert outcome == {"temperature 1e-310": cluster.undisturbed[0], "seed -1": (400, "seed"),
+                       f"seed {2 ** 64}": (400, "seed")}
+    assert {stage: pid for stage, (_, pid) in cluster.holders().items()} == pids
+    assert not any("replaced in" in line for line in cluster.lines()[seen:])
     assert cluster.wait_idle() == [0] * N
 
 

@@ -212,7 +212,7 @@ def test_a_worker_error_at_a_middle_stage_is_reported_to_stage_0():
     actor.admit(Activation(ActivationMeta((seg,)), b"\0" * 4 * w.info.hidden_dim))
     w.run = lambda items: [WorkerError("no free slot")]
     [report] = step(actor, w)
-    assert report == Send("pp-stage-0", EndRequest("r1", EndReason.FAILED, "stage 1: no free slot", 1))
+    assert report == Send("pp-stage-0", EndRequest("r1", EndReason.FAILED, "stage 1: no free slot", 1, poison=True))
 
 
 def route(actors, workers, prompts, max_tokens):

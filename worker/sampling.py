@@ -1,8 +1,21 @@
-"""Choosing the next token from logits: greedy by default, temperature and top-p on request."""
+"""Choosing the next token from logits: greedy by default, temperature and top-p on request.
+
+Two inputs would otherwise break the arithmetic rather than the request: a temperature so small that the
+logits divided by it overflow (1e-310 gives inf - inf = NaN probabilities), and a seed numpy cannot take.
+Below SAMPLING_EPS sampling is greedy, as vLLM's is (vllm/sampling_params.py, _SAMPLING_EPS = 1e-5): at
+such a temperature the most likely token has all the mass anyway. A seed is any integer 0..2**64 - 1
+(OpenAI's `seed` is an integer; numpy's SeedSequence takes any non-negative one); another is a WorkerError
+that fails its own request alone, as do logits that are not finite.
+"""
 from __future__ import annotations
 
 import attrs
 import numpy as np
+
+from .errors import WorkerError
+
+SAMPLING_EPS = 1e-5  # below this temperature, greedy
+MAX_SEED = 2 ** 64 - 1
 
 
 @attrs.frozen
@@ -13,10 +26,18 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
 
 GREEDY = Sampling()
+
+
+def rng_for(sampling: Sampling) -> np.random.Generator:
+    """The generator a request samples from, seeded by it; a seed outside 0..2**64 - 1 is a WorkerError."""
+    seed = sampling.seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise WorkerError(f"seed: {seed!r} is not an integer in 0..{MAX_SEED}")
+    return np.random.default_rng(seed)
 
 
 def sample(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> int:
@@ -25,6 +46,9 @@ def sample(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> 
     z = logits.astype(np.float64) / sampling.temperature
     probs = np.exp(z - z.max())
     probs /= probs.sum()
+    if not np.isfinite(probs).all():
+        raise WorkerError(f"sampling at temperature {sampling.temperature}: the logits are not finite "
+                          f"(min {logits.min()}, max {logits.max()})")
     order = np.argsort(-probs, kind="stable")
     # nucleus: the smallest prefix of tokens, by probability, whose mass reaches top_p
     keep = int(np.searchsorted(np.cumsum(probs[order]), sampling.top_p) + 1)

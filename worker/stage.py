@@ -11,13 +11,15 @@ compute raises forgets every request in it, since their KV caches may be half-wr
 """
 from __future__ import annotations
 
+import functools
+
 import attrs
 import numpy as np
 
 from .errors import WorkerError
 from .batching import Segment
 from .partition import Role, layer_range, role_of
-from .sampling import GREEDY, Sampling, sample
+from .sampling import GREEDY, Sampling, rng_for, sample
 from .slice import Slice
 
 
@@ -86,6 +88,13 @@ class StageWorker:
     def tokenize(self, prompt: str, *, chat: bool = True) -> list[int]:
         self._require(Role.FIRST, "tokenize")
         return self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode_prompt(prompt)
+
+    @functools.cached_property
+    def longest_token_bytes(self) -> int:
+        """The most bytes (so characters) one token stands for, control tokens' text included: a text of more
+        characters than max_context times this cannot fit in the context. Made once, from the whole vocabulary."""
+        self._require(Role.FIRST, "longest_token_bytes")
+        return max((len(self.tokenizer.decode_bytes([i])) for i in range(self.info.vocab_size)), default=1)
 
     def tokenize_messages(self, messages: list[dict]) -> list[int]:
         """A conversation (system, user and assistant turns) through the model's chat template."""
@@ -210,7 +219,7 @@ class StageWorker:
         if free is None:
             raise WorkerError(f"request {item.request_id!r}: all {self.compute.max_seqs} sequence slots of stage "
                               f"{self.info.stage} are taken")
-        return _Request(free, 0, item.sampling, np.random.default_rng(item.sampling.seed))
+        return _Request(free, 0, item.sampling, rng_for(item.sampling))  # a bad seed fails this request alone
 
     def _compute(self, accepted: list[tuple[int, StepItem, _Request]], starting: dict[str, _Request],
                  results: list) -> None:
