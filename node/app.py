@@ -88,7 +88,10 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_st
 
     @app.errorhandler(413)
     async def too_large(_):
-        return _error(413, f"body over the limit of {max_body_bytes} bytes")
+        message = f"body over the limit of {max_body_bytes} bytes"
+        if request.path in API_PATHS:
+            return api_refusal(413, message).body(), 413
+        return _error(413, message)
 
     @app.get("/health")
     async def health():

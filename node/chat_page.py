@@ -4,6 +4,9 @@ their hop figures with the cluster token, which stays here). The page is one sel
 node/static/chat.html: no build step, nothing fetched from elsewhere (the machines may have no internet)."""
 from __future__ import annotations
 
+import base64
+import hashlib
+import re
 from html import escape as html_escape
 from pathlib import Path
 
@@ -12,14 +15,31 @@ from quart import Response, jsonify
 from .pipeline_view import pipeline_view
 
 PAGE = Path(__file__).resolve().parent / "static" / "chat.html"
+_INLINE = re.compile(r"<(script|style)>(.*?)</\1>", re.DOTALL)
+
+
+def page_headers(html: str) -> dict[str, str]:
+    """The page's security headers: a Content-Security-Policy that lets it do only what it does — run its own
+    inline script and style (allowed by their hashes, so nothing injected runs), call this origin's API —
+    and be framed by nobody; no MIME sniffing; no referrer."""
+    allowed = {"script": [], "style": []}
+    for kind, body in _INLINE.findall(html):
+        digest = base64.b64encode(hashlib.sha256(body.encode()).digest()).decode()
+        allowed[kind].append(f"'sha256-{digest}'")
+    script, style = (" ".join(allowed[kind]) or "'none'" for kind in ("script", "style"))
+    policy = ["default-src 'none'", f"script-src {script}", f"style-src {style}", "connect-src 'self'",
+              "base-uri 'none'", "form-action 'none'", "frame-ancestors 'none'"]
+    return {"Content-Security-Policy": "; ".join(policy), "X-Content-Type-Options": "nosniff",
+            "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer"}
 
 
 def add_chat_page(app, node, *, token: str, model_name: str) -> None:
     html = PAGE.read_text().replace("{{MODEL}}", html_escape(model_name, quote=True))
+    headers = page_headers(html)
 
     @app.get("/")
     async def chat_page():
-        return Response(html, content_type="text/html; charset=utf-8")
+        return Response(html, content_type="text/html; charset=utf-8", headers=headers)
 
     @app.get("/v1/pipeline")
     async def pipeline():

@@ -9,6 +9,17 @@ the request at once, freeing its slots on every stage; a stage that fails it end
 event and `data: [DONE]` rather than a hang. Streams carry no time limit of quart's (a long answer is not
 cut at 60 s), and every path out of the stream generator sends `[DONE]` (hypercorn would otherwise leave an
 HTTP/2 client waiting).
+
+The client going away is noticed whenever it happens. The view returns a streamed response before any of
+it is sent, and a client that leaves before the stream generator has started (HTTP/1.1 sockets closed
+milliseconds after the request) never runs the generator's cleanup; so the ASGI call of every exchange on
+these paths closes what the exchange followed when it returns, however it ends (`_close_when_over`).
+
+The event loop does no unbounded work for a request: its body is refused past what the model's context
+could need (413) or when it stalls (408), it is parsed by json's C scanner (a malformed one is a 400 in
+OpenAI's shape), a prompt with more characters than the context could hold in tokens is
+refused before tokenizing, and tokenizing and rendering the chat template run in a worker thread (Hugging
+Face tokenizers releases the GIL), so /health and the pipeline's own traffic keep being answered.
 """
 from __future__ import annotations
 
@@ -26,14 +37,18 @@ from roles.actions import Progress, Refused
 from roles.messages import MAX_TOKENS_LIMIT, EndReason, InferenceRequest, InferenceResponse
 from worker.errors import WorkerError
 
-from .openai_wire import ApiError, ApiRequest, Completion, TextStream, parse_request
+from .openai_wire import ApiError, ApiRequest, Completion, TextStream, body_limit, parse_body, parse_request
 
 API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
+BODY_IDLE_S = 10.0  # a client sending its body: the longest wait for a byte of it
 FINAL_WAIT_S = 5.0  # after the last token, how long a return_token_ids request waits for the stages' figures
+_FOLLOWS = "pp.follows"  # the ASGI scope's list of what an exchange follows (_close_when_over)
 
 
 def add_openai_routes(app: QuartTrio, node, *, model_name: str) -> None:
     started = int(time.time())
+    app.asgi_app = _close_when_over(app.asgi_app)
 
     @app.get("/v1/models")
     async def models():
@@ -69,19 +84,35 @@ def _ready(node):
     return node.worker
 
 
+def _close_when_over(asgi_app):
+    """ASGI middleware: when an exchange on a completion path ends — answered, or its client gone before,
+    during or after the first byte — every request it followed is closed (cancelled unless it is over).
+    The stream generator closes its own on the way out too; this is for the one that never started."""
+    async def app(scope, receive, send):
+        if scope["type"] != "http" or scope["path"] not in COMPLETION_PATHS:
+            return await asgi_app(scope, receive, send)
+        follows: list[_Follow] = []
+        try:
+            await asgi_app({**scope, _FOLLOWS: follows}, receive, send)
+        finally:
+            for follow in follows:
+                follow.close()
+    return app
+
+
 async def _complete(app: QuartTrio, node, model_name: str, *, chat: bool):
-    body = await request.get_json(force=True, silent=True)
-    if body is None:
-        raise ApiError(400, "the body is not JSON")
-    api = parse_request(body, chat=chat, seed_if_unset=secrets.randbits(31))
+    worker = _ready(node)
+    longest = await trio.to_thread.run_sync(lambda: worker.longest_token_bytes)  # made once, from the vocabulary
+    body = await _read_body(body_limit(worker.info.max_context, longest))
+    api = parse_request(parse_body(body), chat=chat, seed_if_unset=secrets.randbits(31))
     if api.model != model_name:
         raise ApiError(404, f"model {api.model!r} is not served here; this cluster serves {model_name!r}",
                        param="model", code="model_not_found")
-    worker = _ready(node)
-    ids = _prompt_ids(worker, api)
+    ids = await trio.to_thread.run_sync(_prompt_ids, worker, api)
     completion = Completion(api, uuid.uuid4().hex, tuple(ids))
     events = _admit(node, worker, api, completion)
     follow = _Follow(node, worker, completion, events)
+    request.scope[_FOLLOWS].append(follow)  # no checkpoint since the admission: nothing can be lost between
     if not api.stream:
         try:
             async with aclosing(follow.pieces()) as pieces:
@@ -96,25 +127,57 @@ async def _complete(app: QuartTrio, node, model_name: str, *, chat: bool):
     return response
 
 
+async def _read_body(limit: int) -> bytes:
+    """The request's body: a 413 past `limit` bytes (at once where its Content-Length says so), and a 408
+    where the client sends nothing for BODY_IDLE_S, before its first byte or between two."""
+    if (request.content_length or 0) > limit:
+        raise too_large(limit)
+    data, chunks = bytearray(), aiter(request.body)
+    while True:
+        with trio.move_on_after(BODY_IDLE_S) as idle:
+            try:
+                chunk = await anext(chunks)
+            except StopAsyncIteration:
+                return bytes(data)
+        if idle.cancelled_caught:
+            raise ApiError(408, f"the request body stalled: nothing came for {BODY_IDLE_S:g} s", code="timeout")
+        data += chunk
+        if len(data) > limit:
+            raise too_large(limit)
+
+
+def too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is over the {limit} bytes the model's context could need",
+                    code="request_too_large")
+
+
 def _prompt_ids(worker, api: ApiRequest) -> list[int]:
+    """In a worker thread: the prompt's ids, or the ApiError refusing it. A text of more characters than
+    the context's tokens could spell (each at most the longest token's bytes) is refused untokenized."""
     param = "messages" if api.chat else "prompt"
+    context = worker.info.max_context
     try:
-        if api.chat:
-            ids = worker.tokenize_messages(list(api.messages))
-        elif isinstance(api.prompt, tuple):
+        if isinstance(api.prompt, tuple) and not api.chat:
             ids = list(api.prompt)
-            bad = [t for t in ids if not 0 <= t < worker.info.vocab_size]
+            bad = [] if len(ids) >= context else [t for t in ids if not 0 <= t < worker.info.vocab_size]
             if bad:
                 raise WorkerError(f"token ids out of range 0..{worker.info.vocab_size - 1}: {bad[:5]}")
         else:
-            ids = worker.tokenize(api.prompt, chat=False)
+            chars = sum(len(m["content"]) for m in api.messages) if api.chat else len(api.prompt)
+            if chars > context * worker.longest_token_bytes:
+                raise _too_long(context, param, f"{chars} characters, more than {context} tokens of at most "
+                                                f"{worker.longest_token_bytes} characters each can hold")
+            ids = worker.tokenize_messages(list(api.messages)) if api.chat else worker.tokenize(api.prompt, chat=False)
     except WorkerError as exc:
         raise ApiError(400, f"{param}: {exc}", param=param, code="invalid_value") from None
-    context = worker.info.max_context
     if len(ids) >= context:
-        raise ApiError(400, f"This model's maximum context length is {context} tokens. However, your "
-                            f"{param} resulted in {len(ids)} tokens.", param=param, code="context_length_exceeded")
+        raise _too_long(context, param, f"{len(ids)} tokens")
     return ids
+
+
+def _too_long(context: int, param: str, what: str) -> ApiError:
+    return ApiError(400, f"This model's maximum context length is {context} tokens. However, your {param} "
+                         f"resulted in {what}.", param=param, code="context_length_exceeded")
 
 
 def _admit(node, worker, api: ApiRequest, completion: Completion) -> trio.MemoryReceiveChannel:

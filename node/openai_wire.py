@@ -6,11 +6,17 @@ out of range is refused with 400 naming it. Parameters we cannot honour (`n` > 1
 `suffix`, `best_of` > 1, tools) are refused rather than silently dropped. Extension, as vLLM spells it:
 `return_token_ids` adds the prompt's and each chunk's token ids.
 
-Errors are `{"error": {"message", "type", "param", "code"}}` with OpenAI's string codes.
+Errors are `{"error": {"message", "type", "param", "code"}}` with OpenAI's string codes; a body that is not
+UTF-8 JSON (or is nested past what the parser recurses into) is one of them too, a 400.
+
+Work per request is bounded before it reaches the event loop's hot paths: at most MAX_STOPS stop strings of
+at most MAX_STOP_CHARS characters each, matched as text streams in time linear in the text (one
+Knuth-Morris-Pratt automaton per stop), never by rescanning what was held back.
 """
 from __future__ import annotations
 
 import codecs
+import json
 import time
 
 import attrs
@@ -18,8 +24,10 @@ import attrs
 from worker.sampling import MAX_SEED, Sampling
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-MAX_STOPS = 4
+MAX_STOPS = 4  # OpenAI's limit
+MAX_STOP_CHARS = 1024  # per stop string; a longer one is refused (OpenAI states no limit; vLLM has none)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+BODY_SLACK_BYTES = 256 * 1024  # a body's JSON around its text: roles, parameters, stop strings, escaped
 
 
 class ApiError(Exception):
@@ -49,6 +57,27 @@ class ApiRequest:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
+
+
+def body_limit(max_context: int, longest_token_bytes: int) -> int:
+    """The most bytes a request body may have: its text can spell at most `max_context` tokens of at most
+    `longest_token_bytes` bytes each, JSON writes a byte in at most 6 (\\u0001) and a token id in at most 12
+    (digits and a comma), and the rest of the body is BODY_SLACK_BYTES."""
+    return BODY_SLACK_BYTES + max_context * max(6 * longest_token_bytes, 12)
+
+
+def parse_body(raw: bytes):
+    """A request body as JSON, or an ApiError 400 saying what is wrong with it: not UTF-8, not JSON, or
+    nested deeper than the parser recurses (its C scanner raises RecursionError there, long before the
+    stack is at risk)."""
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"the body is not UTF-8: {exc.reason} at byte {exc.start}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "the body is nested too deeply to parse", code="invalid_json") from None
+    except ValueError as exc:  # JSONDecodeError, or an integer past Python's 4300-digit limit
+        raise ApiError(400, f"the body is not JSON: {exc}", code="invalid_json") from None
 
 
 def parse_request(body, *, chat: bool, seed_if_unset: int) -> ApiRequest:
@@ -128,6 +157,9 @@ def _stop(body: dict) -> tuple[str, ...]:
     if len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
         raise ApiError(400, f"stop: a string or up to {MAX_STOPS} non-empty strings", param="stop",
                        code="invalid_value")
+    if (longest := max(map(len, stops), default=0)) > MAX_STOP_CHARS:
+        raise ApiError(400, f"stop: {longest} characters, more than the {MAX_STOP_CHARS} a stop string may have",
+                       param="stop", code="invalid_value")
     return stops
 
 
@@ -152,20 +184,31 @@ def _content(message: dict, name: str) -> str:
     """Text content: a string, or an array of text parts (other parts are refused)."""
     content = _get(message, "content", (str, list), required=True, name=f"{name}.content")
     if isinstance(content, str):
-        return content
+        return _text(content, f"{name}.content")
     texts = []
     for n, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise ApiError(400, f"{name}.content[{n}]: only text parts are supported", param=f"{name}.content",
                            code="invalid_value")
         texts.append(part["text"])
-    return "".join(texts)
+    return _text("".join(texts), f"{name}.content")
+
+
+def _text(text: str, name: str) -> str:
+    """Text to tokenize: JSON's \\ud800-style escapes can make a lone surrogate, which is no character."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ApiError(400, f"{name}: a lone surrogate (\\u{ord(text[exc.start]):04x}) at character "
+                                f"{exc.start} is not text", param=name, code="invalid_value") from None
+    return text
 
 
 def _prompt(body: dict) -> str | tuple[int, ...]:
     prompt = _get(body, "prompt", (str, list), required=True)
     if isinstance(prompt, str):
-        return prompt
+        return _text(prompt, "prompt")
     if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return tuple(prompt)
     if len(prompt) == 1 and (isinstance(prompt[0], str) or isinstance(prompt[0], list)):
@@ -240,31 +283,67 @@ class Completion:
 class TextStream:
     """Generated bytes in, text out as soon as it is safe to send: a character split across tokens waits
     for its last byte, and text that could be the start of a stop string waits until it is not. Once a
-    stop string appears, `stopped` is set and nothing from it on is returned."""
+    stop string appears, `stopped` is set and nothing from it on is returned.
+
+    Each stop string has its own matcher that reads every character once: what is held back is the
+    longest tail of the text that some stop starts with, and the first stop to be completed ends the text
+    (where two are completed by the same character, at the start of the longer)."""
 
     def __init__(self, stops: tuple[str, ...] = ()):
         self.stops, self.stopped = stops, False
+        self._matchers = [_StopMatcher(s) for s in stops]
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._held = ""
 
     def push(self, data: bytes) -> str:
         if self.stopped:
             return ""
-        return self._release(self._held + self._decoder.decode(data))
+        return self._release(self._decoder.decode(data))
 
     def flush(self) -> str:
         """At the end: whatever was held back (an unfinished character becomes U+FFFD)."""
         if self.stopped:
             return ""
-        text = self._release(self._held + self._decoder.decode(b"", final=True))
+        text = self._release(self._decoder.decode(b"", final=True))
         text, self._held = text + self._held, ""
         return text
 
-    def _release(self, text: str) -> str:
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.stopped, self._held = True, ""
-            return text[:min(hits)]
-        keep = max((n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
-        self._held = text[len(text) - keep:] if keep else ""
-        return text[:len(text) - keep]
+    def _release(self, new: str) -> str:
+        held, pending = len(self._held), self._held + new
+        for i, char in enumerate(new):
+            done = [len(m.stop) for m in self._matchers if m.feed(char)]
+            if done:  # stops end at new[i]: the text ends where the longest of them starts
+                self.stopped, self._held = True, ""
+                return pending[:held + i + 1 - max(done)]
+        keep = max((m.matched for m in self._matchers), default=0)
+        self._held = pending[len(pending) - keep:] if keep else ""
+        return pending[:len(pending) - keep]
+
+
+class _StopMatcher:
+    """Knuth-Morris-Pratt over a stream: `matched` is the length of the longest tail of the characters fed
+    so far that the stop string starts with; each character costs amortised O(1)."""
+
+    def __init__(self, stop: str):
+        self.stop, self.matched = stop, 0
+        self._fallback = [0] * len(stop)  # for each prefix, its longest proper prefix that is also its suffix
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = self._fallback[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            self._fallback[i] = k
+
+    def feed(self, char: str) -> bool:
+        """Take one character; True when the stop string is complete."""
+        k = self.matched
+        while k and char != self.stop[k]:
+            k = self._fallback[k - 1]
+        if char == self.stop[k]:
+            k += 1
+        if k == len(self.stop):
+            self.matched = self._fallback[k - 1]
+            return True
+        self.matched = k
+        return False

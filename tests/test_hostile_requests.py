@@ -10,24 +10,39 @@ in-process cluster of the stand-in model (tests/cluster.py) where that is what i
   meanwhile (bench/hostile.py: how fast);
 - a malformed body is a 400 in OpenAI's shape, never an HTML 500;
 - the chat page is sent with a strict Content-Security-Policy, nosniff and no framing."""
+import base64
+import functools
+import hashlib
+import json
 import logging
+import random
+import re
+import threading
+import urllib.parse
 
+import h2.config
+import h2.connection
+import h2.events
 import httpx
 import numpy as np
 import pytest
 import trio
 
-from cluster import API_KEY, start_cluster, stub_tokens
-from node.openai_wire import ApiError, parse_request
+from cluster import API_KEY, slow_stub, start_cluster, stub_tokens
+from node import openai_api
+from node.openai_api import _prompt_ids
+from node.openai_wire import MAX_STOP_CHARS, ApiError, TextStream, _StopMatcher, body_limit, parse_request
 from roles import make_actor
 from roles.messages import EndReason, EndRequest, InferenceRequest
 from worker.errors import WorkerError
 from worker.models import open_worker, stub_model
 from worker.sampling import Sampling, sample
 from worker.stage import StageWorker, StepItem
+from worker.stub import StubTokenizer
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CHAT = {"model": "stub", "messages": [{"role": "user", "content": "Say hello"}]}
+LONG = 400  # tokens: with a slowed stand-in, seconds of work if nobody cancels it
 
 
 async def health(urls):
@@ -113,3 +128,271 @@ def test_a_request_that_failed_a_stage_is_not_replayed_into_its_replacement():
                                      poison=True))
     assert "r" not in first.live and [a for a in actions if getattr(a, "response", None)]
     assert first.set_chain(("m1-new", "m2-new"), standing=True) == [] and "r" not in first.live
+
+
+# -- a client that leaves is cancelled, whenever it leaves --------------------------------------------
+
+def _body(stream: bool) -> bytes:
+    return json.dumps({**CHAT, "max_tokens": LONG, "temperature": 0, "stream": stream}).encode()
+
+
+async def _read_until(receive, needle: bytes) -> None:
+    seen = b""
+    with trio.fail_after(10):
+        while needle not in seen:
+            seen += await receive()
+
+
+async def h1_leave(url: str, body: bytes, *, after_first_byte: bool) -> None:
+    """HTTP/1.1 on a raw socket: send the request, then close the socket (0-5 ms later, or at the first
+    streamed event)."""
+    parts = urllib.parse.urlsplit(url)
+    sock = await trio.open_tcp_stream(parts.hostname, parts.port)
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {parts.netloc}\r\nAuthorization: Bearer {API_KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    await sock.send_all(head + body)
+    if after_first_byte:
+        await _read_until(lambda: sock.receive_some(65536), b"data: ")
+    else:
+        await trio.sleep(random.uniform(0, 0.005))
+    await sock.aclose()
+
+
+async def h2_leave(url: str, body: bytes, *, after_first_byte: bool, reset: bool):
+    """HTTP/2 with prior knowledge on a raw socket (the `h2` library): send the request, then reset the
+    stream (the connection stays open: returned, for the caller to close later) or close the connection."""
+    parts = urllib.parse.urlsplit(url)
+    sock = await trio.open_tcp_stream(parts.hostname, parts.port)
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    sid = conn.get_next_available_stream_id()
+    conn.send_headers(sid, [(":method", "POST"), (":path", "/v1/chat/completions"), (":scheme", "http"),
+                            (":authority", parts.netloc), ("authorization", f"Bearer {API_KEY}"),
+                            ("content-type", "application/json"), ("content-length", str(len(body)))])
+    conn.send_data(sid, body, end_stream=True)
+    await sock.send_all(conn.data_to_send())
+    if after_first_byte:
+        async def receive():
+            events = conn.receive_data(await sock.receive_some(65536))
+            await sock.send_all(conn.data_to_send())
+            return b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
+        await _read_until(receive, b"data: ")
+    else:
+        await trio.sleep(random.uniform(0, 0.005))
+    if not reset:
+        await sock.aclose()
+        return None
+    conn.reset_stream(sid)
+    await sock.send_all(conn.data_to_send())
+    return sock
+
+
+LEAVING = [  # (how the client leaves, streamed, after the first byte)
+    ("http/1.1 close", True, False), ("http/1.1 close", True, True), ("http/1.1 close", False, False),
+    ("http/2 reset", True, False), ("http/2 reset", True, True), ("http/2 close", True, False),
+    ("http/2 reset", False, False)]
+
+
+@pytest.mark.parametrize("how,stream,after_first_byte", LEAVING,
+                         ids=[f"{h}-{'stream' if s else 'whole'}-{'after first byte' if a else 'at once'}"
+                              for h, s, a in LEAVING])
+async def test_a_client_that_leaves_is_cancelled_and_frees_its_slots_and_the_entry_s_records(
+        nursery, tmp_path, monkeypatch, how, stream, after_first_byte):
+    orch, urls, _ = await start_cluster(nursery, 2, tmp_path, max_seqs=4, max_queue=16)
+    slow_stub(monkeypatch, 0.005)  # 400 tokens: seconds of steps if nobody cancels them
+    body, kept = _body(stream), []
+
+    async def leave():
+        if how.startswith("http/1.1"):
+            await h1_leave(urls[0], body, after_first_byte=after_first_byte)
+        else:
+            kept.append(await h2_leave(urls[0], body, after_first_byte=after_first_byte, reset="reset" in how))
+    clients = 2 if after_first_byte else 8  # 8: four running, four waiting for a slot
+    async with trio.open_nursery() as n:
+        for _ in range(clients):
+            n.start_soon(leave)
+    try:
+        await until_idle(urls)  # bench/hostile.py measures how soon: within a second
+    finally:
+        for sock in filter(None, kept):
+            await sock.aclose()
+    async with httpx.AsyncClient() as c:
+        metrics = (await c.get(urls[0] + "/metrics", headers=AUTH)).text
+    ended = dict(re.findall(r'pp_requests_total\{reason="(\w+)"\} (\S+)', metrics))
+    assert float(ended.get("cancelled", 0)) >= 1, metrics  # they were admitted, then cancelled
+    assert float(ended.get("finished", 0)) == 0, metrics  # none ran on to max_tokens with nobody reading
+    nursery.cancel_scope.cancel()
+
+
+# -- bounded work on the event loop ---------------------------------------------------------------
+
+def test_a_stop_string_past_the_cap_is_refused_naming_stop():
+    parse_request({**CHAT, "stop": ["x" * MAX_STOP_CHARS] * 4}, chat=True, seed_if_unset=0)
+    with pytest.raises(ApiError) as info:
+        parse_request({**CHAT, "stop": ["a", "x" * (MAX_STOP_CHARS + 1)]}, chat=True, seed_if_unset=0)
+    assert (info.value.status, info.value.param) == (400, "stop")
+
+
+def test_four_stops_at_the_cap_read_each_streamed_character_once(monkeypatch):
+    """The old matcher rescanned every held-back prefix of every stop on each token (4 x 150k characters: 7.8 s
+    for 4 tokens); bench/hostile.py times both."""
+    fed = []
+    real_feed = _StopMatcher.feed
+    monkeypatch.setattr(_StopMatcher, "feed", lambda self, char: fed.append(char) or real_feed(self, char))
+    stops = tuple("a" * (MAX_STOP_CHARS - 1) + end for end in "bcde")  # each always almost there
+    text = TextStream(stops)
+    out = [text.push(b"a") for _ in range(5000)]
+    assert "".join(out) == "a" * (5000 - (MAX_STOP_CHARS - 1)) and not text.stopped
+    assert len(fed) == 5000 * len(stops)
+
+
+def test_the_streaming_matcher_finds_what_a_search_of_the_whole_text_finds():
+    rng = random.Random(23)
+    for _ in range(400):
+        stops = tuple("".join(rng.choice("ab") for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 4)))
+        whole = "".join(rng.choice("abc") for _ in range(rng.randint(0, 30)))
+        cuts = sorted(rng.sample(range(len(whole) + 1), min(3, len(whole) + 1)))
+        pieces = [whole[i:j] for i, j in zip([0, *cuts], [*cuts, len(whole)])]
+        stream = TextStream(stops)
+        out = "".join(stream.push(p.encode()) for p in pieces) + stream.flush()
+        ends = {s: whole.find(s) + len(s) for s in stops if s in whole}
+        first_end = min(ends.values(), default=None)  # generation stops as soon as any stop is complete
+        want = whole if first_end is None else whole[:first_end - max(len(s) for s in ends if ends[s] == first_end)]
+        assert (out, stream.stopped) == (want, first_end is not None), (stops, pieces)
+
+
+class _Untokenizable:
+    """A first-stage worker that must not be asked to tokenize."""
+    info = type("Info", (), {"max_context": 512, "vocab_size": 32})()
+    longest_token_bytes = 1
+
+    def tokenize(self, *a, **kw):
+        raise AssertionError("tokenized a prompt the context cannot hold")
+    tokenize_messages = tokenize
+
+
+@pytest.mark.parametrize("body,chat", [({**CHAT, "messages": [{"role": "user", "content": "x" * (2 << 20)}]}, True),
+                                       ({"model": "stub", "prompt": "x" * 513}, False),
+                                       ({"model": "stub", "prompt": list(range(5)) * 200_000}, False)])
+def test_a_prompt_longer_than_the_context_could_hold_is_refused_before_tokenizing(body, chat):
+    api = parse_request(body, chat=chat, seed_if_unset=0)
+    with pytest.raises(ApiError) as info:
+        _prompt_ids(_Untokenizable(), api)
+    assert (info.value.status, info.value.code) == (400, "context_length_exceeded")
+
+
+async def test_health_is_answered_while_a_prompt_is_tokenized(nursery, tmp_path, monkeypatch):
+    """Tokenizing ran on the event loop: a 2 MiB message stalled /health 1.9 s. The stand-in's chat template is
+    held here until /health has answered meanwhile, which it can only do if tokenizing runs in a thread
+    (bench/hostile.py measures /health's latency under long prompts and stop lists)."""
+    orch, urls, _ = await start_cluster(nursery, 2, tmp_path, max_seqs=4)
+    real, tokenizing, answered, waited = StubTokenizer.encode_messages, threading.Event(), threading.Event(), []
+
+    def held_template(self, messages):
+        tokenizing.set()
+        waited.append(answered.wait(timeout=10))  # False: /health could not answer while this ran
+        return real(self, messages)
+    monkeypatch.setattr(StubTokenizer, "encode_messages", held_template)
+    async with httpx.AsyncClient(timeout=30) as client, httpx.AsyncClient(timeout=30, headers=AUTH) as api:
+        async with trio.open_nursery() as n:
+            n.start_soon(functools.partial(api.post, urls[0] + "/v1/chat/completions", json={**CHAT, "max_tokens": 4}))
+            await trio.to_thread.run_sync(tokenizing.wait, 20)
+            assert (await client.get(urls[0] + "/health")).status_code == 200
+            answered.set()
+    assert waited == [True]
+    nursery.cancel_scope.cancel()
+
+
+# -- malformed bodies -------------------------------------------------------------------------------
+
+MALFORMED = {
+    "invalid UTF-8": b'{"model": "stub", "prompt": "\xff\xfe"}',
+    "nested 100,000 deep": b'{"model": "stub", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    "bad JSON": b'{"model": "stub", "prompt": }',
+    "cut short": b'{"model": "stub", "prompt": "Say',
+    "empty": b"",
+    "an integer of 5000 digits": b'{"model": "stub", "prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}",
+    "a lone surrogate": b'{"model": "stub", "prompt": "a\\ud800b"}',
+    "not an object": b'["model", "stub"]',
+}
+
+
+async def test_every_malformed_body_on_the_api_paths_is_an_openai_shaped_400(nursery, tmp_path):
+    orch, urls, _ = await start_cluster(nursery, 2, tmp_path)
+    answers = {}
+    async with httpx.AsyncClient(timeout=30, headers={**AUTH, "Content-Type": "application/json"}) as client:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            for name, body in MALFORMED.items():
+                r = await client.post(urls[0] + path, content=body)
+                shaped = r.headers.get("content-type", "").startswith("application/json") and \
+                    set(r.json().get("error", {})) == {"message", "type", "param", "code"}
+                answers[path, name] = (r.status_code, shaped)
+        assert (await client.post(urls[0] + "/v1/completions",
+                                  json={"model": "stub", "prompt": "hi", "max_tokens": 2})).status_code == 200
+    assert answers == {key: (400, True) for key in answers}
+    nursery.cancel_scope.cancel()
+
+
+async def test_a_body_past_what_the_context_could_need_is_an_openai_shaped_413(nursery, tmp_path):
+    """The API's bodies were allowed the 64 MiB an activation may need. Now the limit is what the context could
+    hold (openai_wire.body_limit), said by Content-Length or found while reading a chunked body; a body just
+    under it is read and refused for its length in tokens instead."""
+    orch, urls, _ = await start_cluster(nursery, 2, tmp_path)
+    probe = open_worker(stub_model(), 0, 2)  # stage 0's vocabulary and context, as the cluster's
+    limit = body_limit(probe.info.max_context, probe.longest_token_bytes)
+    async with httpx.AsyncClient(timeout=30, headers=AUTH) as client:
+        over = json.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * limit}]}).encode()
+
+        async def chunked():
+            for i in range(0, len(over), 65536):
+                yield over[i:i + 65536]
+        answers = [await client.post(urls[0] + "/v1/chat/completions", content=over,
+                                     headers={"Content-Type": "application/json"}),
+                   await client.post(urls[0] + "/v1/chat/completions", content=chunked(),
+                                     headers={"Content-Type": "application/json"})]
+        under = await client.post(urls[0] + "/v1/chat/completions",
+                                  json={**CHAT, "messages": [{"role": "user", "content": "x" * (limit // 2)}]})
+    assert [(r.status_code, r.json()["error"]["code"]) for r in answers] == [(413, "request_too_large")] * 2
+    assert (under.status_code, under.json()["error"]["code"]) == (400, "context_length_exceeded")
+    nursery.cancel_scope.cancel()
+
+
+async def test_a_body_that_stalls_is_a_408_and_the_stage_serves_on(nursery, tmp_path, monkeypatch):
+    """A client that sends its headers and then nothing held a request for quart's 120 s; now BODY_IDLE_S
+    (shortened here) ends it, before the first byte of the body or between two."""
+    monkeypatch.setattr(openai_api, "BODY_IDLE_S", 0.5)
+    orch, urls, _ = await start_cluster(nursery, 2, tmp_path)
+    parts = urllib.parse.urlsplit(urls[0])
+    answers = []
+    for sent in (b"", b'{"model": "stub", '):
+        sock = await trio.open_tcp_stream(parts.hostname, parts.port)
+        await sock.send_all((f"POST /v1/chat/completions HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+                             f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
+                             f"Content-Length: 1000\r\n\r\n").encode() + sent)
+        seen = b""
+        with trio.fail_after(20):
+            while b"\r\n\r\n" not in seen or not seen.rstrip().endswith(b"}"):
+                seen += await sock.receive_some(65536)
+        answers.append((seen.split(b" ", 2)[1], json.loads(seen.split(b"\r\n\r\n", 1)[1])["error"]["code"]))
+        await sock.aclose()
+    assert answers == [(b"408", "timeout")] * 2
+    await until_idle(urls)
+    nursery.cancel_scope.cancel()
+
+
+# -- the chat page's headers ------------------------------------------------------------------------
+
+async def test_the_chat_page_is_sent_with_a_strict_csp_nosniff_and_no_framing(nursery, tmp_path):
+    orch, urls, _ = await start_cluster(nursery, 2, tmp_path)
+    async with httpx.AsyncClient() as client:
+        r = await client.get(urls[0] + "/")
+    policy = dict(d.strip().split(" ", 1) for d in r.headers["content-security-policy"].split(";"))
+    inline = {kind: [f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'"
+                     for k, b in re.findall(r"<(script|style)>(.*?)</\1>", r.text, re.DOTALL) if k == kind]
+              for kind in ("script", "style")}
+    assert policy["default-src"] == "'none'" and policy["connect-src"] == "'self'"
+    assert policy["frame-ancestors"] == "'none'" and policy["base-uri"] == "'none'"
+    assert policy["script-src"].split() == inline["script"] and policy["style-src"].split() == inline["style"]
+    assert "unsafe" not in r.headers["content-security-policy"]
+    assert r.headers["x-content-type-options"] == "nosniff" and r.headers["x-frame-options"] == "DENY"
+    nursery.cancel_scope.cancel()

@@ -6,6 +6,7 @@ Every vocabulary goes through Hugging Face `tokenizers`: a GGUF file's as llama.
 from __future__ import annotations
 
 import operator
+import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -41,6 +42,7 @@ class Tokenizer:
                  bos_id: int, eos_id: int, stop_ids: Iterable[int], add_bos: bool, chat_template: str | None,
                  unencodable: frozenset[int] = frozenset(), control_ids: Iterable[int] | None = None):
         self.path, self._tok, self._bytes = path, tok, token_bytes
+        self._encoding = threading.Lock()  # encode_special_tokens is the shared tokenizer's: set and encode as one
         # control tokens (<|im_start|>, <|eot_id|>, ...): the text of an answer leaves them out, as vLLM's
         # skip_special_tokens does by default; all of special_ids unless the vocabulary tells them apart
         self.control_ids = frozenset(special_ids.values() if control_ids is None else control_ids)
@@ -73,8 +75,9 @@ class Tokenizer:
             raise WorkerError(f"the text holds a character with byte 0x{min(bad):02x}, for which the model's "
                               f"vocabulary has no token")
         # llama.cpp's parse_special: added (control) tokens are matched only where specials may appear
-        self._tok.encode_special_tokens = not specials
-        return self._tok.encode(text, add_special_tokens=False).ids
+        with self._encoding:  # prompts are tokenized in worker threads (node/openai_api.py)
+            self._tok.encode_special_tokens = not specials
+            return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_messages(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
         """A conversation through the model's chat template, ending where the assistant's reply starts."""
