@@ -1,6 +1,49 @@
 """SWIM-lite membership state and rules. Pure: no trio, no I/O; randomness only through an injected Random.
 
-Rules follow hashicorp/memberlist (state.go, util.go, suspicion.go, queue.go), cut down for 3-10 members.
+Rules follow hashicorp/memberlist (state.go, util.go, suspicion.go, queue.go), cut down for 3-10 members, plus
+one thing memberlist leaves out: what a message may claim.
+
+Who may say what
+----------------
+Gossip is authenticated by one secret that the nodes and their runner share, the cluster token, and by nothing
+else: a message proves that its sender holds the token, never who it is, and a record names its subject, not
+its author. memberlist trusts its members to say only what is true; here a claim goes only as far as where it
+was heard lets it (Heard):
+
+- an *answer* (ack, nack, sync reply) comes from an address this node chose to dial: a member's, as its own
+  view holds it, or a seed it was configured with;
+- a *request* (ping, ping-req, sync push) may come from anyone holding the token: it speaks for nobody.
+
+1. Addresses. A member's address is a bare http(s) origin (is_origin); with its stage and observer flag it is
+   fixed when a view first sees the member, and a record changing them is dropped (same_identity). A relay
+   pings a ping-req's target at the address its own view holds, and nobody for a member it would not probe
+   itself (relay_target): no message makes a node dial a URL of the sender's choosing, token attached.
+
+2. Death. Only a view's own failure detector declares a member dead (expired_suspects). A verdict in gossip is
+   an accusation: a known member said to be dead or gone is taken as suspect at that incarnation and has its
+   suspicion period to refute (as_heard; memberlist's mergeState does this for push/pull only). A member never
+   seen before may arrive dead, but only in an answer: a joiner learns from its seed who is already gone.
+
+   A stage steps aside (Swim's yield_when_dead) only when an answer holds it dead (declares_dead): it was
+   frozen or cut off past the timeout and has been replaced. A request saying so is refuted like any accusation
+   (about_self). If it is true, that does not bring the stage back: a stage's holder declared dead stays dead
+   under its id in that view (is_final), and the next answer tells it so. A restarted node is a new member,
+   with a new id; a member without a stage (the runner) comes back at a higher incarnation, as in SWIM.
+
+3. Names. A registry name (pp-stage-1, pp-entry) is held by the member registered under it that this view saw
+   first, until this view declares that member dead; then by the next (holder). A later claimant never takes a
+   name from a live holder, whatever its incarnation, and a holder never steps aside because another claims its
+   stage: a stage changes hands only by its holder's death. The runner replaces only a stage whose holder is
+   gone (runner/keeper.py).
+
+What a token holder can still do, since nothing tells members apart but what they claim: register members of
+its own, at origins of its choosing, which are dialled like any member, and as such a member answer falsely
+(tell a stage that probes it that it is dead, and that stage steps aside); queue a member behind a stage's
+holder, to take the stage in every view that saw it before the runner's replacement; give a view that has not
+yet seen a member a false address for it; forge a live member's own record (a higher incarnation, other
+metadata) until that member refutes; and accuse a live member over and over, which it survives as long as each
+refutation outruns the suspicion timeout. Closing these takes credentials of each member's own (records signed
+by their subject, replacements by the runner), not one shared secret.
 """
 from __future__ import annotations
 
@@ -8,6 +51,7 @@ import enum
 import math
 import random
 from collections.abc import Iterable, Mapping
+from urllib.parse import urlsplit
 
 import attrs
 
@@ -20,6 +64,14 @@ class State(enum.Enum):
 
 
 TERMINAL = frozenset({State.DEAD, State.LEFT})
+
+
+class Heard(enum.Enum):
+    """Where an update was heard, which decides what it may do (see the top of this module)."""
+    OWN = "own"  # this view's own failure detector: a probe failed, a suspicion ran out
+    ANSWER = "answer"  # an ack, nack or sync reply from an address we chose: a member's, as we hold it, or a seed
+    REQUEST = "request"  # a ping, ping-req or sync push to this member: anyone holding the token can send one
+
 
 # At one incarnation a later state in this order wins; an ALIVE therefore needs a strictly higher incarnation.
 # LEFT outranks DEAD so a graceful leave is not overwritten by a failure detector's verdict.
@@ -68,7 +120,7 @@ class Ack:
 class PingReq:
     sender: Member
     target_id: str
-    target_addr: str
+    target_addr: str  # where the prober holds the target: a relay dials the address its own view holds, never this
     seq: int
     updates: tuple[Member, ...] = ()
 
@@ -125,12 +177,50 @@ class SwimConfig:
             raise ValueError(f"SwimConfig.indirect_checks={self.indirect_checks} must be >= 0")
 
 
+# --- identity ---------------------------------------------------------------------------------------------
+
+def is_origin(addr: str) -> bool:
+    """Whether `addr` is a bare http(s) origin, http://host:port: no credentials, path, query or fragment, so that
+    a node dialling it reaches the endpoint it means (`addr + "/swim/ping"`) and nothing else."""
+    try:
+        parts = urlsplit(addr)
+        parts.port  # noqa: B018 -- urlsplit checks the port only when asked
+    except ValueError:
+        return False
+    return (parts.scheme in ("http", "https") and bool(parts.hostname) and "@" not in parts.netloc
+            and not (parts.path or parts.query or parts.fragment) and addr == f"{parts.scheme}://{parts.netloc}")
+
+
+def same_identity(update: Member, known: Member) -> bool:
+    """A member's address, stage and observer flag are fixed when it is first seen: a record that changes any of
+    them is not about that member (an address is taken over only by a new member, with a new id)."""
+    return (update.addr, update.meta.stage, update.meta.observer) == (known.addr, known.meta.stage,
+                                                                       known.meta.observer)
+
+
+def is_final(record: Member) -> bool:
+    """A stage's holder declared dead or gone: it has been replaced, or is being, and never comes back under its
+    id. A member without a stage (the runner) comes back with a higher incarnation, as in SWIM."""
+    return record.state in TERMINAL and record.meta.stage is not None
+
+
 # --- merging updates --------------------------------------------------------------------------------------
 
 def supersedes(update: Member, known: Member) -> bool:
     """memberlist's precedence: ignore inc < known; alive needs inc > known; suspect/dead apply at inc >= known
-    over a weaker state, so dead/left beat alive at the same incarnation and a repeated suspect is no news."""
+    over a weaker state, so dead/left beat alive at the same incarnation and a repeated suspect is no news.
+    Nothing supersedes a final verdict."""
+    if is_final(known):
+        return False
     return (update.incarnation, _RANK[update.state]) > (known.incarnation, _RANK[known.state])
+
+
+def as_heard(known: Member | None, update: Member, heard: Heard) -> Member:
+    """An update about another member as this view takes it: a verdict (dead, left) from gossip is an accusation,
+    taken as suspect, unless it is this view's own, or it is about a member never seen and comes in an answer."""
+    if update.state not in TERMINAL or heard is Heard.OWN or (known is None and heard is Heard.ANSWER):
+        return update
+    return attrs.evolve(update, state=State.SUSPECT)
 
 
 def refute(own: Member, update: Member) -> Member | None:
@@ -144,43 +234,57 @@ def refute(own: Member, update: Member) -> Member | None:
     return attrs.evolve(own, incarnation=max(own.incarnation, update.incarnation) + 1, state=State.ALIVE)
 
 
-def declares_dead(update: Member, own: Member) -> bool:
-    """Whether an update is the cluster's DEAD verdict on us (not a stale one from an earlier life)."""
-    return update.id == own.id and update.state is State.DEAD and update.incarnation >= own.incarnation
+def declares_dead(update: Member, own: Member, heard: Heard) -> bool:
+    """Whether an update is a member's verdict that we are dead: heard in an answer, about us as we are, and not a
+    stale one from before our last refutation (a stage's verdict is final, so none is stale)."""
+    return (heard is Heard.ANSWER and update.id == own.id and same_identity(update, own)
+            and update.state in TERMINAL and (update.incarnation >= own.incarnation or is_final(update)))
 
 
-def merge(known: Member | None, update: Member, *, self_id: str) -> Member | None:
-    """The record to store (and gossip on) after `update`, or None when the update is ignored."""
+def about_self(own: Member, update: Member, heard: Heard, *, yields: bool) -> Member | None:
+    """Our own record after an update about us (a refutation), or None if it needs none. With `yields` (we step
+    aside when declared dead) a verdict that declares us dead is not refuted; any other accusation is, a
+    request's verdict included: it speaks for nobody."""
+    if not same_identity(update, own) or (yields and declares_dead(update, own, heard)):
+        return None
+    return refute(own, update)
+
+
+def merge(known: Member | None, update: Member, *, self_id: str, heard: Heard = Heard.OWN, yields: bool = False
+          ) -> Member | None:
+    """The record to store (and gossip on) after `update`, heard where `heard` says, or None when the update is
+    ignored; `yields`: we step aside when declared dead (about_self)."""
     if update.id == self_id:
         if known is None:
             raise ValueError(f"the view of {self_id!r} lacks its own record")
-        return refute(known, update)
-    if known is None or supersedes(update, known):  # a first sighting is taken whatever its state
-        return update
-    return None
+        return about_self(known, update, heard, yields=yields)
+    update = as_heard(known, update, heard)
+    if known is None:  # a first sighting is taken whatever its state, at a well-formed address
+        return update if is_origin(update.addr) else None
+    return update if same_identity(update, known) and supersedes(update, known) else None
 
 
-def merge_all(view: Mapping[str, Member], updates: Iterable[Member], self_id: str
-              ) -> tuple[dict[str, Member], tuple[Member, ...]]:
-    """Apply updates in order. Returns the new view and the final record of every member that changed."""
+def merge_all(view: Mapping[str, Member], updates: Iterable[Member], self_id: str, *, heard: Heard = Heard.OWN,
+              yields: bool = False) -> tuple[dict[str, Member], tuple[Member, ...]]:
+    """Apply updates in order (see merge). Returns the new view (first sightings appended: a view keeps the
+    order members were first seen in, which `holder` relies on) and the final record of every member that
+    changed."""
     new = dict(view)
     changed: dict[str, Member] = {}
     for update in updates:
-        record = merge(new.get(update.id), update, self_id=self_id)
+        record = merge(new.get(update.id), update, self_id=self_id, heard=heard, yields=yields)
         if record is not None:
             new[update.id] = changed[update.id] = record
     return new, tuple(changed.values())
 
 
-def as_synced(record: Member) -> Member:
-    """A DEAD verdict in a pushed/pulled full state counts as SUSPECT (memberlist's mergeState): a member
-    coming back from a partition with stale verdicts must not kill healthy members outright, and the
-    accused gets a suspicion period to refute."""
-    return attrs.evolve(record, state=State.SUSPECT) if record.state is State.DEAD else record
-
-
 def announce_meta(own: Member, **changes: object) -> Member:
-    """Own record with new metadata; the incarnation bump makes every view take it."""
+    """Own record with new metadata; the incarnation bump makes every view take it. The stage and observer flag
+    are part of a member's identity (same_identity): other views would drop a record changing them."""
+    fixed = {k: v for k, v in changes.items() if k in ("stage", "observer") and getattr(own.meta, k) != v}
+    if fixed:
+        raise ValueError(f"member {own.id!r}: {', '.join(sorted(fixed))} is fixed when it is first seen; "
+                         f"a member of another stage is a new member, with a new id")
     return attrs.evolve(own, incarnation=own.incarnation + 1, meta=attrs.evolve(own.meta, **changes))
 
 
@@ -215,6 +319,21 @@ def next_target(rnd: ProbeRound, view: Mapping[str, Member], self_id: str, rng: 
         shuffled = sorted(m.id for m in view.values() if is_probe_target(m, self_id))  # sorted: seed decides
         rng.shuffle(shuffled)
         order, fresh = tuple(shuffled), True
+
+
+def relay_target(view: Mapping[str, Member], self_id: str, target_id: str) -> Member | None:
+    """Whom a relay pings for a ping-req naming `target_id`: that member, at the address this view holds for it,
+    if it is one this member would probe itself; else nobody (the relay answers nack)."""
+    target = view.get(target_id)
+    return target if is_probe_target(target, self_id) else None
+
+
+def holder(view: Mapping[str, Member], name: str) -> Member | None:
+    """The member that holds a registry name: of the reachable (alive or suspect: a suspect may be just slow)
+    non-observer members registered under it, the first this view saw. When it is declared dead the name passes
+    to the next; a later claimant never takes it from a live holder, whatever its incarnation."""
+    return next((m for m in view.values() if name in m.meta.names and not m.meta.observer
+                 and m.state in (State.ALIVE, State.SUSPECT)), None)
 
 
 def relay_candidates(view: Mapping[str, Member], self_id: str, target_id: str) -> list[Member]:

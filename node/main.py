@@ -31,7 +31,7 @@ from .compute import ComputeThread, open_compute_thread
 from .chat_page import add_chat_page
 from .openai_api import add_openai_routes
 from .config import NodeConfig, advertised_url
-from .gossip import Member, Meta, State, SwimConfig
+from .gossip import Member, Meta, SwimConfig
 from .log import event
 from .stage_node import StageNode
 from .swim import Swim
@@ -112,21 +112,14 @@ def chain_capacity(swim: Swim, num_stages: int) -> int | None:
     return min(slots) if slots else None
 
 
-def replaced_because(swim: Swim, stage: int) -> str | None:
-    """Why this member no longer holds its stage (None while it does): the cluster declared it dead (it was
-    frozen or cut off past the dead timeout; a runner replaces such a stage), or a member that started
-    after it holds the same stage, loaded."""
-    if swim.declared_dead.is_set():
-        return "the cluster declared it dead (frozen or cut off past the dead timeout)"
-    me = swim.me
-    newer = [m for m in swim.members().values() if m.id != me.id and m.meta.stage == stage and m.meta.ready
-             and m.state is State.ALIVE and m.incarnation > me.incarnation]
-    return f"{newer[0].id} at {newer[0].addr} has taken over stage {stage}" if newer else None
-
-
 async def step_aside_when_replaced(swim: Swim, stage: int) -> None:
-    why = await swim.wait_until(lambda s: replaced_because(s, stage))
-    raise Replaced(f"stage {stage} was replaced: {why}; exiting rather than serve a slice another member holds")
+    """Exit once a member this stage dialled holds it dead (Swim.declared_dead): it was frozen or cut off past
+    the dead timeout, and a runner replaces such a stage. Only that: another member claiming the stage, at
+    whatever incarnation, is no reason (a token holder could claim it; see node/gossip.py)."""
+    await swim.declared_dead.wait()
+    raise Replaced(f"stage {stage} was replaced: the cluster declared it dead (it was frozen or cut off past the "
+                   f"dead timeout, or an earlier node of this id was); exiting rather than serve a slice another "
+                   f"member holds")
 
 
 def _resolved(names: tuple[str, ...]):

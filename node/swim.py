@@ -1,6 +1,8 @@
 """SWIM-lite driver: probe loop, suspicion timers, push/pull sync and inbound handlers, over a Transport.
 
-Decisions live in node.gossip; this file owns time (trio's clock only, so tests run under MockClock) and I/O.
+Decisions live in node.gossip, and so do the rules on what a message may claim (its opening comment); this file
+owns time (trio's clock only, so tests run under MockClock) and I/O, and says where each update was heard: in a
+request to this member, in an answer from an address it dialled, or from its own failure detector.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import attrs
 import trio
 
 from node import gossip
-from node.gossip import Ack, Member, Nack, Ping, PingReq, State, SwimConfig, Sync
+from node.gossip import Ack, Heard, Member, Nack, Ping, PingReq, State, SwimConfig, Sync
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -64,7 +66,8 @@ class Swim:
         self._seq = itertools.count(1)
         self._changed = trio.Event()  # set and replaced on every view change
         # A stage declared dead has been (or is being) replaced: it must not refute and come back serving a
-        # slice someone else now holds. With yield_when_dead it sets `declared_dead` instead; its owner exits.
+        # slice someone else now holds. With yield_when_dead it sets `declared_dead` instead, once an answer
+        # holds it dead (gossip.declares_dead); its owner exits.
         self._yield_when_dead = yield_when_dead
         self.declared_dead = trio.Event()
 
@@ -83,12 +86,10 @@ class Swim:
         return tuple(m for _, m in sorted(self._view.items()) if m.state is State.ALIVE and not m.meta.observer)
 
     def resolve(self, name: str) -> Member | None:
-        """A reachable (ALIVE or SUSPECT, non-observer) member registered under `name`. A suspect may be
-        just slow, so messages still go to it until it is declared dead. If several hold the name: ALIVE
-        before SUSPECT, then the highest incarnation (the latest (re)started), then the smallest id."""
-        found = [m for m in self._view.values() if name in m.meta.names and not m.meta.observer
-                 and m.state in (State.ALIVE, State.SUSPECT)]
-        return min(found, key=lambda m: (m.state is not State.ALIVE, -m.incarnation, m.id)) if found else None
+        """The member holding `name` (gossip.holder): of the reachable members registered under it (ALIVE or
+        SUSPECT, non-observer), the one this view saw first. A suspect may be just slow, so messages still go
+        to it until this view declares it dead; then the name passes to the next, a replacement."""
+        return gossip.holder(self._view, name)
 
     async def wait_until(self, predicate: Callable[[Swim], T]) -> T:
         """Evaluate predicate(self) now and after every view change; return its first truthy result."""
@@ -126,20 +127,23 @@ class Swim:
         if msg.target_id != self._id:
             raise WrongTargetError(f"ping for member {msg.target_id!r} reached member {self._id!r} "
                                    f"at {self.me.addr}")
-        self._absorb((msg.sender, *msg.updates))
+        self._absorb((msg.sender, *msg.updates), Heard.REQUEST)
         return Ack(sender_id=self._id, seq=msg.seq, updates=self._updates_for(msg.sender.id))
 
     async def on_ping_req(self, msg: PingReq) -> Ack | Nack:
-        """Ping the target on the sender's behalf; Nack if it does not ack within our probe timeout."""
-        self._absorb((msg.sender, *msg.updates))
-        acked = False
-        with trio.move_on_after(self.config.probe_timeout_s):
-            acked = await self._ping(msg.target_id, msg.target_addr)
+        """Ping the target on the sender's behalf, at the address our view holds for it (never the one the
+        request names); Nack if it does not ack within our probe timeout, or at once if it is no member we
+        would probe ourselves."""
+        self._absorb((msg.sender, *msg.updates), Heard.REQUEST)
+        target, acked = gossip.relay_target(self._view, self._id, msg.target_id), False
+        if target is not None:
+            with trio.move_on_after(self.config.probe_timeout_s):
+                acked = await self._ping(target.id, target.addr)
         reply = Ack if acked else Nack
         return reply(sender_id=self._id, seq=msg.seq, updates=self._updates_for(msg.sender.id))
 
     def on_sync(self, msg: Sync) -> Sync:
-        self._absorb(msg.members, synced=True)
+        self._absorb(msg.members, Heard.REQUEST)
         return Sync(members=tuple(self._view.values()))
 
     # --- the protocol -------------------------------------------------------------------------------------
@@ -175,7 +179,7 @@ class Swim:
             if target is None:
                 await self._sync_any(self._seeds)  # alone: look for the cluster again
             elif not await self._probe(target, period_end):
-                self._absorb((attrs.evolve(self._view[target.id], state=State.SUSPECT),))
+                self._absorb((attrs.evolve(self._view[target.id], state=State.SUSPECT),), Heard.OWN)
             await trio.sleep_until(period_end)
 
     def _next_target(self) -> Member | None:
@@ -217,7 +221,7 @@ class Swim:
         except TransportError as exc:  # a failed probe is an event for the protocol, not an error
             log.debug("%s: ping %s failed: %s", self._id, target_id, exc)
             return False
-        self._absorb(ack.updates)
+        self._absorb(ack.updates, Heard.ANSWER)
         return ack.seq == seq
 
     async def _ping_req(self, relay: Member, target: Member) -> bool:
@@ -228,7 +232,7 @@ class Swim:
         except TransportError as exc:
             log.debug("%s: ping-req via %s failed: %s", self._id, relay.id, exc)
             return False
-        self._absorb(reply.updates)
+        self._absorb(reply.updates, Heard.ANSWER)
         return isinstance(reply, Ack) and reply.seq == msg.seq
 
     async def _suspicion_loop(self) -> None:
@@ -240,7 +244,7 @@ class Swim:
             now = trio.current_time()
             verdicts = gossip.expired_suspects(self._view, self._suspicions, now)
             self._suspicions = {i: s for i, s in self._suspicions.items() if s.deadline_s > now}
-            self._absorb(verdicts)
+            self._absorb(verdicts, Heard.OWN)
 
     async def _sync_loop(self) -> None:
         while True:
@@ -273,7 +277,7 @@ class Swim:
             except TransportError as exc:
                 log.debug("%s: sync with %s failed: %s", self._id, addr, exc)
                 return False
-            self._absorb(reply.members, synced=True)
+            self._absorb(reply.members, Heard.ANSWER)
             return True
         log.debug("%s: sync with %s timed out", self._id, addr)
         return False
@@ -290,18 +294,15 @@ class Swim:
             updates = (about, *updates)
         return updates
 
-    def _absorb(self, updates: Iterable[Member], *, synced: bool = False) -> None:
-        """Merge updates into the view; `synced`: they are a pushed/pulled full state (see as_synced)."""
+    def _absorb(self, updates: Iterable[Member], heard: Heard) -> None:
+        """Merge updates, heard where `heard` says, into the view."""
         updates = list(updates)
-        if self._yield_when_dead and any(gossip.declares_dead(u, self.me) for u in updates):
-            updates = [u for u in updates if u.id != self._id]
-            if not self.declared_dead.is_set():
-                self.declared_dead.set()
-                self._changed.set()  # wakes wait_until, as a view change does
-                self._changed = trio.Event()
-        if synced:
-            updates = [gossip.as_synced(u) for u in updates]
-        view, changed = gossip.merge_all(self._view, updates, self._id)
+        if (self._yield_when_dead and not self.declared_dead.is_set()
+                and any(gossip.declares_dead(u, self.me, heard) for u in updates)):
+            self.declared_dead.set()
+            self._changed.set()  # wakes wait_until, as a view change does
+            self._changed = trio.Event()
+        view, changed = gossip.merge_all(self._view, updates, self._id, heard=heard, yields=self._yield_when_dead)
         if changed:
             self._commit(view, changed)
 

@@ -1,4 +1,5 @@
-"""Pure membership rules: merge precedence, refutation, probe order, relays, suspicion math, dissemination."""
+"""Pure membership rules: merge precedence, refutation, what a message may claim, probe order, relays, names,
+suspicion math, dissemination."""
 import itertools
 import json
 import random
@@ -7,11 +8,13 @@ import attrs
 import cattrs
 import pytest
 
-from node.gossip import (Ack, Dissemination, Member, Meta, Nack, Ping, PingReq, ProbeRound, State, Suspicion,
-                         SwimConfig, Sync, announce_meta, as_synced, choose_relays, expired_suspects, merge, merge_all,
-                         next_target, pick_sync_peer, retransmit_limit, suspicion_timeout_s)
+from node.gossip import (Ack, Dissemination, Heard, Member, Meta, Nack, Ping, PingReq, ProbeRound, State, Suspicion,
+                         SwimConfig, Sync, announce_meta, as_heard, choose_relays, declares_dead, expired_suspects,
+                         holder, is_final, is_origin, merge, merge_all, next_target, pick_sync_peer, relay_target,
+                         retransmit_limit, same_identity, suspicion_timeout_s)
 
 A, S, D, L = State.ALIVE, State.SUSPECT, State.DEAD, State.LEFT
+OWN, ANSWER, REQUEST = Heard.OWN, Heard.ANSWER, Heard.REQUEST
 
 
 def m(member_id: str, inc: int, state: State = A, **meta: object) -> Member:
@@ -42,22 +45,30 @@ def test_merge_follows_memberlist_precedence(known, update, expected):
     assert merge(known, update, self_id="me") == expected
 
 
+ME = m("me", 5, stage=2, names=("pp-stage-2",))
+
+
+def about_me(inc: int, state: State = A, **where: object) -> Member:
+    """A record about ME as every view holds it (its address and meta), at another incarnation or state."""
+    return attrs.evolve(ME, incarnation=inc, state=state, **where)
+
+
 @pytest.mark.parametrize("accusation,refuted_inc", [
-    (m("me", 5, S), 6),
-    (m("me", 5, D), 6),
-    (m("me", 5, L), 6),  # we are still running, so we did not leave
-    (m("me", 9, S), 10),  # inc = max(own, accused) + 1
-    (m("me", 7), 8),  # a record of an earlier life of ours with a higher incarnation
-    (m("me", 4, S), None),  # an accusation we already outbid
-    (m("me", 5), None),  # our own alive record echoed back
+    (about_me(5, S), 6),
+    (about_me(5, D), 6),
+    (about_me(5, L), 6),  # we are still running, so we did not leave
+    (about_me(9, S), 10),  # inc = max(own, accused) + 1
+    (about_me(7), 8),  # a record of an earlier life of ours with a higher incarnation
+    (about_me(4, S), None),  # an accusation we already outbid
+    (about_me(5), None),  # our own alive record echoed back
+    (about_me(9, S, addr="http://elsewhere:8000"), None),  # not about us as we are: nothing to refute
 ])
 def test_an_update_about_self_is_refuted_only_when_it_outbids_us(accusation, refuted_inc):
-    own = m("me", 5, stage=2, names=("pp-stage-2",))
-    refuted = merge(own, accusation, self_id="me")
+    refuted = merge(ME, accusation, self_id="me")
     if refuted_inc is None:
         assert refuted is None
     else:
-        assert refuted == attrs.evolve(own, incarnation=refuted_inc)  # alive, own address and meta kept
+        assert refuted == attrs.evolve(ME, incarnation=refuted_inc)  # alive, own address and meta kept
 
 
 def test_accusations_about_self_queue_exactly_one_alive_above_the_highest():
@@ -84,11 +95,125 @@ def test_merge_all_reports_each_changed_member_once_with_its_final_record():
     assert new["y"] == m("y", 1) and view["x"] == m("x", 1)  # the input view is left alone
 
 
-@pytest.mark.parametrize("record,taken_as", [
-    (m("x", 4, D), m("x", 4, S)), (m("x", 4, L), m("x", 4, L)), (m("x", 4, S), m("x", 4, S)), (m("x", 4), m("x", 4)),
+# --- what a message may claim -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("known,update,heard,taken_as", [
+    (m("x", 4), m("x", 4, D), REQUEST, m("x", 4, S)),  # anyone holding the token can say so: an accusation
+    (m("x", 4), m("x", 4, D), ANSWER, m("x", 4, S)),  # a member's view, not this one's
+    (m("x", 4), m("x", 4, L), ANSWER, m("x", 4, S)),
+    (m("x", 4), m("x", 4, D), OWN, m("x", 4, D)),  # this view's own detector
+    (None, m("x", 4, D), ANSWER, m("x", 4, D)),  # a joiner learns from its seed who is already gone
+    (None, m("x", 4, D), REQUEST, m("x", 4, S)),
+    (m("x", 4), m("x", 5, S), REQUEST, m("x", 5, S)),
+    (m("x", 4), m("x", 5), REQUEST, m("x", 5)),
 ])
-def test_a_dead_verdict_in_a_full_state_sync_counts_only_as_suspicion(record, taken_as):
-    assert as_synced(record) == taken_as
+def test_a_verdict_in_gossip_counts_only_as_suspicion_unless_this_view_reached_it(known, update, heard, taken_as):
+    assert as_heard(known, update, heard) == taken_as
+
+
+@pytest.mark.parametrize("addr,ok", [
+    ("http://10.0.0.5:8000", True),
+    ("https://node.example:443", True),
+    ("http://[::1]:8000", True),
+    ("http://node.example", True),
+    ("http://127.0.0.1:19999/any/path?q=", False),  # issue 23's SSRF
+    ("http://user:secret@10.0.0.5:8000", False),
+    ("http://@10.0.0.5:8000", False),
+    ("http://10.0.0.5:8000/swim", False),
+    ("http://10.0.0.5:8000/", False),
+    ("http://10.0.0.5:8000?q=1", False),
+    ("http://10.0.0.5:8000?", False),
+    ("http://10.0.0.5:8000#frag", False),
+    ("ftp://10.0.0.5:8000", False),
+    ("file:///etc/passwd", False),
+    ("http://10.0.0.5:99999", False),
+    ("http://10.0.0.5:port", False),
+    ("http://:8000", False),
+    ("http://10.0.0.5:8000\n", False),
+    ("", False),
+])
+def test_a_member_address_is_a_bare_http_origin(addr, ok):
+    assert is_origin(addr) is ok
+    assert (merge(None, Member("x", addr, 1), self_id="me") is not None) is ok  # a first sighting elsewhere is dropped
+
+
+KNOWN = m("x", 5, stage=1, names=("pp-stage-1",))
+
+
+@pytest.mark.parametrize("update", [
+    attrs.evolve(KNOWN, incarnation=9, addr="http://elsewhere:8000"),
+    attrs.evolve(KNOWN, incarnation=9, state=D, addr="http://elsewhere:8000"),
+    m("x", 9, stage=2, names=("pp-stage-2",)),
+    m("x", 9, names=("pp-stage-1",)),  # no stage
+    m("x", 9, stage=1, names=("pp-stage-1",), observer=True),
+])
+def test_a_record_moving_a_known_member_or_changing_its_stage_is_dropped(update):
+    assert not same_identity(update, KNOWN)
+    assert merge(KNOWN, update, self_id="me", heard=REQUEST) is None
+    assert merge(KNOWN, update, self_id="me", heard=ANSWER) is None
+
+
+def test_a_new_member_at_a_known_member_s_address_is_taken():
+    # vast.ai reuses addresses: a replacement is a new id, wherever it listens
+    replacement = attrs.evolve(KNOWN, id="y", incarnation=1)
+    view, changed = merge_all({"me": m("me", 1), "x": KNOWN}, [replacement], "me", heard=REQUEST)
+    assert changed == (replacement,) and list(view) == ["me", "x", "y"]
+
+
+def test_news_of_a_known_member_where_it_always_was_is_taken():
+    news = m("x", 6, stage=1, names=("pp-stage-1",), ready=True)
+    assert same_identity(news, KNOWN) and merge(KNOWN, news, self_id="me", heard=REQUEST) == news
+
+
+@pytest.mark.parametrize("own,update,heard,dead", [
+    (ME, about_me(5, D), ANSWER, True),
+    (ME, about_me(5, L), ANSWER, True),
+    (ME, about_me(4, D), ANSWER, True),  # a stage's verdict is final: none is stale
+    (ME, about_me(5, D), REQUEST, False),  # anyone holding the token can say so
+    (ME, about_me(5, D), OWN, False),
+    (ME, about_me(5, S), ANSWER, False),  # an accusation to refute, not a verdict
+    (ME, about_me(5, D, addr="http://elsewhere:8000"), ANSWER, False),  # not about us as we are
+    (ME, attrs.evolve(about_me(5, D), id="other"), ANSWER, False),
+    (m("me", 5), m("me", 5, D), ANSWER, True),
+    (m("me", 5), m("me", 4, D), ANSWER, False),  # a member without a stage: stale, from before a refutation
+])
+def test_a_member_is_declared_dead_for_itself_only_in_an_answer(own, update, heard, dead):
+    assert declares_dead(update, own, heard) is dead
+
+
+@pytest.mark.parametrize("update,heard,yields,after", [
+    (about_me(5, D), REQUEST, True, about_me(6)),  # neither obeyed nor let stand: refuted
+    (about_me(5, L), REQUEST, True, about_me(6)),
+    (about_me(5, D), ANSWER, True, ME),  # a verdict: the owner steps aside, and we do not refute
+    (about_me(5, D), ANSWER, False, about_me(6)),  # a member that does not yield refutes even that
+    (about_me(5, S), ANSWER, True, about_me(6)),
+    (about_me(9, S, addr="http://elsewhere:8000"), REQUEST, True, ME),  # not about us as we are
+])
+def test_a_request_s_verdict_about_self_is_never_obeyed(update, heard, yields, after):
+    view, _ = merge_all({"me": ME}, [update], "me", heard=heard, yields=yields)
+    assert view["me"] == after and view["me"].state is A
+
+
+@pytest.mark.parametrize("known,update,expected", [
+    (m("x", 5, D, stage=1), m("x", 9, stage=1), None),  # a stage's holder declared dead stays dead
+    (m("x", 5, L, stage=1), m("x", 9, stage=1), None),
+    (m("x", 5, D, stage=0), m("x", 9, S, stage=0), None),  # stage 0 too
+    (m("x", 5, D, stage=1), m("x", 9, L, stage=1), None),
+    (m("x", 5, S, stage=1), m("x", 9, stage=1), m("x", 9, stage=1)),  # a suspect refutes
+    (m("x", 5, D), m("x", 9), m("x", 9)),  # a member without a stage (the runner) comes back
+])
+def test_a_stage_holder_s_death_is_final_and_a_stageless_member_can_come_back(known, update, expected):
+    assert is_final(known) is (expected is None)
+    assert merge(known, update, self_id="me", heard=REQUEST) == expected
+
+
+def test_the_stage_and_observer_flag_cannot_be_announced_anew():
+    own = m("me", 5, stage=1)
+    with pytest.raises(ValueError, match="stage is fixed"):
+        announce_meta(own, stage=2)
+    with pytest.raises(ValueError, match="observer is fixed"):
+        announce_meta(own, observer=True)
+    assert announce_meta(own, stage=1, ready=True) == m("me", 6, stage=1, ready=True)
 
 
 def test_meta_announcement_bumps_incarnation_and_wins_in_other_views():
@@ -152,6 +277,46 @@ def test_relays_and_sync_peers_are_never_observers_suspects_or_dead():
         assert {r.id for r in relays} == {"b", "c"}
         assert pick_sync_peer(VIEW, "me", random.Random(seed)).id in {"a", "b", "c"}
     assert pick_sync_peer({"me": m("me", 1), "obs": m("obs", 1, observer=True)}, "me", random.Random(0)) is None
+
+
+@pytest.mark.parametrize("target_id,expected", [
+    ("a", "a"), ("s", "s"),  # at the address this view holds, whatever the request names
+    ("zz", None),  # unknown: nack without dialling anyone
+    ("me", None), ("obs", None), ("d", None), ("l", None),
+])
+def test_a_relay_pings_only_a_member_it_would_probe_itself(target_id, expected):
+    target = relay_target(VIEW, "me", target_id)
+    assert target == (VIEW[expected] if expected else None)
+
+
+# --- names -------------------------------------------------------------------------------------------------
+
+REAL = m("real", 5, stage=1, names=("pp-stage-1",), ready=True)
+CLAIMANT = m("claimant", 99, stage=1, names=("pp-stage-1",), ready=True)
+
+
+@pytest.mark.parametrize("members,expected", [
+    ([REAL, CLAIMANT], "real"),  # the first registered keeps the name against a higher incarnation
+    ([attrs.evolve(REAL, state=S), CLAIMANT], "real"),  # a suspect may be just slow
+    ([attrs.evolve(REAL, state=D), CLAIMANT], "claimant"),  # declared dead: the name passes on
+    ([attrs.evolve(REAL, state=L), CLAIMANT], "claimant"),
+    ([m("real", 5, stage=1, ready=True), CLAIMANT], "claimant"),  # first seen, but not registered under it
+    ([m("real", 5, stage=1, names=("pp-stage-1",), observer=True), CLAIMANT], "claimant"),
+    ([attrs.evolve(REAL, state=D)], None),
+    ([], None),
+])
+def test_a_name_is_held_by_its_first_registered_live_member(members, expected):
+    found = holder({m.id: m for m in members}, "pp-stage-1")
+    assert (found.id if found else None) == expected
+
+
+def test_a_later_claimant_takes_a_name_only_once_this_view_declares_its_holder_dead():
+    view = {"me": m("me", 1), "real": REAL}
+    for heard in (REQUEST, ANSWER):
+        view, _ = merge_all(view, [CLAIMANT, attrs.evolve(REAL, state=D)], "me", heard=heard)
+        assert holder(view, "pp-stage-1").id == "real"
+    view, _ = merge_all(view, [attrs.evolve(view["real"], state=D)], "me", heard=OWN)
+    assert holder(view, "pp-stage-1") == CLAIMANT
 
 
 # --- suspicion ---------------------------------------------------------------------------------------------

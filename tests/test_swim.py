@@ -1,11 +1,13 @@
 """The SWIM driver on an in-memory network, in virtual time: T = 100 ms, probe timeout 30 ms."""
 import random
 
+import attrs
 import pytest
 import trio
 import trio.testing
 
-from node.gossip import Member, Meta, Ping, State, Sync, suspicion_timeout_s
+from node.gossip import Ack, Member, Meta, Nack, Ping, PingReq, State, Sync, suspicion_timeout_s
+from node.main import Replaced, step_aside_when_replaced
 from node.swim import Swim, WrongTargetError
 from tests.swimnet import (T_S, TEST_CONFIG, Node, SwimNet, Unplugged, addr_of, all_alive, kill, record_when,
                            start_cluster, start_node, state_of, wait_everywhere)
@@ -134,11 +136,11 @@ async def test_metadata_update_reaches_everyone_and_resolve_finds_it(nursery, au
     net = SwimNet(nursery)
     nodes = await converged_cluster(nursery, net)
     assert all(node.swim.resolve("pp-stage-1") is None for node in nodes)
-    announced = nodes[2].swim.update_meta(stage=1, names=("pp-stage-1",), ready=True)
+    announced = nodes[2].swim.update_meta(names=("pp-stage-1",), ready=True)
     with trio.fail_after(META_S):
         await wait_everywhere(nodes, lambda s: s.resolve("pp-stage-1"))
     assert [node.swim.resolve("pp-stage-1") for node in nodes] == [announced] * N
-    assert announced.meta == Meta(stage=1, names=("pp-stage-1",), ready=True) and announced.incarnation == 2
+    assert announced.meta == Meta(names=("pp-stage-1",), ready=True) and announced.incarnation == 2
 
 
 async def test_member_cut_off_until_all_views_split_rejoins_once_the_network_heals(nursery, autojump_clock):
@@ -249,10 +251,21 @@ async def test_a_ping_introduces_its_sender(nursery):
     assert swim.members()["b"] == b and swim.resolve("pp-entry") == b
 
 
+class Seed:
+    """A transport whose only peer is a seed answering every sync with `members`."""
+
+    def __init__(self, *members: Member):
+        self.members = members
+
+    async def sync(self, addr: str, msg: Sync) -> Sync:
+        return Sync(self.members)
+
+
 async def test_ack_tells_a_pinger_we_hold_dead_about_its_death_after_gossip_about_it_ran_out(nursery):
-    swim = lone_swim("a")
+    swim = Swim(Member("a", addr_of("a"), 1), TEST_CONFIG, Seed(Member("x", addr_of("x"), 4, State.DEAD)),
+                random.Random(0), seeds=[])
+    assert await swim.join(addr_of("seed"))  # an answer: a joiner takes its seed's verdicts on members it never saw
     y = Member("y", addr_of("y"), 1)
-    await swim.on_ping(Ping(sender=y, target_id="a", seq=0, updates=(Member("x", addr_of("x"), 4, State.DEAD),)))
     for seq in range(1, 20):  # drains the dissemination queue
         await swim.on_ping(Ping(sender=y, target_id="a", seq=seq))
     assert (await swim.on_ping(Ping(sender=y, target_id="a", seq=99))).updates == ()
@@ -266,3 +279,76 @@ async def test_ping_for_another_member_is_refused_naming_both(nursery, autojump_
     with pytest.raises(WrongTargetError, match="'zz'.*'a'"):
         await swim.on_ping(Ping(sender=Member("b", addr_of("b"), 1), target_id="zz", seq=1))
     assert "b" not in swim.members()
+
+
+# --- issue 23: what a token holder's messages can no longer make a member do --------------------------------
+
+EVIL_URL = "http://127.0.0.1:19999/any/path?q="  # the audit's: stage 0 POSTed there, bearer token attached
+ATTACKER = Member("attacker", addr_of("attacker"), 1)  # a token holder; nobody listens at its address
+
+
+class Dialled:
+    """A transport that acks every ping and records where each one went."""
+
+    def __init__(self):
+        self.pings: list[tuple[str, str]] = []  # (address, target id)
+
+    async def ping(self, addr: str, msg: Ping) -> Ack:
+        self.pings.append((addr, msg.target_id))
+        return Ack(sender_id=msg.target_id, seq=msg.seq)
+
+
+async def test_a_ping_req_makes_the_relay_dial_only_the_target_s_own_address_or_nobody(nursery):
+    dialled = Dialled()
+    swim = Swim(Member("a", addr_of("a"), 1), TEST_CONFIG, dialled, random.Random(0), seeds=[])
+    await swim.on_ping(Ping(sender=Member("b", addr_of("b"), 1), target_id="a", seq=1))
+    assert isinstance(await swim.on_ping_req(PingReq(ATTACKER, "b", EVIL_URL, seq=2)), Ack)
+    assert isinstance(await swim.on_ping_req(PingReq(ATTACKER, "nobody", EVIL_URL, seq=3)), Nack)
+    assert dialled.pings == [(addr_of("b"), "b")]
+
+
+async def stage_among_members(nursery: trio.Nursery, net: SwimNet, stage: int) -> tuple[Node, list[Node]]:
+    """n0..n3 and, as n4, a stage that steps aside when declared dead (as node/main.py runs one)."""
+    nodes = await start_cluster(nursery, net, N - 1)
+    holder = await start_node(nursery, net, "n4", seeds=[nodes[0].addr], yield_when_dead=True,
+                              meta=Meta(stage=stage, names=(f"pp-stage-{stage}",), ready=True))
+    with trio.fail_after(CONVERGE_S):
+        await wait_everywhere(nodes + [holder], all_alive(IDS))
+    return holder, nodes + [holder]
+
+
+async def test_requests_saying_a_live_stage_is_dead_make_it_suspect_at_most_and_it_refutes(nursery, autojump_clock):
+    net = SwimNet(nursery)
+    stage, everyone = await stage_among_members(nursery, net, 2)
+    dead = record_when(nursery, everyone, lambda s: state_of("n4", s) in (State.DEAD, State.LEFT))
+    verdict = attrs.evolve(stage.swim.me, incarnation=stage.swim.me.incarnation + 1, state=State.DEAD)
+    for node in everyone:  # the stage itself included
+        await node.swim.on_ping(Ping(ATTACKER, node.swim.me.id, seq=1, updates=(verdict,)))
+        node.swim.on_sync(Sync((verdict,)))
+    await trio.sleep(2 * DETECTION_BOUND_S)
+    assert dead == [] and not stage.swim.declared_dead.is_set()
+    assert {state_of("n4", node.swim) for node in everyone} == {State.ALIVE}
+    assert all(node.swim.members()["n4"].incarnation > verdict.incarnation for node in everyone)  # refuted
+
+
+async def test_a_member_announced_for_a_held_stage_neither_takes_it_nor_makes_its_holder_step_aside(
+        nursery, autojump_clock):
+    net = SwimNet(nursery)
+    real, everyone = await stage_among_members(nursery, net, 1)
+    stepped_aside = []
+
+    async def holder_steps_aside_when_replaced() -> None:  # what node/main.py runs beside a stage's Swim
+        with pytest.raises(Replaced) as raised:
+            await step_aside_when_replaced(real.swim, 1)
+        stepped_aside.append(raised.value)
+    nursery.start_soon(holder_steps_aside_when_replaced)
+    taken = record_when(nursery, everyone, lambda s: (h := s.resolve("pp-stage-1")) is not None and h.id != "n4")
+    # a token holder's own member, answering probes, at a higher incarnation than the holder's
+    fake = await start_node(nursery, net, "fake", seeds=[everyone[0].addr], incarnation=real.swim.me.incarnation + 1,
+                            meta=Meta(stage=1, names=("pp-stage-1",), ready=True))
+    for node in everyone:
+        node.swim.on_sync(Sync((fake.swim.me,)))
+    await trio.sleep(2 * DETECTION_BOUND_S)
+    assert all(state_of("fake", node.swim) is State.ALIVE for node in everyone)  # a member like any other...
+    assert taken == [] and [node.swim.resolve("pp-stage-1").id for node in everyone] == ["n4"] * N  # ...but queued
+    assert stepped_aside == [] and not real.swim.declared_dead.is_set()
