@@ -1,0 +1,217 @@
+"""A live cluster under the issue-23 audit's hostile clients: how fast /health answers while each runs, and
+how soon the slots of clients that walk away are free. Real node processes (tiny by default), as the audit's
+`ppsmoke.py --seed -n 3 --serve`. One JSON object per phase on stdout.
+
+  python -m bench.hostile                 # tiny, 3 stages
+  python -m bench.hostile --model smollm2:135m
+
+Phases (each while another process polls stage 0's /health every 20 ms):
+  idle         nothing else
+  long-prompt  8 clients at once send a 2 MiB message, 8 more one just under the body limit
+  long-stops   4 streams, each with 4 stop strings at the 1024-character cap, 64 tokens
+  rapid-reset  an HTTP/2 client opens and resets 20,000 streams, granting no flow-control credit, 3 times
+  conn-flood   300 idle TCP connections from one address (the cap is 256)
+  walk-away    20 HTTP/1.1 clients close their socket 0-5 ms after sending a 400-token request: the time
+               until no stage holds a slot (the audit saw half of them run to max_tokens)
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import random
+import re
+import secrets
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+from pathlib import Path
+
+import httpx
+import trio
+
+from node.openai_wire import MAX_STOP_CHARS
+
+from .cluster import start_local_cluster
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from test_h2_abuse import rapid_reset  # noqa: E402 -- the tests' raw h2 client, not a copy of it
+
+POLL_S = 0.02
+
+
+async def main_async(args) -> None:
+    key = secrets.token_urlsafe(16)
+    async with trio.open_nursery() as nursery:
+        _, urls = await start_local_cluster(nursery, args.model, args.stages, api_keys=(key,))
+        api = httpx.AsyncClient(base_url=urls[0], headers={"Authorization": f"Bearer {key}"}, timeout=120)
+        async with api:
+            await api.post("/v1/completions", json={"model": args.model, "prompt": "warm", "max_tokens": 4})
+            for name, phase in PHASES.items():
+                figures, latencies = await under_poll(urls[0], phase, api, urls, args.model)
+                print(json.dumps({"phase": name, **health_figures(latencies), **figures}), flush=True)
+        nursery.cancel_scope.cancel()
+
+
+async def under_poll(url: str, phase, api, urls, model) -> tuple[dict, list[float]]:
+    """Run `phase` while /health is polled from another process (this one's event loop is busy with the
+    phase's own clients); its figures and every /health latency (s)."""
+    async with trio.open_nursery() as nursery:
+        poller = await nursery.start(functools.partial(
+            trio.run_process, [sys.executable, "-m", "bench.hostile", "--poll", url], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE))
+        first = await poller.stdout.receive_some()  # "ready" once its first /health is answered
+        figures = await phase(api, urls, model)
+        await poller.stdin.aclose()
+        out = first
+        while chunk := await poller.stdout.receive_some():
+            out += chunk
+    return figures, json.loads(out.decode().split("\n", 1)[1])
+
+
+def poll(url: str) -> None:
+    """--poll: GET url/health every POLL_S until stdin closes; then print every latency (s) as JSON."""
+    latencies, stop = [], threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    with httpx.Client(timeout=30) as client:
+        client.get(url + "/health").raise_for_status()
+        print("ready", flush=True)
+        while not stop.is_set():
+            sent = time.perf_counter()
+            try:
+                client.get(url + "/health").raise_for_status()
+            except httpx.TransportError:  # a connection the node closed (as over its cap): a new one next
+                continue
+            latencies.append(time.perf_counter() - sent)
+            stop.wait(POLL_S)
+    print(json.dumps(latencies), flush=True)
+
+
+def health_figures(latencies: list[float]) -> dict:
+    ms = sorted(1000 * s for s in latencies)
+    return {"health_polls": len(ms), "health_p50_ms": round(statistics.median(ms), 1),
+            "health_p99_ms": round(ms[int(0.99 * (len(ms) - 1))], 1), "health_max_ms": round(ms[-1], 1)}
+
+
+async def idle(api, urls, model) -> dict:
+    await trio.sleep(2)
+    return {}
+
+
+async def long_prompt(api, urls, model) -> dict:
+    statuses: list[int] = []
+
+    async def send(chars: int):
+        body = {"model": model, "messages": [{"role": "user", "content": "x" * chars}], "max_tokens": 4}
+        statuses.append((await api.post("/v1/chat/completions", json=body)).status_code)
+    limit = await _body_limit(api, model)
+    async with trio.open_nursery() as nursery:
+        for chars in [2 << 20] * 8 + [limit - 1024] * 8:
+            nursery.start_soon(send, chars)
+    return {"statuses": sorted(statuses)}
+
+
+async def _body_limit(api, model) -> int:
+    """The API's body limit, as its 413 says it."""
+    r = await api.post("/v1/chat/completions", json={"model": model, "messages": [], "x": "x" * (8 << 20)})
+    return int(re.search(r"over the (\d+) bytes", r.json()["error"]["message"]).group(1))
+
+
+async def long_stops(api, urls, model) -> dict:
+    stops = ["y" * (MAX_STOP_CHARS - 1) + end for end in "1234"]
+    took: list[float] = []
+
+    async def one():
+        sent = time.perf_counter()
+        r = await api.post("/v1/completions", json={"model": model, "prompt": "Tell me a story", "max_tokens": 64,
+                                                    "temperature": 0, "stop": stops, "stream": True})
+        assert r.status_code == 200, r.text
+        took.append(time.perf_counter() - sent)
+    async with trio.open_nursery() as nursery:
+        for _ in range(4):
+            nursery.start_soon(one)
+    return {"answer_s": [round(t, 2) for t in sorted(took)]}
+
+
+async def reset_flood(api, urls, model) -> dict:
+    goaways = [await rapid_reset(urls[0], 20_000) for _ in range(3)]
+    return {"goaway": [g.error_code.name if g else None for g in goaways]}
+
+
+async def conn_flood(api, urls, model) -> dict:
+    parts = urllib.parse.urlsplit(urls[0])
+    socks, closed = [], 0
+    for _ in range(300):
+        socks.append(await trio.open_tcp_stream(parts.hostname, parts.port))
+    for sock in socks[-44:]:  # the ones past the cap are closed by the node
+        with trio.move_on_after(1):
+            closed += await sock.receive_some(1) == b""
+    await trio.sleep(1)
+    for sock in socks:
+        await sock.aclose()
+    await trio.sleep(1)  # the node sees them go
+    return {"opened": len(socks), "closed_by_node_of_last_44": closed}
+
+
+async def walk_away(api, urls, model) -> dict:
+    parts = urllib.parse.urlsplit(urls[0])
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 400,
+                       "temperature": 0, "stream": True}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+            f"Authorization: {api.headers['Authorization']}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+
+    async def leave():
+        sock = await trio.open_tcp_stream(parts.hostname, parts.port)
+        await sock.send_all(head + body)
+        await trio.sleep(random.uniform(0, 0.005))
+        await sock.aclose()
+    before = await _ended(api)
+    async with trio.open_nursery() as nursery:
+        for _ in range(20):
+            nursery.start_soon(leave)
+    left = time.perf_counter()
+    async with httpx.AsyncClient() as client:
+        while not await _idle(client, urls):
+            await trio.sleep(0.01)
+    free_s = time.perf_counter() - left
+    after = await _ended(api)  # those closed before they were admitted never start
+    return {"clients": 20, "slots_free_after_s": round(free_s, 3),
+            "ended": {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}}
+
+
+async def _ended(api) -> dict[str, float]:
+    metrics = (await api.get("/metrics")).text
+    return {k: float(v) for k, v in re.findall(r'pp_requests_total\{reason="(\w+)"\} (\S+)', metrics)}
+
+
+async def _idle(client, urls) -> bool:
+    """No stage holds a slot, and stage 0 neither runs, queues nor follows a request."""
+    hs = [(await client.get(u + "/health")).json() for u in urls]
+    return not (any(h["slots_in_use"] for h in hs) or hs[0]["slots"]["active"] or hs[0]["queue"]["waiting"]
+                or hs[0]["followed"])
+
+
+PHASES = {"idle": idle, "long-prompt": long_prompt, "long-stops": long_stops, "rapid-reset": reset_flood,
+          "conn-flood": conn_flood, "walk-away": walk_away}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.hostile", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--poll", metavar="URL", help=argparse.SUPPRESS)  # the /health poller's own process
+    args = p.parse_args(argv)
+    if args.poll:
+        poll(args.poll)
+    else:
+        trio.run(main_async, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
