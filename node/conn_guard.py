@@ -79,6 +79,13 @@ class _GuardedTCPServer(TCPServer):
         finally:
             admission.release(peer)
 
+    async def _read_data(self) -> None:
+        # hypercorn leaves a connection's keep-alive timer running once the peer has closed it, so the
+        # connection (and its count here) outlived the peer by up to keep_alive_timeout: after a flood of
+        # 256 closed connections, the peer's next one was refused for seconds. Closed is closed.
+        await super()._read_data()
+        await self.idle_task.stop()
+
 
 def _peer(stream) -> str:
     try:
