@@ -74,3 +74,16 @@ async def health_ok(url: str) -> bool:
             return (await client.get(url + "/health")).status_code == 200
         except httpx.TransportError:  # refused at the limit: closed before a byte was read
             return False
+
+
+async def test_a_connection_that_sends_nothing_is_closed_at_the_keep_alive_timeout(nursery, tmp_path, monkeypatch):
+    """Until its first byte a connection is parked before hypercorn sets it up (conn_guard._first_byte), and
+    still closed when hypercorn would have closed it, idle, unlike one that sent its request."""
+    monkeypatch.setattr(hypercorn.config.Config, "keep_alive_timeout", 0.5)
+    _, urls, _ = await start_cluster(nursery, 2, tmp_path)
+    host, port = urls[0].removeprefix("http://").rsplit(":", 1)
+    async with await trio.open_tcp_stream(host, int(port)) as silent:
+        with trio.fail_after(10):
+            assert await silent.receive_some() == b""
+    assert await health_ok(urls[0])
+    nursery.cancel_scope.cancel()
