@@ -72,7 +72,8 @@ async def until_idle(urls):
             await trio.sleep(0.05)
 
 
-@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow), 5])  # 3: slow tier (suite time)
+@pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow), 5])
+# 2 and 3: slow tier (suite time); test_serve's cluster of 2 serves batched requests in the default suite
 async def test_eight_requests_at_once_each_get_exactly_their_tokens_alone(nursery, tmp_path, tiny, alone, n):
     orch, urls, _ = await start_cluster(nursery, n, tmp_path, model="tiny", max_seqs=8, swim_config=PATIENT_SWIM)
     with trio.fail_after(240):

@@ -126,6 +126,7 @@ def test_a_node_killed_mid_generation_fails_the_run_long_before_the_timeout():
     assert_all_gone(mark)
 
 
+@pytest.mark.slow  # suite time: test_serve's cluster ends by SIGINT and checks every process is gone
 def test_sigint_to_the_runner_stops_every_child():
     mark = uuid.uuid4().hex
     proc = start(["-n", "3", "--max-tokens", "2000"], mark)
