@@ -12,7 +12,8 @@ from worker import quants
 from worker.errors import ModelFileError
 from worker.gguf import (GGML_TYPES, SUPPORTED_TYPES, GGUFHeader, GGUFSource, IncompleteHeader, TensorInfo,
                          config_from_header, dequantize, parse_header, read_header)
-from worker.weights import ALIGN, BLOCK_TENSORS, EMBEDDING, OUTPUT, OUTPUT_NORM
+from worker.files import ALIGN
+from worker.weights import BLOCK_TENSORS, EMBEDDING, OUTPUT, OUTPUT_NORM
 
 SMALL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=300,
                     rope_theta=500000.0, max_context=4096)

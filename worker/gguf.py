@@ -19,7 +19,7 @@ from .config import ModelConfig
 from .errors import ModelFileError
 from .packed import Q8_BLOCK, Q8_BLOCK_BYTES, Packed, permute_rows
 from .packed import dense as packed_dense
-from .weights import aligned_empty
+from .files import aligned_empty, read_extent
 
 # ggml type id -> (name, elements per block, bytes per block); ggml.h's `ggml_type`.
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
@@ -386,17 +386,5 @@ class GGUFSource:
         """Exactly the tensor's bytes [offset + start, offset + start + nbytes) (all of them by default),
         nothing else."""
         nbytes = info.nbytes - start if nbytes is None else nbytes
-        raw = aligned_empty(nbytes)  # float32 tensors are used in place from here (model._on_device)
-        try:
-            with open(self.path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if info.offset + info.nbytes > size:
-                    raise ModelFileError(self.path, f"tensor {info.name!r} needs bytes up to "
-                                                    f"{info.offset + info.nbytes} but the file has {size}: truncated")
-                f.seek(info.offset + start)
-                got = f.readinto(memoryview(raw))
-        except OSError as e:
-            raise ModelFileError(self.path, f"cannot read tensor {info.name!r}: {e.strerror}") from None
-        if got != nbytes:  # the file shrank between fstat and read
-            raise ModelFileError(self.path, f"tensor {info.name!r}: read {got} of {nbytes} bytes: truncated")
-        return raw
+        return read_extent(self.path, info.offset + start, nbytes, what=f"tensor {info.name!r}",
+                           end=info.offset + info.nbytes)

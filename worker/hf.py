@@ -18,7 +18,8 @@ from .config import ModelConfig, RopeScaling, llama3_freq_factors
 from .errors import ModelFileError
 from .packed import Packed
 from .packed import dense as packed_dense
-from .weights import EMBEDDING, OUTPUT, OUTPUT_NORM, aligned_empty
+from .files import read_extent, read_json
+from .weights import EMBEDDING, OUTPUT, OUTPUT_NORM
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -84,20 +85,6 @@ def expected_shape(config: ModelConfig, name: str) -> tuple[int, ...] | None:
 
 
 # --- config.json -------------------------------------------------------------------------------
-
-def read_json(path: Path) -> dict:
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError as e:
-        raise ModelFileError(path, "file is missing") from e
-    try:
-        data = json.loads(raw)
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
-        raise ModelFileError(path, f"not valid JSON ({e})") from e
-    if not isinstance(data, dict):
-        raise ModelFileError(path, "expected a JSON object at the top level")
-    return data
-
 
 def _field(obj: dict, key: str, kind: type, path, default=_REQUIRED):
     """obj[key] checked to be `kind` (bool not counted as a number; ints must be positive)."""
@@ -272,16 +259,7 @@ def read_raw(entry: TensorEntry, name: str) -> np.ndarray:
     if entry.dtype not in _DTYPES:
         raise ModelFileError(entry.path, f"tensor {name!r} has dtype {entry.dtype}; "
                                          "only F32, F16 and BF16 are supported")
-    buf = aligned_empty(entry.end - entry.start)
-    try:
-        with entry.path.open("rb") as f:
-            f.seek(entry.start)
-            got = f.readinto(buf)
-    except FileNotFoundError as e:
-        raise ModelFileError(entry.path, "file is missing") from e
-    if got != len(buf):
-        raise ModelFileError(entry.path, f"truncated: tensor {name!r} needs bytes up to {entry.end}, "
-                                         f"the file ended {len(buf) - got} bytes short")
+    buf = read_extent(entry.path, entry.start, entry.end - entry.start, what=f"tensor {name!r}")
     return buf.view(_DTYPES[entry.dtype]).reshape(entry.shape)
 
 

@@ -45,7 +45,8 @@ from .batching import DEFAULT_MAX_SEQS, Segment, bucket_sizes, default_max_batch
 from .config import ModelConfig
 from .linear import DeviceWeight, linear, to_device
 from .packed import Packed
-from .weights import ALIGN, EMBEDDING, OUTPUT_NORM, aligned_empty
+from .files import ALIGN, aligned_empty
+from .weights import EMBEDDING, OUTPUT_NORM
 
 # numpy types the CPU device can compute on in place, as tinygrad's
 _FROM_BLOB = {np.float32: dtypes.float32, np.float16: dtypes.float16, np.int8: dtypes.int8, np.uint16: dtypes.uint16}

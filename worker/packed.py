@@ -14,7 +14,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from .weights import ALIGN, aligned_empty
+from .files import ALIGN, aligned_empty
 
 Q8_BLOCK = 32  # weights per Q8_0 block
 Q8_BLOCK_BYTES = 2 + Q8_BLOCK  # f16 scale, then 32 int8

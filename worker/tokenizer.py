@@ -18,7 +18,7 @@ from .chat import LLAMA3_TEMPLATE
 from .errors import ModelFileError, WorkerError
 from .gguf_vocab import (BYTE, CONTROL, LLAMA3_REGEX, NORMAL, USER_DEFINED, bytes_to_unicode, token_bytes,
                          vocab_from_gguf)
-from .hf import read_json
+from .files import read_json
 
 BEGIN_OF_TEXT = "<|begin_of_text|>"
 END_OF_TEXT = "<|end_of_text|>"

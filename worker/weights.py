@@ -7,14 +7,12 @@ the file's own precision instead (worker/packed.py), same layout.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from .config import ModelConfig
-
-if TYPE_CHECKING:  # packed.py builds on this module's aligned_empty
-    from .packed import Packed
+from .packed import Packed
 
 BLOCK_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
                  "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
@@ -74,12 +72,3 @@ def stage_tensor_names(config: ModelConfig, layers: range, *, embed: bool, head:
             names.append(head_name)
     return names
 
-
-ALIGN = 4096  # what tinygrad's own CPU buffers get: the CPU device can compute on such an array in place
-
-
-def aligned_empty(nbytes: int) -> np.ndarray:
-    """An uninitialised byte array whose data starts on an ALIGN boundary."""
-    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
-    start = -raw.ctypes.data % ALIGN
-    return raw[start:start + nbytes]
