@@ -1,4 +1,8 @@
 """The stub must catch the mistakes a pipeline can make: skipped, repeated or reordered blocks and steps."""
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -43,3 +47,13 @@ def test_each_step_depends_on_every_earlier_step_through_the_cache():
     slice_.forward(slice_.embed([8]), 3)  # an extra step before the same token
     again = slice_.forward(slice_.embed([9]), 4)
     assert a.shape == (3, 16) and not np.array_equal(step_at_3, again)
+
+
+def test_roles_the_stub_worker_and_the_stage_contract_import_without_tinygrad():
+    """A node serving the stub, and the roles it runs, never load the tinygrad backend."""
+    code = ("import roles, worker.stub, worker.stage, sys; "
+            "assert not any(m == 'tinygrad' or m.startswith('tinygrad.') for m in sys.modules), "
+            "sorted(m for m in sys.modules if m.startswith('tinygrad'))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr

@@ -184,7 +184,7 @@ class StageModel:
         self.scratch_slot = max_seqs  # padding rows write here; no sequence ever reads it
         self.buckets = bucket_sizes(max_batch or default_max_batch(max_seqs))
         # Each array goes to the device and out of `tensors` in turn (the caller hands them over, and may read
-        # them only now: slice._OnDemand), so a weight's host copy is freed as soon as the device holds it.
+        # them only now: slice.py's _OnDemand), so a weight's host copy is freed as soon as the device holds it.
         # The embedding table is left to the caller, which looks rows up on the host.
         self._backing: list[np.ndarray] = []  # host arrays the CPU device uses in place (see _put)
         dev = {name: self._on_device(tensors.pop(name)) for name in [n for n in tensors if n != EMBEDDING]}

@@ -8,7 +8,8 @@ import attrs
 
 from .batching import DEFAULT_MAX_SEQS
 from .partition import Role, layer_range, role_of
-from .slice import Slice, TinygradSlice
+from .compute.slice import TinygradSlice
+from .slice import Slice
 from .stage import StageWorker
 from .sources import open_source
 from .stub import STUB_BLOCKS, StubSlice, StubTokenizer
