@@ -25,7 +25,7 @@ from pathlib import Path
 
 import trio
 
-from worker.weights import PRECISIONS
+from worker.weights.contract import PRECISIONS
 
 from .pipeline import ROOT, pipeline, summarize
 
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--beam", type=int, default=0, help="pp: kernel search at warm-up (PP_BEAM)")
     p.add_argument("--precision", choices=PRECISIONS, default="auto",
-                   help="pp: which weights keep the file's precision (PP_PRECISION; weights.narrow_kinds)")
+                   help="pp: which weights keep the file's precision (PP_PRECISION; weights.contract.narrow_kinds)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     rows = []

@@ -16,8 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from worker.fetch import DEFAULT_MODEL, resolve_model
-from worker.gguf import GGUFSource
+from worker.weights.fetch import DEFAULT_MODEL, resolve_model
+from worker.weights.gguf import GGUFSource
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""The two forms of worker/linear.py's matmul, each forced on every weight of a slice: one decode step of
+"""The two forms of worker/compute/linear.py's matmul, each forced on every weight of a slice: one decode step of
 one row, with the kernels searched (BEAM) as the graph is captured. What linear() picks between them was
 decided from this.
 
@@ -16,10 +16,10 @@ from pathlib import Path
 
 from tinygrad import Context
 
-from worker import linear, model as model_module
+from worker.compute import linear, model as model_module
 from worker.batching import Segment
 from worker.models import open_model
-from worker.weights import PRECISIONS
+from worker.weights.contract import PRECISIONS
 
 
 def step_ms(spec: str, precision: str, blocks: int, head: bool, form, beam: int, steps: int) -> float:

@@ -18,7 +18,7 @@ from worker.batching import DEFAULT_MAX_SEQS
 from worker.config import DEFAULT_CONTEXT
 from worker.models import open_model
 from worker.partition import Role, layer_range, role_of
-from worker.weights import PRECISIONS
+from worker.weights.contract import PRECISIONS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-seqs", type=int, default=DEFAULT_MAX_SEQS)
     p.add_argument("--ctx", type=int, default=DEFAULT_CONTEXT, help="positions a slot holds, as a node's --ctx")
     p.add_argument("--precision", choices=PRECISIONS, default="auto",
-                   help="which weights keep the file's precision (weights.narrow_kinds)")
+                   help="which weights keep the file's precision (weights.contract.narrow_kinds)")
     args = p.parse_args(argv)
     model = open_model(args.model, cache_dir=Path(tempfile.gettempdir()), ollama_models_dir=None,
                        precision=args.precision, max_context=args.ctx)

@@ -21,8 +21,8 @@ from pathlib import Path
 import httpx
 import trio
 
-from worker.fetch import DEFAULT_MODEL
-from worker.weights import PRECISIONS
+from worker.weights.fetch import DEFAULT_MODEL
+from worker.weights.contract import PRECISIONS
 
 from .cluster import start_local_cluster
 
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="also write the rows as JSON here")
     p.add_argument("--beam", type=int, default=0, help="kernel search at warm-up, one process and every stage (PP_BEAM)")
     p.add_argument("--precision", choices=PRECISIONS, default="auto",
-                   help="which weights keep the file's precision (PP_PRECISION; weights.narrow_kinds)")
+                   help="which weights keep the file's precision (PP_PRECISION; weights.contract.narrow_kinds)")
     p.add_argument("--single", help=argparse.SUPPRESS)  # internal: run the one-process baseline for this model
     args = p.parse_args(argv)
     if args.single:

@@ -27,7 +27,7 @@ import httpx
 import numpy as np
 import trio
 
-from worker.fetch import DEFAULT_MODEL
+from worker.weights.fetch import DEFAULT_MODEL
 
 from .cluster import start_local_cluster
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 
 from worker.batching import Segment
-from worker.fetch import DEFAULT_MODEL
+from worker.weights.fetch import DEFAULT_MODEL
 from worker.models import open_model
-from worker.weights import PRECISIONS
+from worker.weights.contract import PRECISIONS
 
 
 def step_ms(model, blocks: int, steps: int, batch: int, beam: int = 0, profile: bool = False) -> tuple[float, float]:
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true", help="also print a cProfile of as many more steps")
     p.add_argument("--beam", type=int, default=0, help="kernel search width at warm-up (tinygrad BEAM; 0 = off)")
     p.add_argument("--precision", choices=PRECISIONS, default="auto",
-                   help="which weights keep the file's precision (weights.narrow_kinds)")
+                   help="which weights keep the file's precision (weights.contract.narrow_kinds)")
     args = p.parse_args(argv)
     model = open_model(args.model, cache_dir=Path(tempfile.gettempdir()), ollama_models_dir=None,
                        precision=args.precision, tuned=args.beam > 0)

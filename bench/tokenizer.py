@@ -1,6 +1,6 @@
 """Tokenizer cost on one GGUF's byte-level BPE vocabulary: building it from the file's metadata (time,
 memory kept) and encoding a long text (MB/s, tokens/s) and a chat prompt. `tokenizers` is pp's tokenizer
-(worker.tokenizer, Hugging Face tokenizers); `tiktoken` is the same vocabulary as a tiktoken Encoding with
+(worker.tokens.tokenizer, Hugging Face tokenizers); `tiktoken` is the same vocabulary as a tiktoken Encoding with
 Llama 3's regex (what pp used before, valid only where ids are merge ranks, as in Llama 3's files). Run
 once per implementation: the memory figure is what the process grows by. Needs tiktoken (test requirements).
 
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from worker.gguf import read_header
+from worker.weights.gguf import read_header
 
 # a text of every kind the tokenizers split differently: prose, code, digits, accents, CJK, emoji, spaces
 SAMPLE = (Path(__file__).resolve().parent.parent / "README.md").read_text() + (
@@ -30,7 +30,7 @@ class TiktokenVocab:
     def __init__(self, kv):
         import tiktoken
 
-        from worker.gguf_vocab import CONTROL, LLAMA3_REGEX, token_bytes
+        from worker.tokens.gguf_vocab import CONTROL, LLAMA3_REGEX, token_bytes
         tokens, types = kv["tokenizer.ggml.tokens"], kv["tokenizer.ggml.token_type"]
         table = token_bytes("gpt2", tokens, types)
         ranks = {b: i for i, (b, kind) in enumerate(zip(table, types)) if kind != CONTROL}
@@ -50,7 +50,7 @@ class TiktokenVocab:
 def build(impl: str, kv, path):
     if impl == "tiktoken":
         return TiktokenVocab(kv)
-    from worker.tokenizer import tokenizer_from_gguf_metadata
+    from worker.tokens.tokenizer import tokenizer_from_gguf_metadata
     return tokenizer_from_gguf_metadata(kv, path)
 
 

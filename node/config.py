@@ -18,10 +18,10 @@ from roles import DEFAULT_MAX_QUEUE
 from worker.batching import DEFAULT_MAX_SEQS
 from worker.config import DEFAULT_CONTEXT
 from roles.messages import is_http_url
-from worker.fetch import DEFAULT_MODEL, REGISTRY, default_cache_dir, default_ollama_dir
+from worker.weights.fetch import DEFAULT_MODEL, REGISTRY, default_cache_dir, default_ollama_dir
 from worker.partition import check_stage
-from worker.tiny import BUILT_IN
-from worker.weights import PRECISIONS
+from worker.weights.tiny import BUILT_IN
+from worker.weights.contract import PRECISIONS
 
 from .faults import NONE as NO_FAULTS, Faults, FaultSpecError, parse_faults
 
@@ -66,7 +66,7 @@ class NodeConfig:
     max_queue: int = DEFAULT_MAX_QUEUE  # stage 0: requests waiting for a slot before the entry answers 429
     ctx: int = DEFAULT_CONTEXT          # PP_CTX: positions a slot's KV holds (prompt + answer), at most the model's
     beam: int = 0                       # PP_BEAM: tinygrad's kernel search width at boot (0 = off); cached on disk
-    precision: str = "auto"             # PP_PRECISION: which matrices keep the file's precision (worker.weights.narrow_kinds)
+    precision: str = "auto"             # PP_PRECISION: which matrices keep the file's precision (worker.weights.contract.narrow_kinds)
     link_streams: bool = True           # PP_LINKS=stream: one long-lived HTTP/2 stream to the next stage; post: a POST each
     exit_on_stdin_eof: bool = False     # PP_STDIN_LIFELINE=1: a local runner holds our stdin; EOF = it is gone
     faults: Faults = NO_FAULTS          # PP_FAULTS: drop or delay some link sends (chaos tests; node/faults.py)

@@ -20,10 +20,10 @@ import trio
 
 from roles import topology
 from worker.errors import ModelFileError
-from worker.fetch import REGISTRY, installed_model
+from worker.weights.fetch import REGISTRY, installed_model
 from worker.models import open_model, open_worker
 from worker.partition import Role
-from worker.rangefetch import fetch_stage_slice
+from worker.weights.rangefetch import fetch_stage_slice
 
 from .app import make_app, serve_app
 from .client import HttpTransport, PeerClient, gossip_client

@@ -2,7 +2,7 @@
 them, recorded once (transformers is not a dependency of this project):
 
     write tokfiles.write_tokenizer_json(llama3_vocab(), d) and, in d/tokenizer_config.json,
-    {"chat_template": TEMPLATE (or worker.chat.LLAMA3_TEMPLATE), "bos_token": "<|begin_of_text|>",
+    {"chat_template": TEMPLATE (or worker.tokens.chat.LLAMA3_TEMPLATE), "bos_token": "<|begin_of_text|>",
      "eos_token": "<|end_of_text|>", "tokenizer_class": "PreTrainedTokenizerFast"}; then, with
     transformers 5.24.0: AutoTokenizer.from_pretrained(d).apply_chat_template(CONVERSATION,
     add_generation_prompt=True, tokenize=True)["input_ids"]

@@ -1,6 +1,6 @@
 """Write a tiny Hugging Face Llama directory (config.json + safetensors) for tests.
 
-Written independently of worker/hf.py (its own name table and safetensors writer), so tests
+Written independently of worker/weights/hf.py (its own name table and safetensors writer), so tests
 that read these files back check the loader against a second implementation.
 """
 from __future__ import annotations

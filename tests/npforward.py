@@ -1,6 +1,6 @@
 """Test helper: an independent Llama forward pass in numpy, the reference pp's tinygrad stages answer to.
 
-Hugging Face layout and arithmetic, written from the architecture rather than from worker/model.py:
+Hugging Face layout and arithmetic, written from the architecture rather than from worker/compute/model.py:
 RMSNorm, rotate-half RoPE (with GGUF's per-frequency divisors when the config has them), grouped-query
 attention, SwiGLU, and a tied or untied head. It shares nothing with pp but the config and the tensor
 names. `dtype` is the arithmetic: float64 for the random test families, float32 for a real file's weights
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from worker.config import ModelConfig
-from worker.weights import EMBEDDING, OUTPUT, OUTPUT_NORM
+from worker.weights.contract import EMBEDDING, OUTPUT, OUTPUT_NORM
 
 
 def rms_norm(x, weight, eps):

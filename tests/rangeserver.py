@@ -9,8 +9,8 @@ import attrs
 
 from ggufmake import write_llama_gguf
 from tokfiles import byte_vocab, gguf_fields
-from worker.tiny import TinySource
-from worker.weights import BLOCK_TENSORS
+from worker.weights.tiny import TinySource
+from worker.weights.contract import BLOCK_TENSORS
 
 
 def write_gguf(path, config):

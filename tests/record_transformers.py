@@ -6,7 +6,7 @@ pp; run it in a throwaway virtualenv:
 
   python3 -m venv /tmp/tf && /tmp/tf/bin/pip install torch==2.13.0 transformers accelerate gguf
   /tmp/tf/bin/python tests/record_transformers.py \
-      "$(.venv/bin/python -c 'from worker.fetch import installed_model; print(installed_model("smollm2:135m"))')"
+      "$(.venv/bin/python -c 'from worker.weights.fetch import installed_model; print(installed_model("smollm2:135m"))')"
 """
 import json
 import sys

@@ -5,7 +5,7 @@ import pytest
 
 from worker.batching import Segment, bucket_sizes, default_max_batch, split_rows, unmeasured_cost
 from worker.models import tinygrad_model
-from worker.tiny import TinySource
+from worker.weights.tiny import TinySource
 
 
 @pytest.mark.parametrize("max_batch,want", [(1, (1,)), (2, (1, 2)), (4, (1, 4)), (16, (1, 4, 8, 16)),

@@ -7,9 +7,9 @@ import pytest
 from chat_fixtures import (CONVERSATION, TEMPLATE, TRANSFORMERS_IDS_LLAMA3_TEMPLATE,
                            TRANSFORMERS_IDS_OWN_TEMPLATE)
 from tokfiles import gguf_metadata, llama3_vocab, write_tokenizer_json
-from worker import chat
+from worker.tokens import chat
 from worker.errors import WorkerError
-from worker.tokenizer import chat_template_from_config, tokenizer_from_gguf_metadata, tokenizer_from_json
+from worker.tokens.tokenizer import chat_template_from_config, tokenizer_from_gguf_metadata, tokenizer_from_json
 
 
 @pytest.fixture(scope="module")

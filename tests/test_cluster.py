@@ -11,7 +11,7 @@ from node.stage_node import StageNode
 from worker.models import stub_model, tinygrad_model
 from worker.reference import generate_full
 from worker.stub import StubTokenizer
-from worker.tiny import TinySource
+from worker.weights.tiny import TinySource
 
 
 def expected(model, prompt, max_tokens):

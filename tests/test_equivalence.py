@@ -5,7 +5,7 @@ import pytest
 from worker.chain import run_chain
 from worker.models import open_worker, tinygrad_model
 from worker.reference import generate_full
-from worker.tiny import TinySource
+from worker.weights.tiny import TinySource
 
 MAX_TOKENS = 40
 

@@ -1,4 +1,4 @@
-"""Each Llama-architecture family the names in worker/fetch.py point at, shrunk to a few dimensions per head but
+"""Each Llama-architecture family the names in worker/weights/fetch.py point at, shrunk to a few dimensions per head but
 keeping what the families differ in (head counts, tied or untied head, RoPE theta and scaling, vocabulary size
 and kind): the GGUF and the Hugging Face directory load to the same config, and greedy generation, whole and
 through a chain of stages, gives the tokens and logits of an independent numpy forward pass (tests/npforward.py)."""
@@ -13,7 +13,7 @@ from hfmake import write_hf_dir
 from npforward import reference_greedy
 from vocabfiles import gguf_fields_of
 from worker.config import ModelConfig, RopeScaling, llama3_freq_factors
-from worker.weights import BLOCK_TENSORS, EMBEDDING, OUTPUT, OUTPUT_NORM
+from worker.weights.contract import BLOCK_TENSORS, EMBEDDING, OUTPUT, OUTPUT_NORM
 
 UNUSED = 5  # gguf-py's TokenType: in the vocabulary, never produced by the tokenizer
 LLAMA3_SCALING = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -102,8 +102,8 @@ def family(request, tmp_path_factory):
 
 @pytest.mark.parametrize("family", list(FAMILIES), indirect=True)
 def test_gguf_and_hugging_face_directory_load_to_the_family_config(family):
-    from worker.gguf import GGUFSource
-    from worker.hf import HFSource
+    from worker.weights.gguf import GGUFSource
+    from worker.weights.hf import HFSource
     c, _, directory = family
     for got in GGUFSource(directory / "m.gguf").config, HFSource(directory / "hf").config:
         # GGUF stores eps and the RoPE factors as float32; the context is the file's own
@@ -122,7 +122,7 @@ QUICK = ("smollm2:135m", "mistral:7b", "llama3.2:1b")  # odd head counts; untied
 
 def test_greedy_tokens_and_logits_equal_numpy_whole_and_through_three_stages(family):
     from worker.chain import run_chain
-    from worker.gguf import GGUFSource
+    from worker.weights.gguf import GGUFSource
     from worker.models import open_worker, tinygrad_model
     from worker.reference import generate_full
     c, w, directory = family

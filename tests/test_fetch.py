@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from worker.errors import ModelFileError
-from worker.fetch import (DEFAULT_MODEL, INSTALLED, REGISTRY, ModelKind, ModelRef, default_cache_dir,
+from worker.weights.fetch import (DEFAULT_MODEL, INSTALLED, REGISTRY, ModelKind, ModelRef, default_cache_dir,
                           default_ollama_dir, installed_model, resolve_model)
 
 PAYLOAD = b"GGUF" + bytes(range(256)) * 40  # 10 KiB: several read chunks, not one
@@ -202,7 +202,7 @@ def test_damaged_ollama_entry_falls_back_to_download_with_a_warning(
     manifest = store / "manifests" / "registry.ollama.ai" / "library" / "testllama" / "1b"
     if damage == "manifest not json":
         manifest.write_text("{truncated")
-    with caplog.at_level(logging.WARNING, logger="worker.fetch"):
+    with caplog.at_level(logging.WARNING, logger="worker.weights.fetch"):
         ref = resolve("testllama:1b", tmp_path, served_registry, store)
     assert ref.path.read_bytes() == PAYLOAD
     assert len(server.requests) == 1

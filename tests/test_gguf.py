@@ -8,12 +8,12 @@ from gguf import GGMLQuantizationType as Q
 
 from ggufmake import quantize, write_llama_gguf
 from worker.config import ModelConfig, RopeScaling, llama3_freq_factors
-from worker import quants
 from worker.errors import ModelFileError
-from worker.gguf import (GGML_TYPES, SUPPORTED_TYPES, GGUFHeader, GGUFSource, IncompleteHeader, TensorInfo,
-                         config_from_header, dequantize, parse_header, read_header)
 from worker.files import ALIGN
-from worker.weights import BLOCK_TENSORS, EMBEDDING, OUTPUT, OUTPUT_NORM
+from worker.weights import quants
+from worker.weights.contract import BLOCK_TENSORS, EMBEDDING, OUTPUT, OUTPUT_NORM
+from worker.weights.gguf import (GGML_TYPES, SUPPORTED_TYPES, GGUFHeader, GGUFSource, IncompleteHeader, TensorInfo,
+                                 config_from_header, dequantize, parse_header, read_header)
 
 SMALL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=300,
                     rope_theta=500000.0, max_context=4096)
@@ -186,7 +186,7 @@ def test_random_quantised_blocks_decode_bit_exactly_as_gguf_py(qtype):
     want = gguf.quants.dequantize(raw, qtype)
     got = dequantize(raw.ravel(), int(qtype), shape)
     assert got.dtype == np.float32 and got.shape == shape
-    # the same bits, the sign of zero included (see worker/quants.py on why it can be so)
+    # the same bits, the sign of zero included (see worker/weights/quants.py on why it can be so)
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 

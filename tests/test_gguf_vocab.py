@@ -10,8 +10,8 @@ from tokenizers import Tokenizer
 from tokfiles import llama3_vocab, tokenizer_json
 from vocabfiles import HARD, JSON_VOCABS, VOCABS, gguf_fields_of, template_of, trained_bpe, trained_spm
 from worker.errors import ModelFileError
-from worker.gguf_vocab import vocab_from_gguf
-from worker.tokenizer import tokenizer_from_gguf_metadata
+from worker.tokens.gguf_vocab import vocab_from_gguf
+from worker.tokens.tokenizer import tokenizer_from_gguf_metadata
 
 RECORDED = json.loads((Path(__file__).with_name("llamacpp_ids.json")).read_text())["vocabs"]
 
@@ -53,7 +53,7 @@ def test_the_ids_decode_back_to_the_text(vocab):
 @pytest.mark.parametrize("name", JSON_VOCABS)
 def test_the_tokenizer_json_of_the_same_vocabulary_gives_the_same_ids(name, tmp_path):
     """Through the loader a Hugging Face directory goes through, with BOS and EOS named beside it."""
-    from worker.tokenizer import tokenizer_from_json
+    from worker.tokens.tokenizer import tokenizer_from_json
     tok = (Tokenizer.from_str(json.dumps(tokenizer_json(llama3_vocab()))) if name == "llama-bpe"
            else trained_spm() if name == "spm" else trained_bpe(name))
     fields = gguf_fields_of(name)
@@ -104,7 +104,7 @@ def vocab_ggufs(tmp_path_factory):
 @pytest.mark.parametrize("name", ["spm", "smollm", "gpt-2", "default"])
 def test_each_vocabulary_generates_through_the_chain_what_one_process_does(vocab_ggufs, name, num_stages):
     from worker.chain import run_chain
-    from worker.gguf import GGUFSource
+    from worker.weights.gguf import GGUFSource
     from worker.models import open_worker, tinygrad_model
     from worker.reference import generate_full
     model = tinygrad_model(GGUFSource(vocab_ggufs(name)))
@@ -127,7 +127,7 @@ def test_ppsmoke_seed_gives_generate_fulls_tokens_with_each_tokenizer(vocab_gguf
     import uuid
 
     from test_smoke_seed import assert_all_gone, start
-    from worker.gguf import GGUFSource
+    from worker.weights.gguf import GGUFSource
     from worker.models import tinygrad_model
     from worker.reference import generate_full
     mark, path = uuid.uuid4().hex, vocab_ggufs(name)
@@ -150,7 +150,7 @@ def test_a_hugging_face_directory_with_that_tokenizer_json_tokenizes_as_llama_cp
     from test_gguf import hf_weights
     from worker.chain import run_chain
     from worker.config import ModelConfig
-    from worker.hf import HFSource
+    from worker.weights.hf import HFSource
     from worker.models import open_worker, tinygrad_model
     from worker.reference import generate_full
     fields = gguf_fields_of(name)

@@ -12,8 +12,8 @@ import pytest
 from hfmake import hf_config_dict, safetensors_bytes, write_hf_dir
 from worker.config import ModelConfig, RopeScaling, llama3_freq_factors
 from worker.errors import ModelFileError
-from worker.hf import HFSource, config_from_hf, internal_name
-from worker.weights import block_tensor_names
+from worker.weights.hf import HFSource, config_from_hf, internal_name
+from worker.weights.contract import block_tensor_names
 
 CONFIG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=300,
                      norm_eps=1e-5, rope_theta=500000.0, max_context=4096)
@@ -129,10 +129,10 @@ def test_loading_a_tensor_reads_only_its_own_bytes(tmp_path):
 
 def test_tokenizer_comes_from_tokenizer_json_with_the_directory_s_chat_template(tmp_path, monkeypatch):
     opened = []
-    fake = types.ModuleType("worker.tokenizer")
+    fake = types.ModuleType("worker.tokens.tokenizer")
     fake.tokenizer_from_json = lambda path, chat_template: opened.append((path, chat_template)) or "tok"
     fake.chat_template_from_config = lambda directory: f"template of {directory.name}"
-    monkeypatch.setitem(sys.modules, "worker.tokenizer", fake)
+    monkeypatch.setitem(sys.modules, "worker.tokens.tokenizer", fake)
     source = HFSource(write_hf_dir(tmp_path, CONFIG, random_weights()))
     assert source.tokenizer() == "tok"
     assert opened == [(tmp_path / "tokenizer.json", f"template of {tmp_path.name}")]

@@ -11,9 +11,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = """
 import json, numpy as np
-from worker import kernel_cache
+from worker.compute import kernel_cache
 from worker.models import tinygrad_model
-from worker.tiny import TinySource
+from worker.weights.tiny import TinySource
 model = tinygrad_model(TinySource())
 s = model.open_slice(range(1), embed=True, head=True, max_seqs=1)
 s.warm_up()
@@ -38,9 +38,9 @@ def test_a_second_process_takes_the_lowered_kernels_from_disk_and_computes_the_s
 TUNED = """
 import json, sys
 import tinygrad.codegen.opt.search as search
-from worker import kernel_cache
+from worker.compute import kernel_cache
 from worker.models import tinygrad_model
-from worker.tiny import TinySource
+from worker.weights.tiny import TinySource
 searches = []
 real = search.beam_search
 def counted(*args, **kw):

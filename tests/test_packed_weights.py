@@ -10,12 +10,12 @@ from hfmake import write_hf_dir
 from test_gguf import QUANT_CONFIG, hf_weights
 from tokfiles import byte_vocab, gguf_fields
 from worker.chain import run_chain
-from worker.gguf import GGUFSource
-from worker.hf import HFSource
+from worker.weights.gguf import GGUFSource
+from worker.weights.hf import HFSource
 from worker.models import open_worker, tinygrad_model
 from worker.reference import generate_full
-from worker.tokenizer import byte_tokenizer
-from worker.weights import EMBEDDING, is_matrix, narrow_kinds, stage_tensor_names
+from worker.tokens.tokenizer import byte_tokenizer
+from worker.weights.contract import EMBEDDING, is_matrix, narrow_kinds, stage_tensor_names
 
 # every kind a kernel reads as it is, q and k rows (permuted in the file) among them, and a K-quant,
 # which is widened at load
@@ -49,7 +49,7 @@ def test_matrices_keep_the_file_precision_and_widen_to_exactly_what_load_gives(g
 
 
 def test_q8_0_read_a_few_rows_at_a_time_is_the_whole_tensor(gguf_path, monkeypatch):
-    from worker import gguf
+    from worker.weights import gguf
     source = GGUFSource(gguf_path)
     whole = source.load_packed(EMBEDDING)
     monkeypatch.setattr(gguf, "DECODE_CHUNK_ELEMENTS", 7 * CONFIG.dim // 32 * 34)  # 7 rows a read
@@ -113,7 +113,7 @@ def test_the_files_precision_generates_what_the_widened_f32_path_does(file_model
 
 
 def test_the_split_matmul_form_matches_the_plain_one_and_slices_exactly(file_model):
-    # the form searched kernels take (worker/linear.py); kernel search itself is too slow to run here
+    # the form searched kernels take (worker/compute/linear.py); kernel search itself is too slow to run here
     def opened(layers, embed, head, split):
         s = file_model.open_slice(layers, embed=embed, head=head)
         s.model.searched = split
@@ -129,7 +129,7 @@ def test_the_split_matmul_form_matches_the_plain_one_and_slices_exactly(file_mod
 
 
 def _packed(kind: str, w: np.ndarray):
-    from worker import packed
+    from worker.weights import packed
     if kind == "q8_0":  # ggml's blocks: an f16 scale, then 32 int8
         from ggufmake import quantize
         blocks = quantize(w, Q.Q8_0).view(np.uint8).reshape(w.shape[0], -1, 34)
@@ -144,7 +144,7 @@ def _packed(kind: str, w: np.ndarray):
 def test_linear_computes_x_times_the_widened_weight_for_every_kind_and_form(kind, searched):
     from tinygrad import Tensor
 
-    from worker.linear import linear, to_device
+    from worker.compute.linear import linear, to_device
     rng = np.random.default_rng(3)
     w, x = rng.standard_normal((48, 96)).astype(np.float32), rng.standard_normal((3, 96)).astype(np.float32)
     packed = _packed(kind, w)

@@ -31,11 +31,11 @@ import pytest
 
 from cluster import API_KEY, start_cluster
 from npforward import teacher_forced
-from worker import chat
+from worker.tokens import chat
 from worker.chain import run_chain
 from worker.errors import WorkerError
-from worker.fetch import installed_model
-from worker.gguf import GGUFSource
+from worker.weights.fetch import installed_model
+from worker.weights.gguf import GGUFSource
 from worker.models import open_model, open_worker
 from worker.reference import generate_full
 from worker.stage import StepItem

@@ -14,7 +14,7 @@ import pytest
 from test_smoke_seed import ROOT, assert_all_gone, processes_marked, start, wait_for_line
 from worker.models import tinygrad_model
 from worker.reference import generate_full
-from worker.tiny import TinySource
+from worker.weights.tiny import TinySource
 
 TOKEN = "serve-test-cluster-token"  # the nodes' own, from the environment: never printed, never a client's
 PROMPT = "Say hello"

@@ -16,7 +16,7 @@ from worker.sampling import GREEDY, sample
 from worker.stage import StageWorker
 from worker.stopping import generation_done
 from worker.stub import StubTokenizer
-from worker.tiny import TinySource
+from worker.weights.tiny import TinySource
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}  # the runner's: /v1/inference, /v1/cancel
 CLIENT = {"Authorization": f"Bearer {API_KEY}"}  # a client's: the OpenAI API

@@ -14,11 +14,11 @@ import pytest
 
 from npforward import teacher_forced
 from test_real_model import MAX_TOKENS, MODEL, TRANSFORMERS, assert_greedy_by
-from worker.fetch import installed_model
-from worker.gguf import GGUFSource
+from worker.weights.fetch import installed_model
+from worker.weights.gguf import GGUFSource
 from worker.models import tinygrad_model
 from worker.reference import generate_full
-from worker.tiny import TinySource
+from worker.weights.tiny import TinySource
 
 ROOT = Path(__file__).resolve().parent.parent
 MARK = "PPSMOKE_TEST_MARK"

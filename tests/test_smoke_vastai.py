@@ -15,7 +15,7 @@ import trio
 from tools.vastai_standin import StandinConfig, run_standin
 from worker.models import tinygrad_model
 from worker.reference import generate_full
-from worker.tiny import TinySource
+from worker.weights.tiny import TinySource
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -96,10 +96,10 @@ async def test_sigint_mid_run_still_destroys_every_instance(nursery, tmp_path):
 async def test_each_rented_stage_fetches_only_its_slice_of_a_served_gguf(nursery, tmp_path, monkeypatch):
     from rangeserver import RangeServer, write_gguf
     from worker.partition import layer_range
-    from worker.weights import stage_tensor_names
+    from worker.weights.contract import stage_tensor_names
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the stand-in's "containers" inherit it
-    from worker.gguf import GGUFSource
-    from worker.tiny import TINY_CONFIG
+    from worker.weights.gguf import GGUFSource
+    from worker.weights.tiny import TINY_CONFIG
     whole = write_gguf(tmp_path / "tiny.gguf", TINY_CONFIG)
     served = RangeServer({"/m/tiny.gguf": whole})
     served.thread.start()

@@ -6,7 +6,7 @@ from worker.errors import WorkerError
 from worker.models import open_worker, stub_model, tinygrad_model
 from worker.partition import Role
 from worker.stage import StepItem
-from worker.tiny import TinySource
+from worker.weights.tiny import TinySource
 
 
 @pytest.fixture(params=["stub", "tiny"], scope="module")

@@ -8,8 +8,8 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from tests import tokfiles
 from worker.errors import ModelFileError, WorkerError
-from worker.gguf_vocab import bytes_to_unicode
-from worker.tokenizer import BYTE_SPECIALS, byte_tokenizer, tokenizer_from_gguf_metadata, tokenizer_from_json
+from worker.tokens.gguf_vocab import bytes_to_unicode
+from worker.tokens.tokenizer import BYTE_SPECIALS, byte_tokenizer, tokenizer_from_gguf_metadata, tokenizer_from_json
 
 VARIED = [
     "Hello world",

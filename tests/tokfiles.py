@@ -13,8 +13,8 @@ import attrs
 import pytest
 import tiktoken.load
 
-from worker.gguf_vocab import CONTROL, NORMAL, bytes_to_unicode
-from worker.tokenizer import BEGIN_OF_TEXT, BYTE_SPECIALS, END_OF_TEXT
+from worker.tokens.gguf_vocab import CONTROL, NORMAL, bytes_to_unicode
+from worker.tokens.tokenizer import BEGIN_OF_TEXT, BYTE_SPECIALS, END_OF_TEXT
 
 # Meta's pre-tokenizer regex (llama_models/llama3/tokenizer.py), as Llama 3's tokenizer.json carries it
 PAT_STR = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -47,7 +47,7 @@ def vocab(ranks: dict[bytes, int], special_names, *, eos: str = END_OF_TEXT) -> 
 
 @functools.cache
 def byte_vocab() -> Vocab:
-    """The tiny model's vocabulary (worker.tokenizer.byte_tokenizer): id = byte value, then five specials."""
+    """The tiny model's vocabulary (worker.tokens.tokenizer.byte_tokenizer): id = byte value, then five specials."""
     return vocab({bytes([b]): b for b in range(256)}, BYTE_SPECIALS)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from .chain import run_chain
 from .config import DEFAULT_CONTEXT
 from .errors import ModelFileError, ModelNameError, WorkerError
-from .fetch import DEFAULT_MODEL, default_cache_dir, default_ollama_dir
+from .weights.fetch import DEFAULT_MODEL, default_cache_dir, default_ollama_dir
 from .models import open_model, open_worker
 from .reference import generate_full
 from .sampling import Sampling

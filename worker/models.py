@@ -13,7 +13,7 @@ from .slice import Slice
 from .stage import StageWorker
 from .sources import open_source
 from .stub import STUB_BLOCKS, StubSlice, StubTokenizer
-from .weights import WeightSource, narrow_kinds
+from .weights.contract import WeightSource, narrow_kinds
 
 
 @attrs.frozen
@@ -27,7 +27,7 @@ class Model:
 def tinygrad_model(source: WeightSource, precision: str = "auto", *, tuned: bool = False,
                    max_context: int | None = None) -> Model:
     """`precision` and `tuned` (kernels will be searched: beam > 0) pick which matrices keep the file's
-    precision (F16, BF16, Q8_0): weights.narrow_kinds. "f32" widens every weight at load, the reference path.
+    precision (F16, BF16, Q8_0): weights.contract.narrow_kinds. "f32" widens every weight at load, the reference path.
     `max_context`: the positions each slot's KV holds, at most the file's (None: the file's)."""
     keep = narrow_kinds(precision, tuned)
 

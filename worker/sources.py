@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .fetch import ModelKind, resolve_model
-from .tiny import BUILT_IN, TinySource
-from .weights import WeightSource
+from .weights.fetch import ModelKind, resolve_model
+from .weights.tiny import BUILT_IN, TinySource
+from .weights.contract import WeightSource
 
 STUB = "stub"  # worker.stub's stand-in: no weights, no source
 
@@ -19,7 +19,7 @@ STUB = "stub"  # worker.stub's stand-in: no weights, no source
 def open_source(spec: str, *, cache_dir: Path, ollama_models_dir: Path | None,
                 progress: bool = True) -> WeightSource | None:
     """The source of `spec` (None for the stub): a built-in model, or the GGUF file or Hugging Face
-    directory it resolves to (a known name may be downloaded first: worker.fetch)."""
+    directory it resolves to (a known name may be downloaded first: worker.weights.fetch)."""
     name = spec.strip().lower()
     if name == STUB:
         return None
@@ -27,9 +27,9 @@ def open_source(spec: str, *, cache_dir: Path, ollama_models_dir: Path | None,
         return TinySource(BUILT_IN[name], path=name)
     ref = resolve_model(spec, cache_dir=cache_dir, ollama_models_dir=ollama_models_dir, progress=progress)
     if ref.kind is ModelKind.GGUF:
-        from .gguf import GGUFSource
+        from .weights.gguf import GGUFSource
         return GGUFSource(ref.path)
-    from .hf import HFSource
+    from .weights.hf import HFSource
     return HFSource(ref.path)
 
 

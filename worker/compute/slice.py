@@ -8,17 +8,17 @@ import numpy as np
 
 from ..batching import DEFAULT_MAX_SEQS, Segment
 from ..config import ModelConfig
-from ..model import StageModel
-from ..packed import Packed
-from ..packed import dense as packed_dense
-from ..weights import EMBEDDING, NARROW_KINDS, OUTPUT, WeightSource, is_matrix, stage_tensor_names
+from .model import StageModel
+from ..weights.packed import Packed
+from ..weights.packed import dense as packed_dense
+from ..weights.contract import EMBEDDING, NARROW_KINDS, OUTPUT, WeightSource, is_matrix, stage_tensor_names
 
 
 class _OnDemand:
     """A slice's tensors, each read from the source only when taken, so that the host holds one weight at a
     time on its way to the device rather than all of them at once. `nbytes` counts each tensor once.
 
-    Matrices come as Packed, in the file's precision where it is one of `keep` (weights.narrow_kinds),
+    Matrices come as Packed, in the file's precision where it is one of `keep` (weights.contract.narrow_kinds),
     else widened to float32; norm weights as float32 arrays."""
 
     def __init__(self, source: WeightSource, names, keep: frozenset[str] = NARROW_KINDS):

@@ -15,11 +15,11 @@ import attrs
 import numpy as np
 
 from . import quants
-from .config import ModelConfig
-from .errors import ModelFileError
+from ..config import ModelConfig
+from ..errors import ModelFileError
 from .packed import Q8_BLOCK, Q8_BLOCK_BYTES, Packed, permute_rows
 from .packed import dense as packed_dense
-from .files import aligned_empty, read_extent
+from ..files import aligned_empty, read_extent
 
 # ggml type id -> (name, elements per block, bytes per block); ggml.h's `ggml_type`.
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
@@ -32,7 +32,7 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
     26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56),
     30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66), 39: ("MXFP4", 32, 17),
 }
-# Types `dequantize` accepts: F32 (used as it is) and every type worker/quants.py decodes, namely F16, BF16,
+# Types `dequantize` accepts: F32 (used as it is) and every type worker/weights/quants.py decodes, namely F16, BF16,
 # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K; each is checked bit-exact against gguf-py in tests/test_gguf.py.
 SUPPORTED_TYPES = frozenset({0, *quants.LAYOUTS})
 
@@ -196,7 +196,7 @@ DECODE_CHUNK_ELEMENTS = 1 << 22  # 16 MiB of float32 per decoding step
 
 def dequantize(raw: np.ndarray, ggml_type: int, shape, *, path="<memory>", tensor="tensor") -> np.ndarray:
     """ggml-encoded bytes -> float32 array of `shape`: F32 as a view of `raw`, the rest decoded by
-    worker/quants.py a chunk of blocks at a time into one page-aligned result."""
+    worker/weights/quants.py a chunk of blocks at a time into one page-aligned result."""
     type_name, block, block_bytes = GGML_TYPES.get(ggml_type, (f"id {ggml_type}", 1, 0))
     if ggml_type not in SUPPORTED_TYPES:
         supported = ", ".join(sorted(GGML_TYPES[t][0] for t in SUPPORTED_TYPES))
@@ -290,14 +290,14 @@ def read_header(f, size: int, path, first_read: int = 1 << 24) -> GGUFHeader:
 
 
 _QK = re.compile(r"blk\.\d+\.attn_([qk])\.weight")
-_NARROW = {0: "f32", 1: "f16", 30: "bf16", 8: "q8_0"}  # ggml types kernels read as they are (worker/linear.py)
+_NARROW = {0: "f32", 1: "f16", 30: "bf16", 8: "q8_0"}  # ggml types kernels read as they are (worker/compute/linear.py)
 _NUMPY = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
 
 
 def _check_extents(header: GGUFHeader, size: int, path: str) -> None:
     """A file cut short (an interrupted copy or download) is refused when opened, naming the first tensor it
     lacks, rather than when a stage reaches that tensor. A stage's range-fetched slice is a sparse file of
-    the full size (worker/rangefetch.py), so it passes."""
+    the full size (worker/weights/rangefetch.py), so it passes."""
     short = [t for t in header.tensors.values() if t.offset + t.nbytes > size]
     if short:
         first = min(short, key=lambda t: t.offset)
@@ -354,7 +354,7 @@ class GGUFSource:
         return packed
 
     def tokenizer(self):
-        from .tokenizer import tokenizer_from_gguf_metadata
+        from ..tokens.tokenizer import tokenizer_from_gguf_metadata
         return tokenizer_from_gguf_metadata(self.header.kv, self.path)
 
     def _info(self, name: str) -> TensorInfo:

@@ -3,7 +3,7 @@
 Tensor names are llama.cpp's (`blk.3.attn_q.weight`); arrays are float32 numpy in Hugging Face
 layout: matrices are (out_features, in_features) and q/k rows are in rotate-half order, so a GGUF
 loader undoes llama.cpp's q/k permutation before handing them over. `load_packed` gives a matrix in
-the file's own precision instead (worker/packed.py), same layout.
+the file's own precision instead (worker/weights/packed.py), same layout.
 """
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from typing import Protocol
 
 import numpy as np
 
-from .config import ModelConfig
+from ..config import ModelConfig
 from .packed import Packed
 
 BLOCK_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
                  "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
 PRECISIONS = ("auto", "file", "f32")  # which matrices keep the file's precision: see narrow_kinds
-NARROW_KINDS = frozenset({"f16", "bf16", "q8_0"})  # worker/packed.py's kinds other than f32
+NARROW_KINDS = frozenset({"f16", "bf16", "q8_0"})  # worker/weights/packed.py's kinds other than f32
 EMBEDDING = "token_embd.weight"
 OUTPUT_NORM = "output_norm.weight"
 OUTPUT = "output.weight"

@@ -8,7 +8,7 @@ GPT-2's regex) and the BOS settings (../shared/notes/tokenizers-and-models.md). 
   is in the vocabulary as one token (llama.cpp's ignore_merges).
 - "llama": SentencePiece (tokens, scores, token types, <0xNN> byte fallback, "▁" for spaces), see _spm.
 - Control and user-defined tokens are added tokens, matched only in text that may hold special tokens
-  (llama.cpp's parse_special; see worker.tokenizer.Tokenizer._encode).
+  (llama.cpp's parse_special; see worker.tokens.tokenizer.Tokenizer._encode).
 Anything else is refused, naming the file and the value.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import attrs
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from .errors import ModelFileError
+from ..errors import ModelFileError
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 LLAMA3_REGEX = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -57,7 +57,7 @@ class GGUFVocab:
     eot_id: int | None
     # byte-level vocabularies: the bytes with no token of their own. SmolLM2's lacks 21 — 0xC0, 0xC1 and
     # 0xF5.., which UTF-8 never holds, but also 0xF1, 0xF2 and some control bytes — and llama.cpp and
-    # transformers load it; text holding one is refused when encoded (worker.tokenizer), not the file
+    # transformers load it; text holding one is refused when encoded (worker.tokens.tokenizer), not the file
     unencodable: frozenset[int] = frozenset()
 
 

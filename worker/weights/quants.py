@@ -56,7 +56,7 @@ from typing import Callable
 import attrs
 import numpy as np
 
-from .files import aligned_empty
+from ..files import aligned_empty
 
 # Values decoded per step: 1 MiB of float32. Measured on Q4_1..Q6_K, 2^16 to 2^20 are within 25% of
 # each other and 2^18 the fastest: the step's scratch stays in cache, and the dozen numpy calls per step

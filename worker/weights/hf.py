@@ -14,12 +14,12 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from .config import ModelConfig, RopeScaling, llama3_freq_factors
-from .errors import ModelFileError
+from ..config import ModelConfig, RopeScaling, llama3_freq_factors
+from ..errors import ModelFileError
 from .packed import Packed
 from .packed import dense as packed_dense
-from .files import read_extent, read_json
-from .weights import EMBEDDING, OUTPUT, OUTPUT_NORM
+from ..files import read_extent, read_json
+from .contract import EMBEDDING, OUTPUT, OUTPUT_NORM
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -42,7 +42,7 @@ _INTERNAL_BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)\.weight")
 
 # Raw numpy dtypes per safetensors dtype; BF16 is read as its bit pattern (numpy has no bf16).
 _DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
-_KINDS = {"F32": "f32", "F16": "f16", "BF16": "bf16"}  # worker/packed.py's names
+_KINDS = {"F32": "f32", "F16": "f16", "BF16": "bf16"}  # worker/weights/packed.py's names
 _REQUIRED = object()
 
 
@@ -331,6 +331,6 @@ class HFSource:
 
     def tokenizer(self):
         # imported late so weights work without it
-        from .tokenizer import chat_template_from_config, tokenizer_from_json
+        from ..tokens.tokenizer import chat_template_from_config, tokenizer_from_json
         return tokenizer_from_json(self.directory / TOKENIZER_FILE,
                                    chat_template=chat_template_from_config(self.directory))

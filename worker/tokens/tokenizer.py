@@ -1,7 +1,7 @@
 """The tokenizer a stage uses: prompts and conversations to ids, generated ids back to bytes.
 
 Every vocabulary goes through Hugging Face `tokenizers`: a GGUF file's as llama.cpp reads it
-(worker/gguf_vocab.py), a Hugging Face directory's tokenizer.json as it is, and the tiny model's bytes.
+(worker/tokens/gguf_vocab.py), a Hugging Face directory's tokenizer.json as it is, and the tiny model's bytes.
 """
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from . import chat
 from .chat import LLAMA3_TEMPLATE
-from .errors import ModelFileError, WorkerError
+from ..errors import ModelFileError, WorkerError
 from .gguf_vocab import (BYTE, CONTROL, LLAMA3_REGEX, NORMAL, USER_DEFINED, bytes_to_unicode, token_bytes,
                          vocab_from_gguf)
-from .files import read_json
+from ..files import read_json
 
 BEGIN_OF_TEXT = "<|begin_of_text|>"
 END_OF_TEXT = "<|end_of_text|>"

@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 
 import attrs
 
-from .errors import ModelFileError, ModelNameError
+from ..errors import ModelFileError, ModelNameError
 
 log = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ import httpx
 import trio
 from cattrs.preconf.json import make_converter
 
-from .errors import ModelFileError
+from ..errors import ModelFileError
 from .gguf import GGUFHeader, IncompleteHeader, config_from_header, parse_header
-from .partition import Role, check_stage, layer_range, role_of
-from .weights import stage_tensor_names
+from ..partition import Role, check_stage, layer_range, role_of
+from .contract import stage_tensor_names
 
 log = logging.getLogger(__name__)
 

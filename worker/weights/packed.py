@@ -3,7 +3,7 @@
 A matrix read from an F16 or BF16 tensor stays 2 bytes a weight and a Q8_0 one 34 bytes a block of 32
 (an f16 scale and 32 int8s) instead of 4 bytes a weight widened at load: decode reads every weight once
 a step, so fewer bytes is speed (docs/benchmarks.md). The kernels widen each weight as they read it
-(worker/linear.py), and a widened weight is exactly the value the f32 path would hold: f16 and bf16
+(worker/compute/linear.py), and a widened weight is exactly the value the f32 path would hold: f16 and bf16
 widen exactly, and a Q8_0 weight is int8 × f16 scale, which an f32 holds exactly.
 
 Each array is page-aligned so that the CPU device computes on it in place. Rows are (out_features, ...)
@@ -14,7 +14,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from .files import ALIGN, aligned_empty
+from ..files import ALIGN, aligned_empty
 
 Q8_BLOCK = 32  # weights per Q8_0 block
 Q8_BLOCK_BYTES = 2 + Q8_BLOCK  # f16 scale, then 32 int8

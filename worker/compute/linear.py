@@ -16,7 +16,7 @@ from __future__ import annotations
 import attrs
 from tinygrad import Tensor, dtypes
 
-from .packed import Q8_BLOCK, Packed
+from ..weights.packed import Q8_BLOCK, Packed
 
 SPLIT = Q8_BLOCK  # the lanes of a split reduction: one Q8_0 block, so that its scale applies to one lane group
 

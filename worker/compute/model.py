@@ -17,8 +17,8 @@ Why it is built this way (tinygrad 0.14, measured in docs/benchmarks.md):
 - New keys and values are written by one small scatter kernel per block (`_kv_store`): tinygrad's
   indexed setitem rewrites the whole cache, which at 1B scale would move ~1 GB per step.
 - Reads gather each row's slot with an index tensor, which tinygrad folds into direct loads.
-- Matrices stay in the file's precision where it is F16, BF16 or Q8_0 (worker/packed.py) and are widened
-  inside the matmul kernels (worker/linear.py): decode reads every weight once a step, so fewer bytes a
+- Matrices stay in the file's precision where it is F16, BF16 or Q8_0 (worker/weights/packed.py) and are widened
+  inside the matmul kernels (worker/compute/linear.py): decode reads every weight once a step, so fewer bytes a
   weight is speed, and a stage holds about the file's bytes.
 - Each row's arithmetic is the same whatever the bucket and whatever else is in the batch (row-wise
   matmuls, a row's masked keys add exact zeros): the same request gives bit-identical logits alone
@@ -41,12 +41,12 @@ from tinygrad.device import Buffer
 from tinygrad.uop.ops import KernelInfo
 
 from . import kernel_cache
-from .batching import DEFAULT_MAX_SEQS, Segment, bucket_sizes, default_max_batch, split_rows, unmeasured_cost
-from .config import ModelConfig
+from ..batching import DEFAULT_MAX_SEQS, Segment, bucket_sizes, default_max_batch, split_rows, unmeasured_cost
+from ..config import ModelConfig
 from .linear import DeviceWeight, linear, to_device
-from .packed import Packed
-from .files import ALIGN, aligned_empty
-from .weights import EMBEDDING, OUTPUT_NORM
+from ..weights.packed import Packed
+from ..files import ALIGN, aligned_empty
+from ..weights.contract import EMBEDDING, OUTPUT_NORM
 
 # numpy types the CPU device can compute on in place, as tinygrad's
 _FROM_BLOB = {np.float32: dtypes.float32, np.float16: dtypes.float16, np.int8: dtypes.int8, np.uint16: dtypes.uint16}
@@ -307,7 +307,7 @@ class StageModel:
         `beam` > 0: tinygrad's kernel search (BEAM) picks each kernel's tiling by timing candidates while a
         graph is captured. It costs minutes at a first boot; tinygrad keeps what it found in its on-disk
         cache (table beam_search) and kernel_cache keeps the lowered programs, so the next boot of the same
-        slice pays neither. Narrow weights then take the split matmul form (worker/linear.py)."""
+        slice pays neither. Narrow weights then take the split matmul form (worker/compute/linear.py)."""
         if beam and not self.searched:  # graphs captured before (by a call) are captured again in that form
             self.searched, self._graphs = True, self._new_graphs()
         cost = {}

@@ -21,7 +21,7 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 
-from .errors import WorkerError
+from ..errors import WorkerError
 
 # Meta-Llama-3-8B-Instruct's template (its tokenizer_config.json).
 LLAMA3_TEMPLATE = (

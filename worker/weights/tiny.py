@@ -9,11 +9,11 @@ import zlib
 
 import numpy as np
 
-from .config import ModelConfig, RopeScaling, llama3_freq_factors
-from .errors import ModelFileError
+from ..config import ModelConfig, RopeScaling, llama3_freq_factors
+from ..errors import ModelFileError
 from .packed import Packed
 from .packed import dense as packed_dense
-from .weights import BLOCK_TENSORS, EMBEDDING, OUTPUT_NORM
+from .contract import BLOCK_TENSORS, EMBEDDING, OUTPUT_NORM
 
 # llama3.2's RoPE scaling, and its shape shrunk: 8 blocks so up to 8 stages each own one.
 TINY_ROPE_SCALING = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -83,5 +83,5 @@ class TinySource:
         return packed_dense("f32", self.load(name))  # random weights are made in float32
 
     def tokenizer(self):
-        from .tokenizer import byte_tokenizer
+        from ..tokens.tokenizer import byte_tokenizer
         return byte_tokenizer()
