@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from worker.weights.gguf import read_header
+from worker.weights.gguf_header import read_header
 
 # a text of every kind the tokenizers split differently: prose, code, digits, accents, CJK, emoji, spaces
 SAMPLE = (Path(__file__).resolve().parent.parent / "README.md").read_text() + (

@@ -12,8 +12,9 @@ from worker.errors import ModelFileError
 from worker.files import ALIGN
 from worker.weights import quants
 from worker.weights.contract import BLOCK_TENSORS, EMBEDDING, OUTPUT, OUTPUT_NORM
-from worker.weights.gguf import (GGML_TYPES, SUPPORTED_TYPES, GGUFHeader, GGUFSource, IncompleteHeader, TensorInfo,
-                                 config_from_header, dequantize, parse_header, read_header)
+from worker.weights.gguf import SUPPORTED_TYPES, GGUFSource, dequantize
+from worker.weights.gguf_header import (GGML_TYPES, GGUFHeader, IncompleteHeader, TensorInfo, config_from_header,
+                                        parse_header, read_header)
 
 SMALL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=300,
                     rope_theta=500000.0, max_context=4096)

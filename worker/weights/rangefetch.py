@@ -23,7 +23,7 @@ import trio
 from cattrs.preconf.json import make_converter
 
 from ..errors import ModelFileError
-from .gguf import GGUFHeader, IncompleteHeader, config_from_header, parse_header
+from .gguf_header import GGUFHeader, IncompleteHeader, config_from_header, parse_header
 from ..partition import Role, check_stage, layer_range, role_of
 from .contract import stage_tensor_names
 
