@@ -9,6 +9,10 @@ import attrs
 # context on every stage, so this sets a node's memory. SmolLM2-135M at 2048 is 48 MB of KV a slot in
 # all (30 blocks × 2 × 192 floats × 4 bytes a position); its file allows 8192.
 DEFAULT_CONTEXT = 2048
+# The most positions a model's config says it holds, whatever its file advertises (GGUF and Hugging Face
+# alike): KV is allocated for the whole context up front, and Llama 3.2 1B's 131072 would need ~8 GiB of
+# float32 K and V (16 layers x 512 wide).
+MAX_CONTEXT_CAP = 8192
 
 
 @attrs.frozen

@@ -10,7 +10,7 @@ import struct
 import attrs
 import numpy as np
 
-from ..config import ModelConfig
+from ..config import MAX_CONTEXT_CAP, ModelConfig
 from ..errors import ModelFileError
 
 
@@ -35,10 +35,6 @@ MAX_STRING = 1 << 24       # bytes in one string
 MAX_DIMS = 4               # GGML_MAX_DIMS
 MAX_ELEMENTS = 1 << 40
 MAX_NESTING = 4
-
-# Hard cap on the context we allocate for: the KV cache is max_context positions per layer, and
-# Llama 3.2 1B's advertised 131072 would need ~8 GiB of float32 K and V (16 layers x 512 wide).
-MAX_CONTEXT_CAP = 8192
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
             10: "<Q", 11: "<q", 12: "<d"}

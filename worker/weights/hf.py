@@ -14,9 +14,9 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from ..config import ModelConfig, RopeScaling, llama3_freq_factors
+from ..config import MAX_CONTEXT_CAP, ModelConfig, RopeScaling, llama3_freq_factors
 from ..errors import ModelFileError
-from .packed import Packed
+from .packed import Packed, bf16_to_f32
 from .packed import dense as packed_dense
 from ..files import read_extent, read_json
 from .contract import EMBEDDING, OUTPUT, OUTPUT_NORM
@@ -25,9 +25,6 @@ CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
-# The KV cache is allocated for max_context up front; Llama 3.1's 131072 positions would cost
-# gigabytes per stage, so longer models are capped here.
-MAX_CONTEXT_CAP = 8192
 # Header bounds follow the safetensors reference implementation (100 MB).
 MAX_HEADER_BYTES = 100_000_000
 
@@ -239,11 +236,6 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
     header, data_start, size = _read_header_json(path)
     return {name: _entry(path, name, spec, data_start, size)
             for name, spec in header.items() if name != "__metadata__"}
-
-
-def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
-    """bf16 is the high half of an f32, so widening is exact."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 def read_tensor(entry: TensorEntry, name: str) -> np.ndarray:

@@ -53,10 +53,13 @@ class Packed:
         return self.rows(np.arange(self.shape[0]))
 
 
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """bf16 (as its uint16 bits) is the high half of an f32, so widening is exact."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
 def widen(kind: str, array: np.ndarray) -> np.ndarray:
-    if kind == "bf16":
-        return (array.astype(np.uint32) << 16).view(np.float32)
-    return array.astype(np.float32)
+    return bf16_to_f32(array) if kind == "bf16" else array.astype(np.float32)
 
 
 def aligned(array: np.ndarray) -> np.ndarray:
