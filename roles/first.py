@@ -1,5 +1,5 @@
 """Stage 0, pp-entry: admits prompts, tokenizes, embeds and runs its blocks; for each token the last stage
-feeds back, runs a decode step (spec §3.3, row First). It also owns every request's life:
+feeds back, runs a decode step (docs/design.md, Roles). It also owns every request's life:
 
 - Admission: at most `capacity` requests hold sequence slots at once (the smallest max_seqs of the chain);
   later ones wait in a FIFO of `max_queue`, and past that the entry answers 429 with Retry-After.

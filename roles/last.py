@@ -1,5 +1,5 @@
 """The last stage: runs its blocks, the final norm and head, samples, feeds each token back to stage 0,
-and when a request ends detokenizes and replies to whoever asked (spec §3.3, row Last). One step samples
+and when a request ends detokenizes and replies to whoever asked (docs/design.md, Roles). One step samples
 for every request whose rows in it end its prompt or are a decode row. A replay's first rows hold the
 prompt and the tokens generated before it: sampling goes on after them, and the answer holds them all."""
 from __future__ import annotations

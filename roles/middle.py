@@ -1,5 +1,5 @@
 """A middle stage: runs its blocks on each request's rows and passes them on, request id, position and
-seq_len unchanged (spec §3.3, row Middle), batching whatever is waiting into one step. An EndRequest from
+seq_len unchanged (docs/design.md, Roles), batching whatever is waiting into one step. An EndRequest from
 upstream frees the request's slot and goes on down the chain. Rows that cannot be passed on are reported
 lost to stage 0, which replays the request (roles/messages.py)."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""`ppsmoke.py --seed`: N local node processes (spec §4.1), started one after another, each non-first
-one with its predecessor as PEER_DIRECT; the runner is the gossip seed and pp-orchestrator. One nursery
+"""`ppsmoke.py --seed`: N local node processes (docs/design.md, Boot order), started one after another,
+each non-first one with its predecessor as PEER_DIRECT; the runner is the gossip seed and pp-orchestrator. One nursery
 owns everything, so any failure — a child exiting, a timeout, a dead stage, a signal — stops it all.
 With --serve, once the cluster has converged a stage that dies is replaced instead (runner/keeper.py):
 a new process for the same stage, its log beside the first one's."""

@@ -1,4 +1,4 @@
-"""`ppsmoke.py --vastai`: rent N GPU instances (spec §4.2-4.3, failure table §6), converge, ask, destroy.
+"""`ppsmoke.py --vastai`: rent N GPU instances (docs/design.md, Boot order and Failures), converge, ask, destroy.
 With --serve, an instance that is lost once the cluster serves is destroyed and replaced by a new one for
 the same stage (runner/keeper.py), rented the same way and under the same teardown guarantee.
 

@@ -1,5 +1,5 @@
-"""Spec tier 3: each role's actor, in-process with the stub worker, does exactly the §3.3 table — now for
-many requests at once: admission and its queue, batched steps, and every way a request ends."""
+"""Spec tier 3: each role's actor, in-process with the stub worker, does exactly the Roles table of
+docs/design.md — now for many requests at once: admission and its queue, batched steps, and every way a request ends."""
 import itertools
 
 import pytest
