@@ -290,7 +290,7 @@ def test_registry_is_read_only_and_points_at_gguf_files():
     ("relative/cache", "/home/u/.cache/pp"),  # XDG: relative values are ignored
     ("/var/cache/x", "/var/cache/x/pp"),
 ])
-def test_default_cache_dir(xdg, expected):
+def test_downloads_are_cached_under_an_absolute_xdg_cache_home_else_home_s_cache(xdg, expected):
     assert default_cache_dir(Path("/home/u"), xdg) == Path(expected)
 
 

@@ -104,7 +104,7 @@ LLAMA_KV = {"general.architecture": "llama", "llama.block_count": 2, "llama.embe
     ({"tokenizer.ggml.tokens": None, "llama.vocab_size": 500}, "vocab_size", 500),
     ({}, "tie_embeddings", True),                             # no output.weight in the header
 ])
-def test_config_table(extra, field, want):
+def test_gguf_metadata_gives_each_config_field_its_value_or_llama_cpp_s_default(extra, field, want):
     kv = {k: v for k, v in {**LLAMA_KV, **extra}.items() if v is not None}
     config = config_from_header(GGUFHeader(version=3, kv=kv, tensors={}, data_start=0), "x.gguf", None)
     assert getattr(config, field) == want

@@ -198,7 +198,7 @@ def small_cfg(**changes):
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 1024}, "max_context", 1024),
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "n_kv_heads", 2),
 ])
-def test_config_fields(changes, field, expected):
+def test_a_hugging_face_config_gives_each_config_field_its_value_or_default(changes, field, expected):
     assert getattr(config_from_hf(small_cfg(**changes), "config.json"), field) == expected
 
 

@@ -22,7 +22,7 @@ def test_every_block_is_owned_exactly_once_and_sizes_differ_by_at_most_one(total
     (8, 8, [(i, i + 1) for i in range(8)]),
     (10, 3, [(0, 4), (4, 7), (7, 10)]),
 ])
-def test_known_splits(total, num_stages, expected):
+def test_blocks_split_as_evenly_as_they_can_the_first_stages_taking_what_is_left_over(total, num_stages, expected):
     assert [(r.start, r.stop) for r in (layer_range(total, s, num_stages) for s in range(num_stages))] == expected
 
 

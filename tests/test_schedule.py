@@ -27,7 +27,7 @@ def p(rid, rows, pos=0):
     ([d("a"), d("b"), p("c", 5)], 2, [1, 1, 0]),  # no room left: the prompt waits one step
     ([p("a", 3), d("a", pos=3), d("b")], 2, [1, 0, 1]),  # a decode never jumps ahead of its own request's rows
 ])
-def test_plan_rows(waiting, max_rows, want):
+def test_a_step_takes_waiting_rows_oldest_first_up_to_its_size_and_in_each_request_s_order(waiting, max_rows, want):
     assert plan_rows(waiting, max_rows) == want
 
 
