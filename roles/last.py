@@ -15,8 +15,8 @@ from worker.sampling import GREEDY
 from worker.stage import StepItem
 from worker.stopping import generation_done
 
-from .actions import (Entries, Held, Reply, Send, admit_segments, compute, error_reply, failure, is_live,
-                      step_failed, wrong_role)
+from .actions import Entries, Held, Reply, Send, admit_segments, compute, error_reply, failure, wrong_role
+from .downstream import DownstreamActor
 from .messages import Activation, EndRequest, InferenceResponse, NextTokens, RequestStart, Token
 from .schedule import StageQueue, Step, Unit
 from .topology import stage_name
@@ -31,7 +31,7 @@ class _Progress:
     sampled_at: list[float] = attrs.field(factory=list)  # clock() at each token
 
 
-class LastActor:
+class LastActor(DownstreamActor):
     role = Role.LAST
 
     def __init__(self, stage: int, num_stages: int, *, max_rows: int, detokenize: Callable[[list[int]], str],
@@ -68,9 +68,6 @@ class LastActor:
                                 generation=s.generation))
         return []
 
-    def plan(self) -> Step | None:
-        return self.queue.next_step()
-
     def finish(self, step: Step, outcome) -> list:
         results, ms = outcome
         tokens, actions = [], []
@@ -93,10 +90,6 @@ class LastActor:
             actions.append(Send(self.feedback, NextTokens(tuple(tokens))))
         return actions
 
-    def step_failed(self, step: Step, error: str) -> list:
-        """The step's compute raised: its requests fail (roles.actions.step_failed)."""
-        return step_failed(step, self.queue, error, live=self.is_live, fail=self._fail)
-
     def undeliverable(self, send: Send, error: str) -> list:
         """Tokens that cannot reach stage 0 end their requests; the asker hears it from here."""
         actions = []
@@ -110,14 +103,6 @@ class LastActor:
         elif isinstance(send.message, EndRequest) and send.message.request_id in self.failed_reply_to:
             actions.append(error_reply(self.failed_reply_to.pop(send.message.request_id), send.message))
         return actions
-
-    def is_live(self, request_id: str, generation: int) -> bool:
-        """Whether this life of the request is live here (roles.actions.is_live)."""
-        return is_live(self.expected, request_id, generation)
-
-
-    def health(self) -> dict:
-        return {"slots": {"active": len(self.expected)}}
 
     # -- compute thread ----------------------------------------------------------------------
     def run(self, step: Step, worker):

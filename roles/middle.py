@@ -7,14 +7,14 @@ from __future__ import annotations
 from worker.partition import Role
 from worker.stage import StepItem
 
-from .actions import (Entries, Held, Send, admit_segments, compute, error_reply, failure, is_live, lost, pass_on,
-                      step_failed, wrong_role)
+from .actions import Entries, Held, Send, admit_segments, compute, error_reply, failure, lost, pass_on, wrong_role
+from .downstream import DownstreamActor
 from .messages import Activation, EndReason, EndRequest
 from .schedule import StageQueue, Step, Unit
 from .topology import stage_name
 
 
-class MiddleActor:
+class MiddleActor(DownstreamActor):
     role = Role.MIDDLE
 
     def __init__(self, stage: int, num_stages: int, *, max_rows: int):
@@ -45,15 +45,8 @@ class MiddleActor:
                                 start=s.start, generation=s.generation))
         return []
 
-    def plan(self) -> Step | None:
-        return self.queue.next_step()
-
     def finish(self, step: Step, outcome) -> list:
         return pass_on(step, outcome, dest=self.next, live=self.is_live, fail=self._fail)
-
-    def step_failed(self, step: Step, error: str) -> list:
-        """The step's compute raised: its requests fail (roles.actions.step_failed)."""
-        return step_failed(step, self.queue, error, live=self.is_live, fail=self._fail)
 
     def undeliverable(self, send: Send, error: str) -> list:
         """Rows that could not go on are reported lost to stage 0, which replays their requests (the slot
@@ -70,14 +63,6 @@ class MiddleActor:
         if send.dest == self.entry and end.error is not None and end.request_id in self.reply_to:
             return [error_reply(self.reply_to.pop(end.request_id), end)]
         return []
-
-    def is_live(self, request_id: str, generation: int) -> bool:
-        """Whether this life of the request is live here (roles.actions.is_live)."""
-        return is_live(self.expected, request_id, generation)
-
-
-    def health(self) -> dict:
-        return {"slots": {"active": len(self.expected)}}
 
     # -- compute thread ----------------------------------------------------------------------
     def run(self, step: Step, worker):
