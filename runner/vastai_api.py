@@ -18,7 +18,6 @@ RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
 BACKOFF_FACTOR = 2.0  # the CLI uses 1.5 over 3 tries; vast's per-endpoint intervals want longer
 LOG_POLL_INTERVAL_S = 0.5
 LOG_POLL_ATTEMPTS = 20  # ~10 s, as the CLI (30 x 0.3 s) and the SDK (~9 s)
-LIST_PAGE_SIZE = 25  # the v1 list endpoint caps a page at 25 rows
 
 
 class VastError(Exception):
@@ -340,25 +339,6 @@ class VastClient:
             return Instance.from_json(row)
         except (ValueError, TypeError, AttributeError) as e:
             raise VastError(200, "bad_response", f"{call}: malformed instance: {e}") from e
-
-    async def list_instances(self) -> list[Instance]:
-        """All of this account's instances, via the v1 endpoint the CLI uses (v0's list is
-        deprecated), following next_token as `after_token` until it runs out."""
-        path, call = "/api/v1/instances/", "GET /api/v1/instances/"
-        # the CLI JSON-encodes every non-string query argument
-        params = {"select_filters": "{}", "order_by": json.dumps([{"col": "id", "dir": "asc"}]),
-                  "limit": str(LIST_PAGE_SIZE)}
-        instances, seen_tokens = [], set()
-        while True:
-            page = self._json(call, await self._send("GET", path, params=params))
-            instances += [self._instance(call, row) for row in page.get("instances") or []]
-            token = page.get("next_token")
-            if not token:
-                return instances
-            if token in seen_tokens:
-                raise VastError(200, "bad_response", f"{call}: next_token repeats; stopping")
-            seen_tokens.add(token)
-            params = {**params, "after_token": str(token)}
 
     async def destroy_instance(self, instance_id: int) -> None:
         """Destroy; an instance that is already gone is fine. The 404 counts as "gone" only when it

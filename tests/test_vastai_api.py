@@ -204,18 +204,6 @@ async def test_show_of_a_gone_instance_is_none():
         assert await vast.show_instance(5) is None
 
 
-async def test_list_follows_next_token_through_every_page():
-    pages = [ok({"instances": [{**INSTANCE_JSON, "id": i} for i in (1, 2)], "next_token": "t-2"}),
-             ok({"instances": [{**INSTANCE_JSON, "id": 3}], "next_token": None})]
-    fake = FakeVast({("GET", "/api/v1/instances/"): pages})
-    async with fake.client() as vast:
-        assert [i.id for i in await vast.list_instances()] == [1, 2, 3]
-    first, second = (r.url.params for r in fake.requests)
-    assert json.loads(first["order_by"]) == [{"col": "id", "dir": "asc"}]
-    assert json.loads(first["select_filters"]) == {} and first["limit"] == "25"
-    assert "after_token" not in first and second["after_token"] == "t-2"
-
-
 async def test_destroy_sends_delete_with_an_empty_body():
     fake = FakeVast({("DELETE", "/api/v0/instances/777/"): [ok({"success": True, "msg": "destroyed"})]})
     async with fake.client() as vast:
