@@ -19,8 +19,8 @@ from pathlib import Path
 import trio
 
 from node.config import parse_config
-from node.log import error_event, setup_logging
-from node.app import ListenError
+from node.observe.log import error_event, setup_logging
+from node.transport.app import ListenError
 from node.main import ModelLoadError, ModelRefused, Replaced, run_node
 
 

@@ -28,7 +28,7 @@ import trio
 
 import attrs
 
-from node.app import ListenError, check_listenable
+from node.transport.app import ListenError, check_listenable
 from node.config import ConfigError, check_keys, read_key_file, split_keys
 from roles import DEFAULT_MAX_QUEUE
 from roles.messages import MAX_TOKENS_LIMIT, is_http_url

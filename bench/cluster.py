@@ -10,7 +10,7 @@ from pathlib import Path
 
 import trio
 
-from node.orchestrator import Orchestrator, run_orchestrator
+from runner.orchestrator import Orchestrator, run_orchestrator
 from runner.children import child_env, run_child
 
 

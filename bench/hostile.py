@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 import trio
 
-from node.openai_wire import MAX_STOP_CHARS
+from node.api.openai_wire import MAX_STOP_CHARS
 
 from .cluster import start_local_cluster
 

@@ -1,8 +1,8 @@
 """Transport micro-benchmark: what one hop costs on the wire, nothing else.
 
 Times sequential POSTs of activation-sized bodies to /v1/activation over the project's own client
-(node.client.PeerClient) and server (node.app), HTTP/2 and HTTP/1.1 side by side, and the same
-activations as frames of one link stream (node/streams.py). The server runs in a separate process so
+(node.transport.client.PeerClient) and server (node.transport.app), HTTP/2 and HTTP/1.1 side by side, and the same
+activations as frames of one link stream (node/transport/streams.py). The server runs in a separate process so
 that client and server do not share one event loop or one core, and its dispatcher only counts what
 it is handed: no model, no compute. A POST's figure is a full round trip: the POST, the server's
 decode of the activation, and its 202 answer. A stream's is one way, from the frame's encoding to its
@@ -27,12 +27,12 @@ from pathlib import Path
 import numpy as np
 import trio
 
-from node import wire
-from node.app import make_app, serve_app
-from node.client import PeerClient
-from node.hops import HopStats, now
-from node.links import Outbox
-from node.streams import LinkReceiver, LinkStream
+from node.transport import wire
+from node.transport.app import make_app, serve_app
+from node.transport.client import PeerClient
+from node.observe.hops import HopStats, now
+from node.transport.links import Outbox
+from node.transport.streams import LinkReceiver, LinkStream
 from node.config import DEFAULT_MAX_BODY_BYTES
 from worker.sampling import GREEDY
 

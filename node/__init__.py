@@ -1,1 +1,2 @@
-"""Pipeline node: SWIM-lite membership (gossip.py pure rules, swim.py trio driver)."""
+"""A pipeline node: the stage runtime (main, stage_node, compute, config) and its wings transport/, membership/, api/,
+observe/."""

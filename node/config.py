@@ -23,7 +23,7 @@ from worker.partition import check_stage
 from worker.weights.tiny import BUILT_IN
 from worker.weights.contract import PRECISIONS
 
-from .faults import NONE as NO_FAULTS, Faults, FaultSpecError, parse_faults
+from node.transport.faults import NONE as NO_FAULTS, Faults, FaultSpecError, parse_faults
 
 DEFAULT_PORT = 8000
 DEFAULT_BIND = "0.0.0.0"
@@ -47,7 +47,7 @@ class NodeConfig:
 
     stage: int
     num_stages: int
-    cluster_token: str = attrs.field(repr=False)  # opens the cluster's own endpoints (node/auth.py)
+    cluster_token: str = attrs.field(repr=False)  # opens the cluster's own endpoints (node/transport/auth.py)
     node_id: str
     cache_dir: Path
     ollama_models_dir: Path
@@ -69,7 +69,7 @@ class NodeConfig:
     precision: str = "auto"             # PP_PRECISION: which matrices keep the file's precision (worker.weights.contract.narrow_kinds)
     link_streams: bool = True           # PP_LINKS=stream: one long-lived HTTP/2 stream to the next stage; post: a POST each
     exit_on_stdin_eof: bool = False     # PP_STDIN_LIFELINE=1: a local runner holds our stdin; EOF = it is gone
-    faults: Faults = NO_FAULTS          # PP_FAULTS: drop or delay some link sends (chaos tests; node/faults.py)
+    faults: Faults = NO_FAULTS          # PP_FAULTS: drop or delay link sends (chaos tests; node/transport/faults.py)
     log_level: str = DEFAULT_LOG_LEVEL
     api_keys: tuple[str, ...] = attrs.field(default=(), repr=False)  # PP_API_KEY(_FILE): open the client surface
     token_is_api_key: bool = False      # PP_TOKEN_IS_API_KEY=1: the cluster token opens the client surface too

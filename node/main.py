@@ -25,16 +25,16 @@ from worker.models import open_model, open_worker
 from worker.partition import Role
 from worker.weights.rangefetch import fetch_stage_slice
 
-from .app import make_app, serve_app
-from .client import HttpTransport, PeerClient, gossip_client
-from .compute import ComputeThread, open_compute_thread
-from .chat_page import add_chat_page
-from .openai_api import add_openai_routes
-from .config import NodeConfig, advertised_url
-from .gossip import Member, Meta, SwimConfig
-from .log import event
-from .stage_node import StageNode
-from .swim import Swim
+from node.api.chat_page import add_chat_page
+from node.api.openai_api import add_openai_routes
+from node.compute import ComputeThread, open_compute_thread
+from node.config import NodeConfig, advertised_url
+from node.membership.gossip import Member, Meta, SwimConfig
+from node.membership.swim import Swim
+from node.observe.log import event
+from node.stage_node import StageNode
+from node.transport.app import make_app, serve_app
+from node.transport.client import HttpTransport, PeerClient, gossip_client
 
 log = logging.getLogger("pp.node")
 PROGRESS_EVERY_S = 5.0
@@ -115,7 +115,7 @@ def chain_capacity(swim: Swim, num_stages: int) -> int | None:
 async def step_aside_when_replaced(swim: Swim, stage: int) -> None:
     """Exit once a member this stage dialled holds it dead (Swim.declared_dead): it was frozen or cut off past
     the dead timeout, and a runner replaces such a stage. Only that: another member claiming the stage, at
-    whatever incarnation, is no reason (a token holder could claim it; see node/gossip.py)."""
+    whatever incarnation, is no reason (a token holder could claim it; see node/membership/gossip.py)."""
     await swim.declared_dead.wait()
     raise Replaced(f"stage {stage} was replaced: the cluster declared it dead (it was frozen or cut off past the "
                    f"dead timeout, or an earlier node of this id was); exiting rather than serve a slice another "

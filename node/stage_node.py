@@ -20,15 +20,16 @@ from roles.actions import Progress, Refused, Reply, Send, failure
 from roles.topology import stage_name
 from worker.partition import role_of
 
-from . import hops, wire
-from .client import PeerClient, PeerError
-from .faults import NONE as NO_FAULTS, Faults
-from .gossip import State
-from .links import Links
-from .metrics import NodeMetrics
-from .log import as_extra, error_event, event
-from .streams import LinkReceiver, LinkStream
-from .swim import Swim
+from node.membership.gossip import State
+from node.membership.swim import Swim
+from node.observe import hops
+from node.observe.log import as_extra, error_event, event
+from node.observe.metrics import NodeMetrics
+from node.transport import wire
+from node.transport.client import PeerClient, PeerError
+from node.transport.faults import NONE as NO_FAULTS, Faults
+from node.transport.links import Links
+from node.transport.streams import LinkReceiver, LinkStream
 
 log = logging.getLogger("pp.node")
 
@@ -82,7 +83,7 @@ class StageNode:
 
     def deliver(self, message, *, source: str | None = None, sent_at: float | None = None) -> None:
         """Admit a message from the network for the next steps, or refuse it (raises Refused). A message
-        from a stage names it (`source`) and when it was sent, on the sender's clock (node/hops.py)."""
+        from a stage names it (`source`) and when it was sent, on the sender's clock (node/observe/hops.py)."""
         if source is not None:
             arrived = hops.now()
             if sent_at is not None:

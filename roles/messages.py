@@ -1,5 +1,5 @@
 """The messages stages and the runner exchange, as plain frozen attrs types. How they are framed and parsed
-on the wire (one strict cattrs converter, refusals naming the field) is node/wire.py's job.
+on the wire (one strict cattrs converter, refusals naming the field) is node/transport/wire.py's job.
 
 A request's life: the asker POSTs an InferenceRequest to pp-entry (stage 0), which queues it until a
 sequence slot is free, then sends its prompt down the chain in Activations; the last stage samples and

@@ -9,7 +9,7 @@ from typing import Callable
 import attrs
 import httpx
 
-from node import wire
+from node.transport import wire
 from worker.sampling import Sampling
 
 from .common import RunFailed

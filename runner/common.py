@@ -7,7 +7,7 @@ from pathlib import Path
 import attrs
 import trio
 
-from node import wire
+from node.transport import wire
 from node.groups import leaves
 
 from .children import StageExited

@@ -13,9 +13,9 @@ from typing import Awaitable, Callable, Protocol, TypeVar
 
 import trio
 
-from node.gossip import TERMINAL
+from node.membership.gossip import TERMINAL
 from node.groups import unwrapped
-from node.swim import Swim
+from node.membership.swim import Swim
 
 from .children import StageExited
 from .common import RunFailed

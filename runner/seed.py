@@ -16,7 +16,7 @@ from typing import Callable
 import attrs
 import trio
 
-from node.orchestrator import Orchestrator, run_orchestrator
+from .orchestrator import Orchestrator, run_orchestrator
 from worker.sampling import Sampling
 
 from .children import Child, child_env, log_tail, run_child

@@ -11,7 +11,7 @@ import attrs
 import trio
 
 from node.groups import unwrapped
-from node.orchestrator import Orchestrator, StageDied
+from .orchestrator import Orchestrator, StageDied
 from roles import topology
 from worker.sampling import Sampling
 

@@ -18,7 +18,7 @@ from typing import Callable
 import attrs
 import trio
 
-from node.orchestrator import Orchestrator, run_orchestrator
+from .orchestrator import Orchestrator, run_orchestrator
 from worker.sampling import Sampling
 
 from .ledger import Ledger

@@ -9,10 +9,10 @@ from pathlib import Path
 import trio
 
 from node.config import NodeConfig
-from node.gossip import SwimConfig
+from node.membership.gossip import SwimConfig
 from node.compute import open_compute_thread
 from node.main import run_node
-from node.orchestrator import Orchestrator, run_orchestrator
+from runner.orchestrator import Orchestrator, run_orchestrator
 from worker.models import stub_model
 from worker.reference import generate_full
 from worker.stub import StubSlice

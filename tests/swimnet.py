@@ -15,8 +15,8 @@ import attrs
 import cattrs
 import trio
 
-from node.gossip import Ack, Member, Meta, Nack, Ping, PingReq, State, SwimConfig, Sync
-from node.swim import Swim, TransportError, WrongTargetError
+from node.membership.gossip import Ack, Member, Meta, Nack, Ping, PingReq, State, SwimConfig, Sync
+from node.membership.swim import Swim, TransportError, WrongTargetError
 
 T_S = 0.1  # protocol period of the test clusters (virtual time)
 TEST_CONFIG = SwimConfig(protocol_period_s=T_S, probe_timeout_s=0.03, suspicion_mult=4, sync_interval_s=3.0,

@@ -1,4 +1,4 @@
-"""Two kinds of credential (node/auth.py): the cluster token opens what the nodes say to each other, a client
+"""Two kinds of credential (node/transport/auth.py): the cluster token opens what the nodes say to each other, a client
 API key opens the client surface and nothing else. A client key cannot steer the cluster (issue 23: an API
 user had the token, and with it gossip, links and ping-req's dialling), and the token is not a client key
 unless the operator says so."""
@@ -10,15 +10,16 @@ import pytest
 import trio
 
 from cluster import API_KEY, TOKEN, start_cluster
-from node import auth, gossip, wire
-from node.auth import Credential
+from node.transport import auth, wire
+from node.membership import gossip
+from node.transport.auth import Credential
 
 TOKEN_AUTH = {"Authorization": f"Bearer {TOKEN}"}
 KEY_AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CLIENT_SURFACE = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
                   ("GET", "/v1/pipeline"), ("GET", "/metrics")]
 API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
-# every endpoint a node serves to its peers and its runner (node/app.py), and one it does not serve at all
+# every endpoint a node serves to its peers and its runner (node/transport/app.py), and one it does not serve at all
 INTERNAL = [("POST", "/swim/ping"), ("POST", "/swim/ping-req"), ("POST", "/swim/sync"), ("GET", "/v1/members"),
             ("POST", "/v1/inference"), ("POST", "/v1/cancel"), ("POST", "/v1/response"), ("POST", "/v1/next-token"),
             ("POST", "/v1/end"), ("POST", "/v1/activation"), ("POST", "/v1/link?link=l1&from=pp-stage-0"),

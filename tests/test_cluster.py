@@ -6,7 +6,7 @@ import pytest
 import trio
 
 from cluster import start_cluster, start_cluster_behind_nat
-from node import frames, wire
+from node.transport import frames, wire
 from node.stage_node import StageNode
 from worker.models import stub_model, tinygrad_model
 from worker.reference import generate_full

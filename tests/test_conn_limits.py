@@ -6,8 +6,8 @@ import pytest
 import trio
 
 from cluster import start_cluster
-from node import conn_guard
-from node.conn_guard import ConnectionLimits, refusal
+from node.transport import conn_guard
+from node.transport.conn_guard import ConnectionLimits, refusal
 
 LIMITS = ConnectionLimits(per_peer=3, total=5)
 

@@ -1,4 +1,4 @@
-"""Where the two credentials come from and where they go (node/auth.py says what each opens): ppsmoke's
+"""Where the two credentials come from and where they go (node/transport/auth.py says what each opens): ppsmoke's
 flags, files and variables for the cluster token, the clients' keys and the vast.ai key; the nodes' environment
 the runner builds; what it announces."""
 import json

@@ -6,7 +6,7 @@ import struct
 import numpy as np
 import pytest
 
-from node import frames
+from node.transport import frames
 from roles.messages import (
     Activation, EndReason, EndRequest, NextTokens, RequestStart, SegmentMeta, Token, WireError)
 from worker.sampling import Sampling

@@ -8,10 +8,10 @@ import attrs
 import cattrs
 import pytest
 
-from node.gossip import (Ack, Dissemination, Heard, Member, Meta, Nack, Ping, PingReq, ProbeRound, State, Suspicion,
-                         SwimConfig, Sync, announce_meta, as_heard, choose_relays, declares_dead, expired_suspects,
-                         holder, is_final, is_origin, merge, merge_all, next_target, pick_sync_peer, relay_target,
-                         retransmit_limit, same_identity, suspicion_timeout_s)
+from node.membership.gossip import (Ack, Dissemination, Heard, Member, Meta, Nack, Ping, PingReq, ProbeRound, State,
+                                    Suspicion, SwimConfig, Sync, announce_meta, as_heard, choose_relays, declares_dead,
+                                    expired_suspects, holder, is_final, is_origin, merge, merge_all, next_target,
+                                    pick_sync_peer, relay_target, retransmit_limit, same_identity, suspicion_timeout_s)
 
 A, S, D, L = State.ALIVE, State.SUSPECT, State.DEAD, State.LEFT
 OWN, ANSWER, REQUEST = Heard.OWN, Heard.ANSWER, Heard.REQUEST

@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from cluster import start_cluster
-from node.h2_guard import RESET_FLOOR, too_many_resets
+from node.transport.h2_guard import RESET_FLOOR, too_many_resets
 
 
 @pytest.mark.parametrize("opened, reset, calm", [

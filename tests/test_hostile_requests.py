@@ -29,9 +29,9 @@ import pytest
 import trio
 
 from cluster import API_KEY, slow_stub, start_cluster, stub_tokens
-from node import openai_api
-from node.openai_api import _prompt_ids
-from node.openai_wire import MAX_STOP_CHARS, ApiError, TextStream, _StopMatcher, body_limit, parse_request
+from node.api import openai_api
+from node.api.openai_api import _prompt_ids
+from node.api.openai_wire import MAX_STOP_CHARS, ApiError, TextStream, _StopMatcher, body_limit, parse_request
 from roles import make_actor
 from roles.messages import EndReason, EndRequest, InferenceRequest
 from worker.errors import WorkerError

@@ -4,7 +4,7 @@ import attrs
 import pytest
 import trio
 
-from node.gossip import Member, Meta, State
+from node.membership.gossip import Member, Meta, State
 from runner.common import RunFailed
 from runner.keeper import keep_stages, ready_member
 

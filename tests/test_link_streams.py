@@ -10,10 +10,10 @@ import pytest
 import trio
 
 from cluster import API_KEY, _node_until_listening, slow_stub, stage_config, start_cluster, stub_tokens
-from node import hops
-from node.orchestrator import StageDied
+from node.observe import hops
+from runner.orchestrator import StageDied
 from node.stage_node import StageNode
-from node.streams import LinkLost, LinkStream
+from node.transport.streams import LinkLost, LinkStream
 from roles.messages import EndReason, EndRequest
 from worker.models import stub_model
 from worker.reference import generate_full

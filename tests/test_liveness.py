@@ -3,8 +3,8 @@ never suspected, and a stage that stops mid-generation ends the runner's wait in
 import trio
 
 from cluster import FAST_SWIM, slow_stub, start_cluster
-from node.gossip import State
-from node.orchestrator import StageDied
+from node.membership.gossip import State
+from runner.orchestrator import StageDied
 
 
 async def test_a_stage_computing_for_several_protocol_periods_is_never_declared_dead(nursery, tmp_path, monkeypatch):

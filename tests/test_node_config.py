@@ -11,8 +11,8 @@ import pytest
 import trio
 
 from node.config import NodeConfig, advertised_url, loggable, normalise_url, parse_config
-from node.faults import Faults
-from node.log import as_extra, error_event, event, setup_logging, warn_event
+from node.transport.faults import Faults
+from node.observe.log import as_extra, error_event, event, setup_logging, warn_event
 
 HOME = Path("/home/alice")
 TOKEN = "tok-3f9a1c77e2"
@@ -204,7 +204,7 @@ def test_the_token_never_shows_in_repr_str_or_loggable_fields():
     assert "n1" in repr(cfg) and loggable(cfg)["node_id"] == "n1"
 
 
-# --- client API keys (node/auth.py says what they open) -----------------------------------------------------------
+# --- client API keys (node/transport/auth.py says what they open) ----------------------------------------------------
 
 KEY_A, KEY_B, KEY_C = "key-a-71c2", "key-b-9e04", "key-c-33d1"
 
@@ -329,13 +329,13 @@ def test_the_level_filters_and_warn_and_error_events_carry_their_level(log_lines
 
 
 def test_module_loggers_write_json_too_and_exceptions_keep_their_traceback(log_lines):
-    logging.getLogger("node.swim").warning("probe of %s failed", "n3")
+    logging.getLogger("node.membership.swim").warning("probe of %s failed", "n3")
     try:
         raise OSError("connection refused")
     except OSError:
         logging.getLogger("pp").exception("send_failed", extra=as_extra(peer="n3"))
     first, second = log_lines()
-    assert (first["logger"], first["event"]) == ("node.swim", "probe of n3 failed")
+    assert (first["logger"], first["event"]) == ("node.membership.swim", "probe of n3 failed")
     assert (second["event"], second["peer"]) == ("send_failed", "n3")
     assert "OSError: connection refused" in second["exc"]
 

@@ -7,7 +7,7 @@ import pytest
 import trio
 
 from cluster import TOKEN, start_cluster
-from node import wire
+from node.transport import wire
 from worker.models import stub_model
 from worker.reference import generate_full
 from worker.stub import STUB_DIM

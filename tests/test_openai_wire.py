@@ -2,7 +2,7 @@
 breaks a character or shows a stop string."""
 import pytest
 
-from node.openai_wire import ApiError, ApiRequest, Completion, TextStream, parse_request
+from node.api.openai_wire import ApiError, ApiRequest, Completion, TextStream, parse_request
 from worker.sampling import Sampling
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

@@ -103,7 +103,7 @@ class Pipeline:
 
     def texts(self, tokens: list[int]) -> list[str]:
         """An answer's text as each path writes it: `python -m worker` (n = 1); else the last stage's response
-        (roles/last.py) and the entry's stream of each token's bytes from stage 0 (node/openai_api.py)."""
+        (roles/last.py) and the entry's stream of each token's bytes from stage 0 (node/api/openai_api.py)."""
         answer = [t for t in tokens if t not in self.stop_ids]
         if not self.workers:
             return [self.tokenizer.decode(answer)]

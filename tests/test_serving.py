@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from cluster import API_KEY, PATIENT_SWIM, TOKEN, slow_stub, start_cluster, stub_tokens
-from node import wire
+from node.transport import wire
 from worker.errors import WorkerError
 from worker.models import tinygrad_model
 from worker.sampling import GREEDY, sample

@@ -6,9 +6,9 @@ import pytest
 import trio
 import trio.testing
 
-from node.gossip import Ack, Member, Meta, Nack, Ping, PingReq, State, Sync, suspicion_timeout_s
+from node.membership.gossip import Ack, Member, Meta, Nack, Ping, PingReq, State, Sync, suspicion_timeout_s
 from node.main import Replaced, step_aside_when_replaced
-from node.swim import Swim, WrongTargetError
+from node.membership.swim import Swim, WrongTargetError
 from tests.swimnet import (T_S, TEST_CONFIG, Node, SwimNet, Unplugged, addr_of, all_alive, kill, record_when,
                            start_cluster, start_node, state_of, wait_everywhere)
 

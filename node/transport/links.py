@@ -4,7 +4,7 @@ A stage's compute loop hands each message to `Links.post` and goes on with its n
 destination (a registry name such as pp-stage-2, or an asker's URL) has its own FIFO (an Outbox) and one
 sender task in the links' nursery, started when the destination is first used:
 
-- A stage's next stage (and the last stage's stage 0) gets a link stream (node/streams.py): frames in one
+- A stage's next stage (and the last stage's stage 0) gets a link stream (node/transport/streams.py): frames in one
   long-lived HTTP/2 request body, nobody waiting for an answer. Anything else — and every destination
   when streams are off — gets a POST per message, sent one at a time, each waiting for its 202.
 - Order per destination is kept either way. So an EndRequest reaches the next stage after the rows sent
@@ -29,7 +29,7 @@ import trio
 from roles.actions import Reply, Send
 from roles.messages import Activation, NextTokens
 
-from .client import PeerError
+from node.transport.client import PeerError
 
 log = logging.getLogger("pp.links")
 

@@ -1,7 +1,7 @@
 """SWIM-lite driver: probe loop, suspicion timers, push/pull sync and inbound handlers, over a Transport.
 
-Decisions live in node.gossip, and so do the rules on what a message may claim (its opening comment); this file
-owns time (trio's clock only, so tests run under MockClock) and I/O, and says where each update was heard: in a
+Decisions live in node.membership.gossip, and so do the rules on what a message may claim (its opening comment); this
+file owns time (trio's clock only, so tests run under MockClock) and I/O, and says where each update was heard: in a
 request to this member, in an answer from an address it dialled, or from its own failure detector.
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Protocol, TypeVar
 import attrs
 import trio
 
-from node import gossip
-from node.gossip import Ack, Heard, Member, Nack, Ping, PingReq, State, SwimConfig, Sync
+from node.membership import gossip
+from node.membership.gossip import Ack, Heard, Member, Nack, Ping, PingReq, State, SwimConfig, Sync
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

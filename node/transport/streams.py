@@ -2,7 +2,7 @@
 as frames of one long-lived HTTP/2 request body (`POST /v1/link`), read by the receiver as they arrive.
 
 Why: a POST per message costs the sender a round trip it waits out and the receiver a request to
-parse; on a stream a message is one length-prefixed frame (node/frames.py) and nobody waits for an
+parse; on a stream a message is one length-prefixed frame (node/transport/frames.py) and nobody waits for an
 answer. HTTP/2's flow control is the backpressure. The per-message POST endpoints stay, for anything
 that is not a stage (the runner, askers) and as the fallback a node can be told to use.
 
@@ -27,10 +27,11 @@ from typing import Awaitable, Callable, Protocol
 import httpx
 import trio
 
-from . import frames, hops
-from .client import PeerError
-from .faults import NONE as NO_FAULTS, Faults
-from .groups import unwrapped
+from node.groups import unwrapped
+from node.observe import hops
+from node.transport import frames
+from node.transport.client import PeerError
+from node.transport.faults import NONE as NO_FAULTS, Faults
 
 log = logging.getLogger("pp.streams")
 
@@ -48,7 +49,7 @@ class LinkLost(Exception):
 
 
 class Outbox(Protocol):
-    """What a link sends: the messages waiting for one destination, in order (node/links.py)."""
+    """What a link sends: the messages waiting for one destination, in order (node/transport/links.py)."""
 
     async def next_batch(self) -> list: ...  # wait for messages; take them all, merged where they can be
 

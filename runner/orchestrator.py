@@ -17,12 +17,12 @@ import trio
 from roles import topology
 from roles.actions import Refused
 
-from . import wire
-from .app import make_app, serve_app
-from .client import HttpTransport, PeerClient, PeerError, gossip_client
-from .gossip import TERMINAL, Member, Meta, SwimConfig
-from .groups import unwrapped
-from .swim import Swim
+from node.groups import unwrapped
+from node.membership.gossip import TERMINAL, Member, Meta, SwimConfig
+from node.membership.swim import Swim
+from node.transport import wire
+from node.transport.app import make_app, serve_app
+from node.transport.client import HttpTransport, PeerClient, PeerError, gossip_client
 
 POLL_WAIT_S = 20.0
 

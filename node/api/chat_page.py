@@ -1,7 +1,7 @@
 """pp-entry's chat page (`GET /`, no key: it holds no secret) and the live view of the pipeline it reads
 (`GET /v1/pipeline`, with a client API key like every call the page makes; the view asks the other stages for
 their hop figures with the cluster token, which stays here). The page is one self-contained file,
-node/static/chat.html: no build step, nothing fetched from elsewhere (the machines may have no internet)."""
+node/api/static/chat.html: no build step, nothing fetched from elsewhere (the machines may have no internet)."""
 from __future__ import annotations
 
 import base64
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from quart import Response, jsonify
 
-from .pipeline_view import pipeline_view
+from node.api.pipeline_view import pipeline_view
 
 PAGE = Path(__file__).resolve().parent / "static" / "chat.html"
 _INLINE = re.compile(r"<(script|style)>(.*?)</\1>", re.DOTALL)

@@ -2,7 +2,7 @@
 the pipeline's messages one after another, each length-prefixed, since HTTP/2 keeps no message boundaries.
 
     frame   = u32 length of the rest | u8 kind | u64 seq | f64 sent_at | payload
-    kind 0  heartbeat: no payload, seq 0; proves the connection still takes writes (node/streams.py)
+    kind 0  heartbeat: no payload, seq 0; proves the connection still takes writes (node/transport/streams.py)
     kind 1  Activation: u16 segments, each: str request_id | u32 position | u32 seq_len | u32 generation |
             u8 n, n x f64 stage_ms | u32 length + JSON of RequestStart (0: none); then the hidden rows
             (float32, little-endian) to the end of the frame
@@ -14,7 +14,7 @@ the pipeline's messages one after another, each length-prefixed, since HTTP/2 ke
 
 The per-token path (decode rows and fed-back tokens) is fixed binary; JSON is left for the rare
 messages. `seq` numbers a link's frames so a re-opened stream can skip what already arrived; `sent_at`
-is the sender's clock when the frame was written (see node/hops.py on clocks). A frame that cannot be
+is the sender's clock when the frame was written (see node/observe/hops.py on clocks). A frame that cannot be
 parsed raises WireError naming what is wrong; nothing of it is delivered.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import struct
 from roles.messages import (
     Activation, ActivationMeta, EndRequest, NextTokens, RequestStart, SegmentMeta, Token, WireError)
 
-from . import wire
+from node.transport import wire
 
 HEADER = struct.Struct(">IBQd")  # length, kind, seq, sent_at
 _PREFIX = struct.Struct(">I")

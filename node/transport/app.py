@@ -2,7 +2,7 @@
 caller's nursery, HTTP/2 cleartext with prior knowledge, HTTP/1.1 still accepted.
 
 Handlers validate, hand the message to the dispatcher and answer at once: a hop never waits for
-downstream compute. Who may call what is node/auth.py's: the client surface (the OpenAI API, /v1/pipeline,
+downstream compute. Who may call what is node/transport/auth.py's: the client surface (the OpenAI API, /v1/pipeline,
 /metrics) takes a client API key, everything else the cluster token; /health and the chat page are open.
 """
 from __future__ import annotations
@@ -21,12 +21,12 @@ from quart_trio import QuartTrio
 
 from roles.actions import Refused
 
-from . import auth, frames, gossip, h1_guard, h2_guard, wire
-from . import conn_guard
-from .log import error_event
-from .metrics import CONTENT_TYPE as node_metrics_content_type
-from .openai_api import API_PATHS, api_refusal
-from .swim import Swim, WrongTargetError
+from node.api.openai_api import API_PATHS, api_refusal
+from node.membership import gossip
+from node.membership.swim import Swim, WrongTargetError
+from node.observe.log import error_event
+from node.observe.metrics import CONTENT_TYPE as node_metrics_content_type
+from node.transport import auth, conn_guard, frames, h1_guard, h2_guard, wire
 
 log = logging.getLogger("pp.http")
 MAX_WAIT_S = 30.0  # longest long poll; proxies drop idle requests not much later
@@ -49,7 +49,7 @@ class Dispatcher(Protocol):
 def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_streams: bool = False,
              api_keys: tuple[str, ...] = (), token_is_api_key: bool = False) -> QuartTrio:
     """`token` opens the cluster's endpoints, `api_keys` the client surface (and `token` too if
-    `token_is_api_key`): node/auth.py. `link_streams`: serve /v1/link and /v1/hops (a stage; the dispatcher
+    `token_is_api_key`): node/transport/auth.py. `link_streams`: serve /v1/link and /v1/hops (a stage; the dispatcher
     then has `take_frame`, `links_in` and `hops`)."""
     h1_guard.install()
     h2_guard.install()
@@ -78,7 +78,7 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_st
     @app.after_request
     async def close_after_early_refusal(response):
         # HTTP/1.1: a refusal may be answered before the request body is in (a 401 is decided on the headers);
-        # the server then closes the connection (node/h1_guard.py), and says so, so that the client does not
+        # the server then closes the connection (node/transport/h1_guard.py), and says so, so that the client does not
         # send its next request into it (RFC 9112 §9.6). HTTP/2 has no such header: a refused stream is
         # reset on its own and the connection carries on.
         if (response.status_code >= 400 and request.http_version in ("1.0", "1.1")
@@ -177,12 +177,12 @@ def _sender() -> dict:
 
 
 def _stage_routes(app: QuartTrio, dispatcher: Dispatcher) -> None:
-    """What only a stage serves: its hop figures, and link streams (node/streams.py), whose frames are read
+    """What only a stage serves: its hop figures, and link streams (node/transport/streams.py), whose frames are read
     as they arrive for as long as the sender keeps writing."""
 
     @app.get("/v1/hops")
     async def hop_figures():
-        """Where each hop's time goes (node/hops.py): median and p99 per part, per link."""
+        """Where each hop's time goes (node/observe/hops.py): median and p99 per part, per link."""
         return jsonify(dispatcher.hops.summary())
 
     @app.post("/v1/hops/reset")

@@ -37,7 +37,7 @@ from roles.actions import Progress, Refused
 from roles.messages import MAX_TOKENS_LIMIT, EndReason, InferenceRequest, InferenceResponse
 from worker.errors import WorkerError
 
-from .openai_wire import ApiError, ApiRequest, Completion, TextStream, body_limit, parse_body, parse_request
+from node.api.openai_wire import ApiError, ApiRequest, Completion, TextStream, body_limit, parse_body, parse_request
 
 API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")

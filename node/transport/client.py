@@ -6,8 +6,9 @@ import attrs
 import httpx
 import trio
 
-from . import gossip, wire
-from .swim import TransportError
+from node.membership import gossip
+from node.membership.swim import TransportError
+from node.transport import wire
 
 
 class PeerError(Exception):
@@ -38,7 +39,7 @@ class PeerClient:
 
     @property
     def http(self) -> httpx.AsyncClient:
-        """The client itself, for link streams (node/streams.py), which read their answers their own way."""
+        """The client itself, for link streams (node/transport/streams.py), which read their answers their own way."""
         return self._client
 
     async def post(self, base: str, path: str, body: bytes, content_type: str = "application/json", *,

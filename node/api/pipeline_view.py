@@ -10,7 +10,7 @@ import trio
 from roles.topology import stage_name
 from worker.partition import layer_range
 
-from .gossip import State
+from node.membership.gossip import State
 
 HOPS_TIMEOUT_S = 0.5
 

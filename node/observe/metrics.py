@@ -8,7 +8,7 @@ moved by the node as things happen; the gauges are read from the node when a scr
     pp_time_to_first_token_seconds                   stage 0: admitted to first token (histogram)
     pp_time_per_output_token_seconds                 stage 0: between a request's tokens (histogram)
     pp_step_compute_seconds                          one batched step on the compute thread (histogram)
-    pp_hop_seconds{hop,part}                         where a hop's time goes (node/hops.py), per hop and part
+    pp_hop_seconds{hop,part}                         where a hop's time goes (node/observe/hops.py), per hop and part
     pp_gossip_members{state}                         members of this node's gossip view by state
     pp_weight_bytes, pp_kv_bytes, pp_peak_rss_bytes  memory
 """
@@ -19,7 +19,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from .gossip import State
+from node.membership.gossip import State
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
@@ -40,7 +40,7 @@ class NodeMetrics:
                               buckets=_LATENCY, registry=r)
         self.step = Histogram("pp_step_compute_seconds", "One batched step on the compute thread", buckets=_LATENCY,
                               registry=r)
-        self.hop = Histogram("pp_hop_seconds", "Where a hop's time goes (node/hops.py): per hop and part",
+        self.hop = Histogram("pp_hop_seconds", "Where a hop's time goes (node/observe/hops.py): per hop and part",
                              ["hop", "part"], buckets=_FAST, registry=r)
         r.register(_Snapshot(snapshot))
 

@@ -1,0 +1,1 @@
+"""Watching a node: Prometheus metrics, per-hop timings and JSON logs."""
