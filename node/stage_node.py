@@ -28,6 +28,7 @@ from node.observe.metrics import NodeMetrics
 from node.transport import wire
 from node.transport.client import PeerClient, PeerError
 from node.transport.faults import NONE as NO_FAULTS, Faults
+from node.transport.app import still_loading
 from node.transport.links import Links
 from node.transport.streams import LinkReceiver, LinkStream
 
@@ -72,6 +73,12 @@ class StageNode:
         self._compute_s = 0.0
 
     @property
+    def loading(self) -> bool:
+        """The one test of "still loading": until the worker is attached and the links are open, every message
+        for the model is refused with the app's still_loading()."""
+        return self.actor is None or self.links is None
+
+    @property
     def hidden_dim(self) -> int | None:
         return None if self.worker is None else self.worker.info.hidden_dim
 
@@ -89,8 +96,8 @@ class StageNode:
             if sent_at is not None:
                 self.hops.record(f"from {source}", "wire", arrived - sent_at)
             self._arrivals.append((source, arrived))
-        if self.actor is None or self.links is None:
-            raise Refused(503, f"stage {self.stage} is still loading its weights")
+        if self.loading:
+            raise still_loading()
         if isinstance(message, wire.InferenceResponse) and message.request_id in self._local:
             self._local[message.request_id].send_nowait(message)  # the final figures of one followed here
             self._remember_answer(message)

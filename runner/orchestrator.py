@@ -34,7 +34,7 @@ class StageDied(RuntimeError):
 
 
 class Orchestrator:
-    hidden_dim = None  # takes no activations
+    loading, hidden_dim = True, None  # takes no activations: answers them as a stage not yet loaded would
 
     def __init__(self, client: PeerClient, poll_client: PeerClient, node_id: str, *, url: str | None):
         self.client, self.poll_client, self.node_id = client, poll_client, node_id

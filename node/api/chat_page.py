@@ -13,6 +13,7 @@ from pathlib import Path
 from quart import Response, jsonify
 
 from node.api.pipeline_view import pipeline_view
+from node.transport.app import STILL_LOADING
 
 PAGE = Path(__file__).resolve().parent / "static" / "chat.html"
 _INLINE = re.compile(r"<(script|style)>(.*?)</\1>", re.DOTALL)
@@ -43,6 +44,6 @@ def add_chat_page(app, node, *, token: str, model_name: str) -> None:
 
     @app.get("/v1/pipeline")
     async def pipeline():
-        if node.worker is None or node.swim is None:
-            return jsonify({"error": "stage 0 is still loading its weights"}), 503
+        if node.loading or node.swim is None:  # membership runs before the weights load: no swim, no view
+            return jsonify({"error": STILL_LOADING}), 503
         return jsonify(await pipeline_view(node, node.client.http, token))

@@ -38,6 +38,7 @@ from roles.messages import MAX_TOKENS_LIMIT, EndReason, InferenceRequest, Infere
 from worker.errors import WorkerError
 
 from node.api.openai_wire import ApiError, ApiRequest, Completion, TextStream, body_limit, parse_body, parse_request
+from node.transport.app import shape_refusals, still_loading
 
 API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -49,6 +50,7 @@ _FOLLOWS = "pp.follows"  # the ASGI scope's list of what an exchange follows (_c
 def add_openai_routes(app: QuartTrio, node, *, model_name: str) -> None:
     started = int(time.time())
     app.asgi_app = _close_when_over(app.asgi_app)
+    shape_refusals(app, API_PATHS, lambda status, message: api_refusal(status, message).body())
 
     @app.get("/v1/models")
     async def models():
@@ -71,7 +73,7 @@ def add_openai_routes(app: QuartTrio, node, *, model_name: str) -> None:
 
 
 def api_refusal(status: int, message: str, retry_after_s: int | None = None) -> ApiError:
-    """An engine refusal (or a 401 of the app) in OpenAI's shape."""
+    """An engine refusal (or the app's 401, 403 or 413) in OpenAI's shape."""
     kinds = {401: ("invalid_request_error", "invalid_api_key"), 429: ("rate_limit_error", "rate_limit_exceeded"),
              503: ("server_error", "unavailable")}
     kind, code = kinds.get(status, ("invalid_request_error", None))
@@ -79,8 +81,8 @@ def api_refusal(status: int, message: str, retry_after_s: int | None = None) -> 
 
 
 def _ready(node):
-    if node.worker is None or node.actor is None:
-        raise ApiError(503, "the model is still loading", type="server_error", code="unavailable")
+    if node.loading:
+        raise still_loading()  # in OpenAI's shape, as every refusal on API_PATHS
     return node.worker
 
 

@@ -11,6 +11,7 @@ import collections
 import functools
 import logging
 import socket
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import trio
@@ -21,7 +22,6 @@ from quart_trio import QuartTrio
 
 from roles.actions import Refused
 
-from node.api.openai_api import API_PATHS, api_refusal
 from node.membership import gossip
 from node.membership.swim import Swim, WrongTargetError
 from node.observe.log import error_event
@@ -30,13 +30,21 @@ from node.transport import auth, conn_guard, frames, h1_guard, h2_guard, wire
 
 log = logging.getLogger("pp.http")
 MAX_WAIT_S = 30.0  # longest long poll; proxies drop idle requests not much later
+STILL_LOADING = "this stage is still loading its weights"  # the one answer (a 503) to what needs a model too early
+RefusalShape = Callable[[int, str], dict]  # (status, message) -> a refusal's JSON body
+
+
+def still_loading() -> Refused:
+    """The refusal of whatever needs the model while `Dispatcher.loading`."""
+    return Refused(503, STILL_LOADING)
 
 
 class Dispatcher(Protocol):
     """What the app hands messages to: a stage node or the runner."""
 
     swim: Swim | None
-    hidden_dim: int | None  # None until the worker is loaded: activations are refused until then
+    loading: bool  # True until messages for the model can be admitted (the runner never takes them): still_loading()
+    hidden_dim: int | None  # the activations' width, once not loading
 
     def deliver(self, message, *, source: str | None = None, sent_at: float | None = None) -> None: ...
     # admit and enqueue, or raise Refused; `source` (the sending stage) and `sent_at` (its clock) time the hop
@@ -58,6 +66,7 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_st
     app.config["BODY_TIMEOUT"] = 120
     app.http_versions = collections.Counter()  # requests served per HTTP version, for tests and /health
     app.body_bytes = collections.Counter()  # request body bytes received per path: bytes on the wire
+    app.refusal_shapes = {}  # path -> RefusalShape: see shape_refusals
     keys = auth.Keys.of(token, api_keys, token_is_api_key=token_is_api_key)
 
     @app.before_request
@@ -71,9 +80,7 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_st
             return None
         if refused.status == 403:  # a credential of the wrong kind: worth a line, unlike a stray 401
             log.info("refused %s %s to a %s: %s", request.method, request.path, credential.value, refused.message)
-        if request.path in API_PATHS:
-            return api_refusal(refused.status, refused.message).body(), refused.status
-        return _error(refused.status, refused.message)
+        return _refusal(refused.status, refused.message)
 
     @app.after_request
     async def close_after_early_refusal(response):
@@ -88,10 +95,7 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_st
 
     @app.errorhandler(413)
     async def too_large(_):
-        message = f"body over the limit of {max_body_bytes} bytes"
-        if request.path in API_PATHS:
-            return api_refusal(413, message).body(), 413
-        return _error(413, message)
+        return _refusal(413, f"body over the limit of {max_body_bytes} bytes")
 
     @app.get("/health")
     async def health():
@@ -117,8 +121,8 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_st
 
     @app.post("/v1/activation")
     async def activation():
-        if dispatcher.hidden_dim is None:
-            raise Refused(503, "this stage is still loading its weights")
+        if dispatcher.loading:
+            raise still_loading()
         body = await request.get_data()
         app.body_bytes[request.path] += len(body)
         act = wire.decode_activation(body, dispatcher.hidden_dim)
@@ -149,12 +153,21 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_st
     async def refused(exc):
         log.info("refused %s %s: %s", request.method, request.path, exc.message)
         headers = {} if exc.retry_after_s is None else {"Retry-After": str(exc.retry_after_s)}
-        if request.path in API_PATHS:
-            return api_refusal(exc.status, exc.message).body(), exc.status, headers
-        body, status = _error(exc.status, exc.message)
+        body, status = _refusal(exc.status, exc.message)
         return body, status, headers
 
     return app
+
+
+def shape_refusals(app: QuartTrio, paths: Iterable[str], shape: RefusalShape) -> None:
+    """The app's refusals on `paths` (401, 403, 413 and a route's Refused) get `shape`'s body rather than
+    {"error": message}: a surface added on top (the OpenAI API) registers its own shape with its routes."""
+    app.refusal_shapes.update(dict.fromkeys(paths, shape))
+
+
+def _refusal(status: int, message: str):
+    shape = current_app.refusal_shapes.get(request.path)
+    return (shape(status, message), status) if shape is not None else _error(status, message)
 
 
 def _json_endpoint(dispatcher: Dispatcher, kind: type):
@@ -192,8 +205,8 @@ def _stage_routes(app: QuartTrio, dispatcher: Dispatcher) -> None:
 
     @app.get("/v1/link/<link_id>")
     async def link_state(link_id: str):
-        if dispatcher.hidden_dim is None:
-            raise Refused(503, "this stage is still loading its weights")
+        if dispatcher.loading:
+            raise still_loading()
         return jsonify({"last_seq": dispatcher.links_in.last_seq(link_id), "boot": dispatcher.links_in.boot})
 
     @app.post("/v1/link")
@@ -201,8 +214,8 @@ def _stage_routes(app: QuartTrio, dispatcher: Dispatcher) -> None:
         link_id, source = request.args.get("link", ""), request.args.get("from", "")
         if not (0 < len(link_id) <= 64 and 0 < len(source) <= 64):
             raise wire.WireError("link, from: both required, each 1..64 characters")
-        if dispatcher.hidden_dim is None:
-            raise Refused(503, "this stage is still loading its weights")
+        if dispatcher.loading:
+            raise still_loading()
         reader, taken = frames.FrameReader(dispatcher.hidden_dim), 0
         try:
             async for chunk in request.body:
