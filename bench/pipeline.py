@@ -21,8 +21,9 @@ from pathlib import Path
 import httpx
 import trio
 
-from worker.weights.fetch import DEFAULT_MODEL
+from node.observe.hops import PARTS as HOP_PARTS
 from worker.weights.contract import PRECISIONS
+from worker.weights.fetch import DEFAULT_MODEL
 
 from .cluster import start_local_cluster
 
@@ -134,9 +135,6 @@ def table(rows: list[dict]) -> str:
                    f"{' / '.join(f'{v:.1f}' for v in r['weight_mb'])} | {' / '.join(f'{v:.1f}' for v in r.get('kv_mb', []))} | "
                    f"{' / '.join(f'{p / (w + k):.2f}' for p, w, k in zip(r['peak_rss_mb'], r['weight_mb'], r.get('kv_mb', [])))} |")
     return "\n".join(out)
-
-
-HOP_PARTS = ("encode", "wire", "queue", "to_thread", "compute", "back", "answer")
 
 
 def hop_table(rows: list[dict]) -> str:

@@ -1,9 +1,12 @@
-"""A node's life: the boot sequence of spec §5.1, then serving until cancelled.
+"""A node's life: its boot, in this order, then serving until cancelled.
 
-1-2 config and role come parsed; 3 listen, then join gossip through the seed and PEER_DIRECT;
-6 register pp-stage-{i}; 7 fetch and load the worker on the compute thread; 4 wait for a peer;
-8-10 wait until the names this stage sends to resolve; 12 register pp-entry / pp-exit last;
-13 pump messages.
+- The config and the stage's role come parsed (ppnode.py).
+- Listen, then join gossip through the seed and PEER_DIRECT.
+- Register pp-stage-{i}.
+- Fetch and load the worker on the compute thread, start the step loop, and say ready in gossip.
+- Wait for a peer, then until the names this stage sends to resolve.
+- Register pp-entry / pp-exit last (roles/topology.py says who registers which name).
+
 The first stage registers pp-entry only once every stage reports ready, so pp-entry means
 "the whole chain can take a prompt now".
 """
@@ -167,9 +170,9 @@ async def _serve(config, swim_config, on_listening, compute, task_status) -> Non
         nursery.start_soon(step_aside_when_replaced, swim, stage)
         swim.update_meta(names=topology.first_names(stage, n))
 
-        # Weights are fetched and loaded before waiting for a peer (spec §5.1 has steps 4 and 7 the
-        # other way round): on vast.ai the runner introduces the nodes only once every instance runs,
-        # and a node that came up early would otherwise sit idle until then.
+        # Weights are fetched and loaded before waiting for a peer, not after: on vast.ai the runner
+        # introduces the nodes only once every instance runs, and a node that came up early would
+        # otherwise sit idle until then.
         started = time.perf_counter()
         model_spec = await fetch_own_slice(config, swim)
         worker = await compute.call(load_worker, config, model_spec)

@@ -26,7 +26,7 @@ from node.observe import hops
 from node.observe.log import as_extra, error_event, event
 from node.observe.metrics import NodeMetrics
 from node.transport import wire
-from node.transport.client import PeerClient, PeerError
+from node.transport.client import Backoff, PeerClient, PeerError
 from node.transport.faults import NONE as NO_FAULTS, Faults
 from node.transport.app import still_loading
 from node.transport.links import Links
@@ -34,8 +34,6 @@ from node.transport.streams import LinkReceiver, LinkStream
 
 log = logging.getLogger("pp.node")
 
-SEND_ATTEMPTS = 4
-FIRST_RETRY_S = 0.1
 KEPT_RESPONSES = 64
 
 
@@ -136,15 +134,18 @@ class StageNode:
             self._timing.pop(progress.request_id, None)
 
     def _metrics_snapshot(self) -> dict:
-        info = self.worker.info if self.worker is not None else None
         view = self.swim.members().values() if self.swim is not None else ()
         health = self.actor.health() if self.actor is not None else {}
         return {"running": health.get("slots", {}).get("active") if self.stage == 0 else None,
-                "queued": health.get("queue", {}).get("waiting"),
-                "slots_in_use": self.worker.slots_in_use if self.worker is not None else None,
-                "weight_bytes": info.weight_bytes if info else None, "kv_bytes": info.kv_bytes if info else None,
-                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "queued": health.get("queue", {}).get("waiting"), **self._memory(),
                 "members": collections.Counter(m.state.value for m in view)}
+
+    def _memory(self) -> dict:
+        """The memory figures of /health and of the metrics' gauges: weights, KV caches, slots held, peak RSS."""
+        info = self.worker.info if self.worker is not None else None
+        return {"weight_bytes": info.weight_bytes if info else None, "kv_bytes": info.kv_bytes if info else None,
+                "slots_in_use": self.worker.slots_in_use if self.worker is not None else None,
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # ru_maxrss is KiB
 
     def _remember_answer(self, response: wire.InferenceResponse) -> None:
         n = len(response.token_ids)
@@ -217,16 +218,13 @@ class StageNode:
         info = self.worker.info if self.worker is not None else None
         return {"ok": True, "node": self.node_id, "stage": self.stage, "role": self._role(),
                 "ready": info is not None, "layers": [info.layers.start, info.layers.stop] if info else None,
-                "weight_bytes": info.weight_bytes if info else None, "kv_bytes": info.kv_bytes if info else None,
                 "max_seqs": info.max_seqs if info else None, "max_batch": info.max_batch if info else None,
-                "slots_in_use": self.worker.slots_in_use if self.worker else None,
+                **self._memory(),
                 "followed": len(self._local),  # stage 0: API requests whose asker is still being answered
                 "steps": self._steps, "rows": self._rows, "compute_s": round(self._compute_s, 3),
                 **(self.actor.health() if self.actor else {}),
                 "links": self.links.pending() if self.links else {},
-                "link_streams": {d: s.opened for d, s in self.links.streams.items()} if self.links else {},
-                # ru_maxrss is KiB on Linux
-                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+                "link_streams": {d: s.opened for d, s in self.links.streams.items()} if self.links else {}}
 
     def _role(self) -> str:
         return role_of(self.stage, self.num_stages).value
@@ -337,8 +335,8 @@ class StageNode:
             self._post(action)
 
     async def _send(self, dest: str, message) -> None:
-        delay = FIRST_RETRY_S
-        for attempt in range(1, SEND_ATTEMPTS + 1):
+        backoff = Backoff()
+        while True:
             member = self.swim.resolve(dest)  # every attempt: a restarted peer has a new address
             try:
                 if member is None:
@@ -346,10 +344,10 @@ class StageNode:
                 await self._post_message(dest, member.addr, message)
                 return
             except PeerError as exc:
-                if not exc.retryable or attempt == SEND_ATTEMPTS:
+                wait = backoff.failed()
+                if not exc.retryable or wait is None:
                     raise
-            await trio.sleep(delay)
-            delay *= 3
+            await trio.sleep(wait)
 
     async def _post_message(self, dest: str, addr: str, message) -> None:
         if self.faults.active and dest.startswith("pp-stage-") and await self.faults.before_send():

@@ -10,6 +10,9 @@ from node.membership import gossip
 from node.membership.swim import TransportError
 from node.transport import wire
 
+SEND_ATTEMPTS = 4  # tries of one send, or of opening one link stream, before it fails
+FIRST_RETRY_S = 0.1  # the wait after a first failed try; each next wait is three times the last
+
 
 class PeerError(Exception):
     """A peer could not be reached, or answered with an error status."""
@@ -22,6 +25,22 @@ class PeerError(Exception):
     def retryable(self) -> bool:
         """Connection trouble and 5xx may pass; a 4xx means the message itself was refused."""
         return self.status is None or self.status >= 500
+
+
+class Backoff:
+    """The waits between the SEND_ATTEMPTS tries of a send to a peer: 0.1 s, 0.3 s, 0.9 s, then give up."""
+
+    def __init__(self):
+        self.failures = 0
+
+    def failed(self) -> float | None:
+        """Count a failed try: the wait before the next one, or None once all SEND_ATTEMPTS have failed."""
+        self.failures += 1
+        return None if self.failures >= SEND_ATTEMPTS else FIRST_RETRY_S * 3 ** (self.failures - 1)
+
+    def reset(self) -> None:
+        """A try went through (or the tries start over): the next failure is a first one again."""
+        self.failures = 0
 
 
 class PeerClient:

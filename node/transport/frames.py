@@ -107,11 +107,6 @@ class FrameReader:
             if message is not None:
                 yield seq, sent_at, message
 
-    @property
-    def pending(self) -> int:
-        """Bytes of a frame not yet whole."""
-        return len(self._buffer)
-
     def _decode(self, kind: int, payload: memoryview):
         try:
             if kind == ACTIVATION:
@@ -162,13 +157,7 @@ def _read_activation(c: _Cursor, hidden_dim: int) -> Activation:
         (start_len,) = c.take(_U32)
         start = wire.decode(RequestStart, c.bytes(start_len)) if start_len else None
         segments.append(SegmentMeta(rid, position, seq_len, tuple(stage_ms), start, generation))
-    meta = ActivationMeta(tuple(segments))
-    hidden = c.rest()
-    want = meta.rows * hidden_dim * 4
-    if len(hidden) != want:
-        raise WireError(f"hidden: {len(hidden)} bytes, expected {meta.rows} rows x hidden_dim {hidden_dim} x 4 "
-                        f"(float32) = {want}")
-    return Activation(meta, hidden)
+    return wire.checked_activation(ActivationMeta(tuple(segments)), c.rest(), hidden_dim)
 
 
 def _read_next_tokens(c: _Cursor) -> NextTokens:

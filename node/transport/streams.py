@@ -30,15 +30,13 @@ import trio
 from node.groups import unwrapped
 from node.observe import hops
 from node.transport import frames
-from node.transport.client import PeerError
+from node.transport.client import SEND_ATTEMPTS, Backoff, PeerError
 from node.transport.faults import NONE as NO_FAULTS, Faults
 
 log = logging.getLogger("pp.streams")
 
 RETAIN_FRAMES = 256  # frames kept for a resend after a break: far more than can be in flight
 RETAIN_BYTES = 64 << 20
-OPEN_ATTEMPTS = 4
-FIRST_RETRY_S = 0.1
 KNOWN_LINKS = 64  # links a receiver remembers the last frame of
 HEARTBEAT_AFTER_S = 0.25  # after a frame, if nothing follows: soon enough to resend it, rare enough to cost nothing
 HEARTBEAT_IDLE_S = 1.0
@@ -76,29 +74,28 @@ class LinkStream:
         self.opened = 0  # streams opened so far (for /health and tests)
 
     async def run(self, outbox: Outbox) -> None:
-        delay, failures = FIRST_RETRY_S, 0
+        backoff = Backoff()
         while True:
             if not self._kept:
                 await outbox.wait()  # nothing to send: no stream to keep open, no peer to chase
             try:
                 addr = self._addr()
                 resend = await self._resume(addr)
-                failures, delay = 0, FIRST_RETRY_S
+                backoff.reset()
                 await self._stream_while_there(addr, resend, outbox)
             except LinkLost as exc:  # the peer is reachable: only what it lost fails, the rest goes on
                 log.warning("link to %s lost frames (%s)", self.dest, exc)
                 self._lose(self._take_kept(), str(exc))
-                failures, delay = 0, FIRST_RETRY_S
+                backoff.reset()
             except PeerError as exc:
-                failures += 1
-                log.warning("link to %s broke (%s); attempt %d of %d", self.dest, exc, failures, OPEN_ATTEMPTS)
-                if failures >= OPEN_ATTEMPTS:  # what waits now fails too; the next message tries anew
+                wait = backoff.failed()
+                log.warning("link to %s broke (%s); attempt %d of %d", self.dest, exc, backoff.failures, SEND_ATTEMPTS)
+                if wait is None:  # what waits now fails too; the next message tries anew
                     self._lose(self._take_kept(), str(exc))
                     self._lose(outbox.drain(), str(exc))
-                    failures, delay = 0, FIRST_RETRY_S
+                    backoff.reset()
                     continue
-                await trio.sleep(delay)
-                delay *= 3
+                await trio.sleep(wait)
 
     def _addr(self) -> str:
         addr = self._resolve(self.dest)

@@ -20,7 +20,8 @@ from roles.messages import (
 __all__ = [  # the message types are re-exported: they are the wire's vocabulary
     "MAX_TOKENS_LIMIT", "Activation", "ActivationMeta", "CancelRequest", "EndReason", "EndRequest",
     "InferenceRequest", "InferenceResponse", "NextTokens", "RequestStart", "SegmentMeta", "Token", "WireError",
-    "SENT_AT", "SENT_FROM", "body_of", "converter", "decode", "encode", "encode_activation", "decode_activation"]
+    "SENT_AT", "SENT_FROM", "body_of", "checked_activation", "converter", "decode", "encode", "encode_activation",
+    "decode_activation"]
 
 def _strict(kind: type, name: str):
     def check(value, _):
@@ -98,9 +99,14 @@ def decode_activation(body: bytes, hidden_dim: int) -> Activation:
     if n > len(body) - _META_LEN.size:
         raise WireError(f"activation metadata length {n} runs past the body ({len(body)} bytes)")
     meta = decode(ActivationMeta, body[_META_LEN.size:_META_LEN.size + n])
-    hidden = body[_META_LEN.size + n:]
+    return checked_activation(meta, bytes(body[_META_LEN.size + n:]), hidden_dim)
+
+
+def checked_activation(meta: ActivationMeta, hidden: bytes, hidden_dim: int) -> Activation:
+    """`meta`'s activation, refused (WireError) unless `hidden` holds its rows of hidden_dim float32s exactly:
+    the one check of an activation's size, on a POST and on a link stream (frames.py) alike."""
     want = meta.rows * hidden_dim * 4
     if len(hidden) != want:
         raise WireError(f"hidden: {len(hidden)} bytes, expected {meta.rows} rows (the segments' seq_len) x "
                         f"hidden_dim {hidden_dim} x 4 (float32) = {want}")
-    return Activation(meta, bytes(hidden))
+    return Activation(meta, hidden)
