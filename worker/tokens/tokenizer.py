@@ -75,7 +75,7 @@ class Tokenizer:
             raise WorkerError(f"the text holds a character with byte 0x{min(bad):02x}, for which the model's "
                               f"vocabulary has no token")
         # llama.cpp's parse_special: added (control) tokens are matched only where specials may appear
-        with self._encoding:  # prompts are tokenized in worker threads (node/openai_api.py)
+        with self._encoding:  # prompts are tokenized in worker threads (node/api/openai_api.py)
             self._tok.encode_special_tokens = not specials
             return self._tok.encode(text, add_special_tokens=False).ids
 
