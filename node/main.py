@@ -154,7 +154,7 @@ async def _serve(config, swim_config, on_listening, compute, task_status) -> Non
                        api_keys=config.api_keys, token_is_api_key=config.token_is_api_key)
         if stage == 0:  # pp-entry serves the OpenAI API too, and a chat page that uses it
             add_openai_routes(app, node, model_name=config.model_name)
-            add_chat_page(app, node, token=config.cluster_token, model_name=config.model_name)
+            add_chat_page(app, node, http=client.http, token=config.cluster_token, model_name=config.model_name)
         url = advertised_url(config, await nursery.start(serve_app, app, config.bind_host, config.port))
         if stage == 0 and not config.api_keys and not config.token_is_api_key:  # after listening: see ppnode.py
             log.warning("no client API key (PP_API_KEY, PP_API_KEY_FILE): the OpenAI API answers 401 to everyone")

@@ -22,7 +22,8 @@ def make_actor(stage: int, num_stages: int, worker, *, capacity: int | None = No
     if role is Role.FIRST:
         return FirstActor(stage, num_stages, tokenize=lambda prompt, chat: worker.tokenize(prompt, chat=chat),
                           max_context=info.max_context, max_rows=info.max_batch,
-                          capacity=capacity or info.max_seqs, max_queue=max_queue, entry=node_id)
+                          capacity=capacity or info.max_seqs, max_queue=max_queue, entry=node_id,
+                          check_tokens=worker.check_tokens)
     if role is Role.MIDDLE:
         return MiddleActor(stage, num_stages, max_rows=info.max_batch)
     return LastActor(stage, num_stages, max_rows=info.max_batch, detokenize=worker.detokenize,

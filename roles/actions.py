@@ -14,11 +14,16 @@ from .schedule import StageQueue, Step
 
 
 class Refused(Exception):
-    """A message this stage does not take; `status` is the HTTP status to answer with."""
+    """A message this stage does not take; `status` is the HTTP status to answer with, and `code`, where the
+    request's prompt is at fault, says how: PROMPT_TOO_LONG or PROMPT_INVALID (the API shapes these its way)."""
 
-    def __init__(self, status: int, message: str, *, retry_after_s: int | None = None):
+    def __init__(self, status: int, message: str, *, retry_after_s: int | None = None, code: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.retry_after_s = status, message, retry_after_s
+        self.status, self.message, self.retry_after_s, self.code = status, message, retry_after_s, code
+
+
+PROMPT_TOO_LONG = "context_length_exceeded"  # Refused.code: the prompt leaves no room in the context
+PROMPT_INVALID = "invalid_value"  # Refused.code: the prompt cannot be tokenized, or names tokens out of range
 
 
 @attrs.frozen

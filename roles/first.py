@@ -27,7 +27,8 @@ from worker.errors import WorkerError
 from worker.partition import Role
 from worker.stage import StepItem
 
-from .actions import Progress, Refused, Send, compute, error_reply, failure, pass_on, step_failed, wrong_role
+from .actions import (PROMPT_INVALID, PROMPT_TOO_LONG, Progress, Refused, Send, compute, error_reply, failure, pass_on,
+                      step_failed, wrong_role)
 from .messages import Activation, CancelRequest, EndReason, EndRequest, InferenceRequest, NextTokens, RequestStart
 from .schedule import StageQueue, Step, Unit
 from .topology import stage_name
@@ -57,10 +58,11 @@ class FirstActor:
 
     def __init__(self, stage: int, num_stages: int, *, tokenize: Callable[[str, bool], list[int]], max_context: int,
                  max_rows: int, capacity: int, max_queue: int, clock: Callable[[], float] = time.monotonic,
-                 entry: str = ""):
+                 entry: str = "", check_tokens: Callable[[list[int]], None] = lambda ids: None):
         self.stage, self.num_stages = stage, num_stages
         self.next = stage_name(stage + 1)
         self._tokenize, self.max_context, self.clock = tokenize, max_context, clock
+        self._check_tokens = check_tokens  # the worker's: raises WorkerError for ids out of its vocabulary
         self.capacity, self.max_queue, self.entry = capacity, max_queue, entry
         self.queue = StageQueue(max_rows)
         self.live: dict[str, _Live] = {}
@@ -157,10 +159,13 @@ class FirstActor:
             raise Refused(409, f"request {rid!r} is already in flight")
         try:
             ids = list(req.prompt_token_ids) or self._tokenize(req.prompt, req.chat)
+            if len(ids) >= self.max_context:
+                raise Refused(400, f"prompt: {len(ids)} tokens leave no room in the context of {self.max_context}",
+                              code=PROMPT_TOO_LONG)
+            if req.prompt_token_ids:
+                self._check_tokens(ids)  # the worker's check, at admission rather than in a step
         except WorkerError as exc:
-            raise Refused(400, f"prompt: {exc}") from None
-        if len(ids) >= self.max_context:
-            raise Refused(400, f"prompt: {len(ids)} tokens leave no room in the context of {self.max_context}")
+            raise Refused(400, f"prompt: {exc}", code=PROMPT_INVALID) from None
         if len(self.live) < self.capacity and not self.waiting and not self.paused:
             self._start(req, ids, 0.0)
         elif len(self.waiting) < self.max_queue:

@@ -138,7 +138,7 @@ class StageWorker:
 
     def detokenize(self, tokens: list[int]) -> str:
         self._require(Role.LAST, "detokenize")
-        self._check_tokens(tokens)
+        self.check_tokens(tokens)
         return self.tokenizer.decode(tokens, specials=False)  # an answer's text: no control tokens
 
     def token_bytes(self, tokens: list[int]) -> bytes:
@@ -148,7 +148,7 @@ class StageWorker:
         if self.role is Role.MIDDLE:
             raise WorkerError(f"token_bytes is a first- or last-stage op; this worker is stage {self.info.stage} "
                               f"of {self.info.num_stages} (middle)")
-        self._check_tokens(tokens)
+        self.check_tokens(tokens)
         return self.tokenizer.decode_bytes(tokens, specials=False)
 
     # -- any stage ---------------------------------------------------------------------------
@@ -259,14 +259,15 @@ class StageWorker:
         if self.role is Role.FIRST:
             if not item.tokens:
                 raise WorkerError(f"request {item.request_id!r}: no tokens")
-            self._check_tokens(list(item.tokens))
+            self.check_tokens(list(item.tokens))
             return
         dim = self.info.hidden_dim
         if item.seq_len < 1 or len(item.hidden) != item.seq_len * dim * 4:
             raise WorkerError(f"hidden state of {len(item.hidden)} bytes does not match seq_len {item.seq_len} × "
                               f"hidden_dim {dim} × 4 bytes (float32)")
 
-    def _check_tokens(self, tokens: list[int]) -> None:
+    def check_tokens(self, tokens: list[int]) -> None:
+        """Raises WorkerError unless every id is one of the vocabulary's."""
         bad = [t for t in tokens if not (isinstance(t, int) and 0 <= t < self.info.vocab_size)]
         if bad:
             raise WorkerError(f"token ids out of range 0..{self.info.vocab_size - 1}: {bad[:5]}")

@@ -10,8 +10,10 @@ import re
 from html import escape as html_escape
 from pathlib import Path
 
+import httpx
 from quart import Response, jsonify
 
+from node.api.entry import Entry
 from node.api.pipeline_view import pipeline_view
 from node.transport.app import STILL_LOADING
 
@@ -34,7 +36,8 @@ def page_headers(html: str) -> dict[str, str]:
             "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer"}
 
 
-def add_chat_page(app, node, *, token: str, model_name: str) -> None:
+def add_chat_page(app, node: Entry, *, http: httpx.AsyncClient, token: str, model_name: str) -> None:
+    """`http` asks the other stages for their hop figures (with the cluster token `token`)."""
     html = PAGE.read_text().replace("{{MODEL}}", html_escape(model_name, quote=True))
     headers = page_headers(html)
 
@@ -46,4 +49,4 @@ def add_chat_page(app, node, *, token: str, model_name: str) -> None:
     async def pipeline():
         if node.loading or node.swim is None:  # membership runs before the weights load: no swim, no view
             return jsonify({"error": STILL_LOADING}), 503
-        return jsonify(await pipeline_view(node, node.client.http, token))
+        return jsonify(await pipeline_view(node, http, token))

@@ -33,10 +33,11 @@ import trio
 from quart import request
 from quart_trio import QuartTrio
 
-from roles.actions import Progress, Refused
+from roles.actions import PROMPT_INVALID, PROMPT_TOO_LONG, Progress, Refused
 from roles.messages import MAX_TOKENS_LIMIT, EndReason, InferenceRequest, InferenceResponse
 from worker.errors import WorkerError
 
+from node.api.entry import Entry, Vocabulary
 from node.api.openai_wire import ApiError, ApiRequest, Completion, TextStream, body_limit, parse_body, parse_request
 from node.transport.app import shape_refusals, still_loading
 
@@ -47,7 +48,7 @@ FINAL_WAIT_S = 5.0  # after the last token, how long a return_token_ids request 
 _FOLLOWS = "pp.follows"  # the ASGI scope's list of what an exchange follows (_close_when_over)
 
 
-def add_openai_routes(app: QuartTrio, node, *, model_name: str) -> None:
+def add_openai_routes(app: QuartTrio, node: Entry, *, model_name: str) -> None:
     started = int(time.time())
     app.asgi_app = _close_when_over(app.asgi_app)
     shape_refusals(app, API_PATHS, lambda status, message: api_refusal(status, message).body())
@@ -80,7 +81,7 @@ def api_refusal(status: int, message: str, retry_after_s: int | None = None) -> 
     return ApiError(status, message, type=kind, code=code, retry_after_s=retry_after_s)
 
 
-def _ready(node):
+def _ready(node: Entry) -> Vocabulary:
     if node.loading:
         raise still_loading()  # in OpenAI's shape, as every refusal on API_PATHS
     return node.worker
@@ -102,7 +103,7 @@ def _close_when_over(asgi_app):
     return app
 
 
-async def _complete(app: QuartTrio, node, model_name: str, *, chat: bool):
+async def _complete(app: QuartTrio, node: Entry, model_name: str, *, chat: bool):
     worker = _ready(node)
     longest = await trio.to_thread.run_sync(lambda: worker.longest_token_bytes)  # made once, from the vocabulary
     body = await _read_body(body_limit(worker.info.max_context, longest))
@@ -153,28 +154,26 @@ def too_large(limit: int) -> ApiError:
                     code="request_too_large")
 
 
-def _prompt_ids(worker, api: ApiRequest) -> list[int]:
-    """In a worker thread: the prompt's ids, or the ApiError refusing it. A text of more characters than
-    the context's tokens could spell (each at most the longest token's bytes) is refused untokenized."""
+def _prompt_ids(worker: Vocabulary, api: ApiRequest) -> list[int]:
+    """In a worker thread: the prompt's ids, or the ApiError refusing it. A prompt bigger than the context
+    could ever hold is refused before any work on it: a text of more characters than the context's tokens
+    could spell (each at most the longest token's bytes) untokenized, an array of more ids than the context
+    unchecked. Whether the ids leave room in the context and are the vocabulary's is the actor's to say
+    (roles/first.py), when _admit hands it the request."""
     param = "messages" if api.chat else "prompt"
     context = worker.info.max_context
+    if isinstance(api.prompt, tuple) and not api.chat:
+        if len(api.prompt) > context:
+            raise _too_long(context, param, f"{len(api.prompt)} tokens")
+        return list(api.prompt)
+    chars = sum(len(m["content"]) for m in api.messages) if api.chat else len(api.prompt)
+    if chars > context * worker.longest_token_bytes:
+        raise _too_long(context, param, f"{chars} characters, more than {context} tokens of at most "
+                                        f"{worker.longest_token_bytes} characters each can hold")
     try:
-        if isinstance(api.prompt, tuple) and not api.chat:
-            ids = list(api.prompt)
-            bad = [] if len(ids) >= context else [t for t in ids if not 0 <= t < worker.info.vocab_size]
-            if bad:
-                raise WorkerError(f"token ids out of range 0..{worker.info.vocab_size - 1}: {bad[:5]}")
-        else:
-            chars = sum(len(m["content"]) for m in api.messages) if api.chat else len(api.prompt)
-            if chars > context * worker.longest_token_bytes:
-                raise _too_long(context, param, f"{chars} characters, more than {context} tokens of at most "
-                                                f"{worker.longest_token_bytes} characters each can hold")
-            ids = worker.tokenize_messages(list(api.messages)) if api.chat else worker.tokenize(api.prompt, chat=False)
+        return worker.tokenize_messages(list(api.messages)) if api.chat else worker.tokenize(api.prompt, chat=False)
     except WorkerError as exc:
         raise ApiError(400, f"{param}: {exc}", param=param, code="invalid_value") from None
-    if len(ids) >= context:
-        raise _too_long(context, param, f"{len(ids)} tokens")
-    return ids
 
 
 def _too_long(context: int, param: str, what: str) -> ApiError:
@@ -182,21 +181,27 @@ def _too_long(context: int, param: str, what: str) -> ApiError:
                          f"resulted in {what}.", param=param, code="context_length_exceeded")
 
 
-def _admit(node, worker, api: ApiRequest, completion: Completion) -> trio.MemoryReceiveChannel:
-    room = worker.info.max_context - len(completion.prompt_token_ids)
+def _admit(node: Entry, worker: Vocabulary, api: ApiRequest, completion: Completion) -> trio.MemoryReceiveChannel:
+    context, prompt = worker.info.max_context, completion.prompt_token_ids
+    room = max(1, context - len(prompt))  # a prompt that leaves none is the actor's to refuse
     max_tokens = min(api.max_tokens or room, room, MAX_TOKENS_LIMIT)
     req = InferenceRequest(completion.request_id, "", max_tokens=max_tokens, sampling=api.sampling,
-                           reply_to=node.url, prompt_token_ids=completion.prompt_token_ids)
+                           reply_to=node.url, prompt_token_ids=prompt)
     try:
         return node.open_local(req)
     except Refused as exc:
+        param = "messages" if api.chat else "prompt"
+        if exc.code == PROMPT_TOO_LONG:
+            raise _too_long(context, param, f"{len(prompt)} tokens") from None
+        if exc.code == PROMPT_INVALID:
+            raise ApiError(400, exc.message, param=param, code="invalid_value") from None
         raise api_refusal(exc.status, exc.message, exc.retry_after_s) from None
 
 
 class _Follow:
     """One request followed from the entry: its tokens become text pieces, in order."""
 
-    def __init__(self, node, worker, completion: Completion, events: trio.MemoryReceiveChannel):
+    def __init__(self, node: Entry, worker: Vocabulary, completion: Completion, events: trio.MemoryReceiveChannel):
         self.node, self.worker, self.completion, self.events = node, worker, completion, events
         self.text = TextStream(completion.request.stop)
         self.over = False  # the request ended (or was ended by us): nothing to cancel on the way out

@@ -10,6 +10,7 @@ import trio
 from roles.topology import stage_name
 from worker.partition import layer_range
 
+from node.api.entry import Entry
 from node.membership.gossip import State
 
 HOPS_TIMEOUT_S = 0.5
@@ -24,7 +25,7 @@ def stage_state(member) -> str:
     return member.state.value
 
 
-def stages_view(node, last_ms_per_token: list[float] | None) -> list[dict]:
+def stages_view(node: Entry, last_ms_per_token: list[float] | None) -> list[dict]:
     """Pure: the stages as gossip and the entry's last answer see them."""
     total = node.worker.info.total_blocks
     members = {m.meta.stage: m for m in sorted(node.swim.members().values(), key=lambda m: m.incarnation)
@@ -42,7 +43,7 @@ def stages_view(node, last_ms_per_token: list[float] | None) -> list[dict]:
     return out
 
 
-async def pipeline_view(node, client: httpx.AsyncClient, token: str) -> dict:
+async def pipeline_view(node: Entry, client: httpx.AsyncClient, token: str) -> dict:
     stages = stages_view(node, node.last_answer.get("stage_ms_per_token"))
 
     async def hop_into(entry: dict) -> None:
@@ -59,6 +60,6 @@ async def pipeline_view(node, client: httpx.AsyncClient, token: str) -> dict:
     async with trio.open_nursery() as nursery:
         for entry in stages:
             nursery.start_soon(hop_into, entry)
-    health = node.actor.health() if node.actor else {}
+    health = node.health()
     return {"stages": stages, "admitting": health.get("admitting"), "running": health.get("slots", {}).get("active"),
             "queued": health.get("queue", {}).get("waiting"), "last_answer": node.last_answer}

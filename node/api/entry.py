@@ -1,0 +1,77 @@
+"""What the serving surface (the OpenAI API, the chat page, the pipeline view) needs of the entry stage, and
+all it may use of it: node/stage_node.py's StageNode has these members (structurally: nothing here imports
+it). The checks a request must pass are not here: the actor admits or refuses it (roles/first.py), and the
+worker checks what it computes (worker/stage.py)."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import trio
+
+from roles.messages import InferenceRequest
+
+from node.membership.gossip import Member
+
+
+class ModelInfo(Protocol):
+    """The model's figures the API reads (worker/stage.py's WorkerInfo)."""
+
+    @property
+    def max_context(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def stop_ids(self) -> frozenset[int]: ...
+    @property
+    def total_blocks(self) -> int: ...
+
+
+class Vocabulary(Protocol):
+    """The entry stage's worker as the API uses it: its figures, and text to tokens and back. Tokenizing is
+    slow for a long text: the API calls it in a worker thread."""
+
+    @property
+    def info(self) -> ModelInfo: ...
+    @property
+    def longest_token_bytes(self) -> int: ...
+    def tokenize(self, prompt: str, *, chat: bool = True) -> list[int]: ...
+    def tokenize_messages(self, messages: list[dict]) -> list[int]: ...
+    def token_bytes(self, tokens: list[int]) -> bytes: ...
+
+
+class Members(Protocol):
+    """The membership view (node/membership/swim.py) the pipeline view shows."""
+
+    def members(self) -> Mapping[str, Member]: ...
+    def resolve(self, name: str) -> Member | None: ...
+
+
+class Entry(Protocol):
+    @property
+    def loading(self) -> bool:
+        """Still loading: every request is refused with node/transport/app.py's still_loading()."""
+    @property
+    def worker(self) -> Vocabulary | None: ...
+    @property
+    def url(self) -> str | None:
+        """The advertised address: the API's requests name it as their reply_to."""
+    @property
+    def num_stages(self) -> int: ...
+    @property
+    def swim(self) -> Members | None:
+        """None until membership runs."""
+    @property
+    def last_answer(self) -> dict:
+        """Figures of the last answer followed here (tokens, compute per stage per token, decode speed)."""
+
+    def health(self) -> dict:
+        """The stage's /health figures; the actor's `admitting`, `slots` and `queue` among them."""
+
+    def open_local(self, request: InferenceRequest) -> trio.MemoryReceiveChannel:
+        """Admit a request and follow it: the channel gets each roles.actions.Progress of it, then the last
+        stage's InferenceResponse. Raises roles.actions.Refused (its `code` says why, where it is the prompt's
+        fault)."""
+
+    def close_local(self, request_id: str, *, cancel: bool) -> None:
+        """Stop following a request; with `cancel`, also end it and free its slots."""

@@ -1,0 +1,67 @@
+"""The serving surface talks to the entry stage only through node/api/entry.py's Entry, and the prompt's
+checks are made once, by the actor and the worker: the API shapes their refusals OpenAI's way."""
+import ast
+from pathlib import Path
+
+import httpx
+import pytest
+
+from cluster import API_KEY, start_cluster
+from node.api.entry import Entry, Members, Vocabulary
+from node.membership.swim import Swim
+from node.stage_node import StageNode
+from roles import make_actor
+from roles.actions import PROMPT_INVALID, PROMPT_TOO_LONG, Refused
+from roles.messages import InferenceRequest
+from worker.models import open_worker, stub_model
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+API = Path(__file__).resolve().parent.parent / "node" / "api"
+
+
+def members_of(protocol) -> set[str]:
+    return {name for name in vars(protocol) if not name.startswith("_")} | set(protocol.__annotations__)
+
+
+@pytest.mark.parametrize("protocol,implementation", [(Entry, StageNode), (Members, Swim)])
+def test_the_stage_node_and_swim_have_every_member_the_api_uses(protocol, implementation):
+    node = StageNode(0, 2, client=None, node_id="n") if implementation is StageNode else None
+    missing = {m for m in members_of(protocol) if not hasattr(implementation, m) and not hasattr(node, m)}
+    assert not missing
+
+
+def test_a_first_stage_worker_has_every_member_the_api_uses():
+    worker = open_worker(stub_model(), 0, 2)
+    assert not {m for m in members_of(Vocabulary) if not hasattr(worker, m)}
+
+
+def test_the_api_imports_nothing_of_the_stage_node():
+    for path in API.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert node.module != "node.stage_node", path.name
+
+
+@pytest.mark.parametrize("ids,code", [((1, 2, 10_000), PROMPT_INVALID), ((1,) * 600, PROMPT_TOO_LONG)])
+def test_the_actor_refuses_a_prompt_of_ids_out_of_the_vocabulary_or_the_context(ids, code):
+    first = make_actor(0, 2, open_worker(stub_model(), 0, 2))
+    with pytest.raises(Refused) as info:
+        first.admit(InferenceRequest("r", "", max_tokens=1, prompt_token_ids=ids))
+    assert (info.value.status, info.value.code) == (400, code)
+
+
+async def test_the_api_shapes_the_actors_refusals_of_a_prompt_of_ids(nursery, tmp_path):
+    _, urls, _ = await start_cluster(nursery, 2, tmp_path)
+    probe = open_worker(stub_model(), 0, 2)
+    context, vocab = probe.info.max_context, probe.info.vocab_size
+    async with httpx.AsyncClient(timeout=30, headers=AUTH) as client:
+        async def complete(prompt):
+            r = await client.post(urls[0] + "/v1/completions", json={"model": "stub", "prompt": prompt})
+            return r.status_code, r.json()["error"]
+        status, error = await complete([1, 2, vocab])
+        assert (status, error["code"], error["param"]) == (400, "invalid_value", "prompt")
+        assert "out of range" in error["message"]
+        status, error = await complete([1] * context)  # no more ids than the context: the actor's to refuse
+        assert (status, error["code"], error["param"]) == (400, "context_length_exceeded", "prompt")
+        assert f"maximum context length is {context} tokens" in error["message"]
+    nursery.cancel_scope.cancel()
