@@ -1,6 +1,7 @@
 """A stage at run time: admits messages for its actor, runs its batched steps on the compute thread one
 after another, and hands what each step produces to the links, which send it without holding up the
-next step. Replies go to whoever asked, or are kept here for an asker behind NAT to fetch.
+next step. Replies go to whoever asked, or are kept here for an asker behind NAT to fetch
+(node/transport/replies.py); the node's figures are node/observe/figures.py's.
 
 A step whose compute raises fails the requests in it, each answered with the stage and the error, and the
 stage goes on with the next step: one request's failure is that request's alone, and a process that died of
@@ -16,25 +17,26 @@ import resource
 import trio
 
 from roles import DEFAULT_MAX_QUEUE, make_actor
-from roles.actions import Progress, Refused, Reply, Send, failure
+from roles.actions import Progress, Refused, Send, failure
 from roles.topology import stage_name
 from worker.partition import role_of
 
 from node.membership.gossip import State
 from node.membership.swim import Swim
 from node.observe import hops
+from node.observe.figures import StageFigures
 from node.observe.log import as_extra, error_event, event
 from node.observe.metrics import NodeMetrics
 from node.transport import wire
-from node.transport.client import Backoff, PeerClient, PeerError
+from node.transport.client import PeerClient
 from node.transport.faults import NONE as NO_FAULTS, Faults
 from node.transport.app import still_loading
 from node.transport.links import Links
+from node.transport.replies import KEPT_RESPONSES, Replies
+from node.transport.sends import Sender
 from node.transport.streams import LinkReceiver, LinkStream
 
 log = logging.getLogger("pp.node")
-
-KEPT_RESPONSES = 64
 
 
 def _clocked(fn, *args):
@@ -52,29 +54,30 @@ class StageNode:
         self.name = stage_name(stage)
         self.metrics = NodeMetrics(self._metrics_snapshot)
         self.hops = hops.HopStats(observe=lambda link, part, s: self.metrics.hop.labels(link, part).observe(s))
-        self._timing: dict[str, list[float]] = {}  # stage 0: [admitted, last token] of requests (their metrics)
-        self.last_answer: dict = {}  # stage 0: figures of the last answer followed here (the chat page shows them)
+        self.figures = StageFigures(self.metrics)
+        self.sender = Sender(client, self._addr_of, source=self.name, stats=self.hops, faults=faults)
+        self.replies = Replies(client)
         self.links_in = LinkReceiver()
         self._arrivals: list[tuple[str, float]] = []  # (source, when) of messages no step has taken yet
         self.swim: Swim | None = None
         self.worker = None
         self.actor = None  # made with the worker: its size comes from the slice
         self.links: Links | None = None
-        # replies with nowhere to go (the asker is behind NAT): kept for GET /v1/response/<id>
-        self.kept: dict[str, wire.InferenceResponse] = {}
-        self._kept_changed = trio.Event()
         self._work = trio.Event()
         self.url: str | None = None  # advertised; the entry's own API requests name it as their reply_to
         self._local: dict[str, trio.MemorySendChannel] = {}  # requests followed here (the OpenAI API)
         self._unfollowed: collections.OrderedDict[str, None] = collections.OrderedDict()  # their late replies
-        self._steps = self._rows = 0
-        self._compute_s = 0.0
 
     @property
     def loading(self) -> bool:
         """The one test of "still loading": until the worker is attached and the links are open, every message
         for the model is refused with the app's still_loading()."""
         return self.actor is None or self.links is None
+
+    @property
+    def last_answer(self) -> dict:
+        """Stage 0: figures of the last answer followed here (the chat page shows them)."""
+        return self.figures.last_answer
 
     @property
     def hidden_dim(self) -> int | None:
@@ -98,10 +101,10 @@ class StageNode:
             raise still_loading()
         if isinstance(message, wire.InferenceResponse) and message.request_id in self._local:
             self._local[message.request_id].send_nowait(message)  # the final figures of one followed here
-            self._remember_answer(message)
+            self.figures.answered(message)
             return
         if isinstance(message, wire.InferenceResponse) and message.request_id in self._unfollowed:
-            self._remember_answer(message)  # the figures of a request whose asker has had its answer
+            self.figures.answered(message)  # the figures of a request whose asker has had its answer
             return
         if isinstance(message, wire.InferenceRequest) and message.reply_to is not None:
             view = self.swim.members().values() if self.swim is not None else ()
@@ -111,27 +114,8 @@ class StageNode:
         for action in self.actor.admit(message):
             self._post(action)
         if isinstance(message, wire.InferenceRequest) and self.stage == 0:
-            self._admitted(message.request_id)
+            self.figures.admitted(message.request_id, self.actor.prompt_tokens(message.request_id))
         self._work.set()
-
-    def _admitted(self, request_id: str) -> None:
-        prompt = self.actor.prompt_tokens(request_id)
-        if prompt is not None:
-            self.metrics.prompt.inc(prompt)
-            self._timing[request_id] = [hops.now()]
-
-    def _progressed(self, progress: Progress) -> None:
-        """Stage 0's request metrics: a token came back, or the request ended."""
-        timing = self._timing.get(progress.request_id)
-        if progress.token_id is not None:
-            self.metrics.generated.inc()
-            if timing is not None:
-                now = hops.now()
-                (self.metrics.ttft if len(timing) == 1 else self.metrics.tpot).observe(now - timing[-1])
-                timing[1:] = [now]
-        if progress.end is not None:
-            self.metrics.ended.labels(progress.end.reason.value).inc()
-            self._timing.pop(progress.request_id, None)
 
     def _metrics_snapshot(self) -> dict:
         view = self.swim.members().values() if self.swim is not None else ()
@@ -146,13 +130,6 @@ class StageNode:
         return {"weight_bytes": info.weight_bytes if info else None, "kv_bytes": info.kv_bytes if info else None,
                 "slots_in_use": self.worker.slots_in_use if self.worker is not None else None,
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # ru_maxrss is KiB
-
-    def _remember_answer(self, response: wire.InferenceResponse) -> None:
-        n = len(response.token_ids)
-        if n and response.error is None:
-            self.last_answer = {"tokens": n, "stage_ms_per_token": [ms / n for ms in response.stage_compute_ms],
-                                "decode_tokens_per_s": round((n - 1) / response.decode_s, 2)
-                                if n > 1 and response.decode_s > 0 else None}
 
     def open_local(self, request: wire.InferenceRequest) -> trio.MemoryReceiveChannel:
         """Admit a request made here (the OpenAI API) and follow it: the channel gets each Progress of it,
@@ -207,7 +184,7 @@ class StageNode:
 
     def _post(self, action) -> None:
         if isinstance(action, Progress):
-            self._progressed(action)
+            self.figures.progressed(action)
             follower = self._local.get(action.request_id)
             if follower is not None:
                 follower.send_nowait(action)
@@ -221,7 +198,7 @@ class StageNode:
                 "max_seqs": info.max_seqs if info else None, "max_batch": info.max_batch if info else None,
                 **self._memory(),
                 "followed": len(self._local),  # stage 0: API requests whose asker is still being answered
-                "steps": self._steps, "rows": self._rows, "compute_s": round(self._compute_s, 3),
+                **self.figures.health(),
                 **(self.actor.health() if self.actor else {}),
                 "links": self.links.pending() if self.links else {},
                 "link_streams": {d: s.opened for d, s in self.links.streams.items()} if self.links else {}}
@@ -233,7 +210,7 @@ class StageNode:
         """Open the links, follow the chain's membership, report started, then compute steps until
         cancelled."""
         async with trio.open_nursery() as nursery:
-            self.links = Links(nursery, self._send, self._undeliverable, self._reply, self._open_stream)
+            self.links = Links(nursery, self.sender.send, self._undeliverable, self.replies.send, self._open_stream)
             if self.swim is not None:
                 nursery.start_soon(self._follow_chain if self.stage == 0 else self._follow_entry)
             task_status.started()
@@ -289,10 +266,7 @@ class StageNode:
             for part, seconds in (("to_thread", ran_from - started), ("compute", ran_to - ran_from),
                                   ("back", resumed - ran_to)):
                 self.hops.record("step", part, seconds)
-            self.metrics.step.observe(ran_to - ran_from)
-            self._compute_s += resumed - started
-            self._steps += 1
-            self._rows += sum(u.rows for u in step.units)
+            self.figures.stepped(sum(u.rows for u in step.units), ran_to - ran_from, resumed - started)
             for action in self.actor.finish(step, outcome):
                 self._post(action)
 
@@ -307,13 +281,14 @@ class StageNode:
         """The next stage (the last stage: stage 0) gets a link stream; askers get POSTs."""
         if not (self.link_streams and dest.startswith("pp-stage-")):
             return None
-
-        def resolve(name: str) -> str | None:
-            member = self.swim.resolve(name)
-            return None if member is None else member.addr
-        return LinkStream(dest, source=self.name, resolve=resolve, client=self.client.http, stats=self.hops,
+        return LinkStream(dest, source=self.name, resolve=self._addr_of, client=self.client.http, stats=self.hops,
                           on_lost=lambda messages, error: self.links.lost(dest, messages, error),
                           still_live=self._still_live, faults=self.faults, moved=self._moved)
+
+    def _addr_of(self, name: str) -> str | None:
+        """The address of the member holding `name` (a registry name), or None."""
+        member = self.swim.resolve(name)
+        return None if member is None else member.addr
 
     async def _moved(self, name: str, addr: str) -> None:
         """Until the member at `addr` no longer holds `name` (declared dead, or replaced)."""
@@ -334,56 +309,9 @@ class StageNode:
         for action in self.actor.undeliverable(send, error):
             self._post(action)
 
-    async def _send(self, dest: str, message) -> None:
-        backoff = Backoff()
-        while True:
-            member = self.swim.resolve(dest)  # every attempt: a restarted peer has a new address
-            try:
-                if member is None:
-                    raise PeerError(dest, "no alive member holds this name")
-                await self._post_message(dest, member.addr, message)
-                return
-            except PeerError as exc:
-                wait = backoff.failed()
-                if not exc.retryable or wait is None:
-                    raise
-            await trio.sleep(wait)
-
-    async def _post_message(self, dest: str, addr: str, message) -> None:
-        if self.faults.active and dest.startswith("pp-stage-") and await self.faults.before_send():
-            raise PeerError(addr, "dropped by fault injection (PP_FAULTS)")
-        started = hops.now()
-        path, body, content_type = wire.body_of(message)
-        sent = hops.now()
-        self.hops.record(f"to {dest}", "encode", sent - started)
-        await self.client.post(addr, path, body, content_type,
-                               headers={wire.SENT_FROM: self.name, wire.SENT_AT: repr(sent)})
-        self.hops.record(f"to {dest}", "answer", hops.now() - sent)
-
-    async def _reply(self, reply: Reply) -> None:
-        response = reply.response
-        if reply.reply_to is None:
-            self._keep(response)
-            return
-        try:
-            await self.client.send(reply.reply_to, response)
-        except PeerError as exc:
-            self._keep(response)
-            error_event(log, "reply_failed", request_id=response.request_id, error=str(exc))
-
-    def _keep(self, response: wire.InferenceResponse) -> None:
-        self.kept[response.request_id] = response
-        while len(self.kept) > KEPT_RESPONSES:
-            del self.kept[next(iter(self.kept))]
-        self._kept_changed.set()
-        self._kept_changed = trio.Event()
-
     async def wait_response(self, request_id: str, wait_s: float) -> wire.InferenceResponse | None:
         """A kept response, waiting up to wait_s for it to arrive (a long poll)."""
-        with trio.move_on_after(wait_s):
-            while request_id not in self.kept:
-                await self._kept_changed.wait()
-        return self.kept.get(request_id)
+        return await self.replies.wait(request_id, wait_s)
 
 
 def chain_view(swim: Swim, num_stages: int) -> tuple[tuple[str, ...] | None, bool]:
