@@ -143,9 +143,13 @@ async def _read_until(receive, needle: bytes) -> None:
             seen += await receive()
 
 
-async def h1_leave(url: str, body: bytes, *, after_first_byte: bool) -> None:
-    """HTTP/1.1 on a raw socket: send the request, then close the socket (0-5 ms later, or at the first
-    streamed event)."""
+async def soon() -> None:
+    await trio.sleep(random.uniform(0, 0.005))
+
+
+async def h1_leave(url: str, body: bytes, *, after_first_byte: bool, wait=soon) -> None:
+    """HTTP/1.1 on a raw socket: send the request, then close the socket (once `wait` returns, or at the
+    first streamed event)."""
     parts = urllib.parse.urlsplit(url)
     sock = await trio.open_tcp_stream(parts.hostname, parts.port)
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {parts.netloc}\r\nAuthorization: Bearer {API_KEY}\r\n"
@@ -154,11 +158,11 @@ async def h1_leave(url: str, body: bytes, *, after_first_byte: bool) -> None:
     if after_first_byte:
         await _read_until(lambda: sock.receive_some(65536), b"data: ")
     else:
-        await trio.sleep(random.uniform(0, 0.005))
+        await wait()
     await sock.aclose()
 
 
-async def h2_leave(url: str, body: bytes, *, after_first_byte: bool, reset: bool):
+async def h2_leave(url: str, body: bytes, *, after_first_byte: bool, reset: bool, wait=soon):
     """HTTP/2 with prior knowledge on a raw socket (the `h2` library): send the request, then reset the
     stream (the connection stays open: returned, for the caller to close later) or close the connection."""
     parts = urllib.parse.urlsplit(url)
@@ -178,7 +182,7 @@ async def h2_leave(url: str, body: bytes, *, after_first_byte: bool, reset: bool
             return b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
         await _read_until(receive, b"data: ")
     else:
-        await trio.sleep(random.uniform(0, 0.005))
+        await wait()
     if not reset:
         await sock.aclose()
         return None
@@ -202,15 +206,21 @@ async def test_a_client_that_leaves_is_cancelled_and_frees_its_slots_and_the_ent
     slow_stub(monkeypatch, 0.005)  # 400 tokens: seconds of steps if nobody cancels them
     body, kept = _body(stream), []
 
-    async def leave():
+    async def admitted():  # the entry follows a request: one of these was admitted before its client left
+        with trio.fail_after(10):
+            while not (await health(urls[:1]))[0]["followed"]:
+                await trio.sleep(0.001)
+
+    async def leave(wait):
         if how.startswith("http/1.1"):
-            await h1_leave(urls[0], body, after_first_byte=after_first_byte)
+            await h1_leave(urls[0], body, after_first_byte=after_first_byte, wait=wait)
         else:
-            kept.append(await h2_leave(urls[0], body, after_first_byte=after_first_byte, reset="reset" in how))
+            kept.append(await h2_leave(urls[0], body, after_first_byte=after_first_byte, reset="reset" in how,
+                                       wait=wait))
     clients = 2 if after_first_byte else 8  # 8: four running, four waiting for a slot
     async with trio.open_nursery() as n:
-        for _ in range(clients):
-            n.start_soon(leave)
+        for i in range(clients):  # half leave 0-5 ms after sending (admitted or not), half once one is admitted
+            n.start_soon(leave, soon if i % 2 else admitted)
     try:
         await until_idle(urls)  # bench/hostile.py measures how soon: within a second
     finally:
