@@ -1,4 +1,4 @@
-"""Weights kept in the file's precision (F16, BF16, Q8_0 packed): exactly the values the f32 path widens
+"""Weights kept in the file's precision (F16, BF16, Q8_0 and Q4_1 packed): exactly the values the f32 path widens
 them to, a stage holding the file's bytes rather than four per weight, and the same generation."""
 import attrs
 import numpy as np
@@ -20,12 +20,12 @@ from worker.weights.contract import EMBEDDING, is_matrix, narrow_kinds, stage_te
 # every kind a kernel reads as it is, q and k rows (permuted in the file) among them, and a K-quant,
 # which is widened at load
 MIXED = {EMBEDDING: Q.Q8_0, "blk.0.attn_q.weight": Q.Q8_0, "blk.0.attn_k.weight": Q.F16,
-         "blk.0.attn_v.weight": Q.BF16, "blk.0.attn_output.weight": Q.Q8_0, "blk.0.ffn_gate.weight": Q.Q8_0,
+         "blk.0.attn_v.weight": Q.BF16, "blk.0.attn_output.weight": Q.Q4_1, "blk.0.ffn_gate.weight": Q.Q8_0,
          "blk.0.ffn_up.weight": Q.F16, "blk.0.ffn_down.weight": Q.Q6_K,
-         "blk.1.attn_q.weight": Q.BF16, "blk.1.attn_k.weight": Q.Q8_0, "blk.1.attn_v.weight": Q.Q8_0,
+         "blk.1.attn_q.weight": Q.BF16, "blk.1.attn_k.weight": Q.Q4_1, "blk.1.attn_v.weight": Q.Q8_0,
          "blk.1.attn_output.weight": Q.F16, "blk.1.ffn_gate.weight": Q.BF16, "blk.1.ffn_up.weight": Q.Q8_0,
          "blk.1.ffn_down.weight": Q.Q8_0}
-KIND = {Q.Q8_0: "q8_0", Q.F16: "f16", Q.BF16: "bf16", Q.Q6_K: "f32", Q.F32: "f32"}
+KIND = {Q.Q8_0: "q8_0", Q.Q4_1: "q4_1", Q.F16: "f16", Q.BF16: "bf16", Q.Q6_K: "f32", Q.F32: "f32"}
 CONFIG = attrs.evolve(QUANT_CONFIG, n_layers=2, vocab_size=byte_tokenizer().vocab_size, max_context=512)
 
 
@@ -48,12 +48,13 @@ def test_matrices_keep_the_file_precision_and_widen_to_exactly_what_load_gives(g
             assert packed.nbytes == source.header.tensors[name].nbytes, name
 
 
-def test_q8_0_read_a_few_rows_at_a_time_is_the_whole_tensor(gguf_path, monkeypatch):
+@pytest.mark.parametrize("name, block_bytes", [(EMBEDDING, 34), ("blk.0.attn_output.weight", 20)])
+def test_blocked_kinds_read_a_few_rows_at_a_time_are_the_whole_tensor(gguf_path, monkeypatch, name, block_bytes):
     from worker.weights import gguf
     source = GGUFSource(gguf_path)
-    whole = source.load_packed(EMBEDDING)
-    monkeypatch.setattr(gguf, "DECODE_CHUNK_ELEMENTS", 7 * CONFIG.dim // 32 * 34)  # 7 rows a read
-    chunked = source.load_packed(EMBEDDING)
+    whole = source.load_packed(name)
+    monkeypatch.setattr(gguf, "DECODE_CHUNK_ELEMENTS", 7 * CONFIG.dim // 32 * block_bytes)  # 7 rows a read
+    chunked = source.load_packed(name)
     assert all(np.array_equal(a, b) for a, b in zip(whole.parts, chunked.parts))
 
 
@@ -68,10 +69,10 @@ def test_safetensors_matrices_keep_their_dtype(tmp_path, dtype, kind):
 
 
 @pytest.mark.parametrize("precision, tuned, kept", [
-    ("file", False, {"f16", "bf16", "q8_0"}),
-    ("file", True, {"f16", "bf16", "q8_0"}),
-    ("auto", True, {"f16", "bf16", "q8_0"}),
-    ("auto", False, {"q8_0"}),  # untuned CPU kernels read f16 slower than f32
+    ("file", False, {"f16", "bf16", "q8_0", "q4_1"}),
+    ("file", True, {"f16", "bf16", "q8_0", "q4_1"}),
+    ("auto", True, {"f16", "bf16", "q8_0", "q4_1"}),
+    ("auto", False, {"q8_0", "q4_1"}),  # untuned CPU kernels read f16 slower than f32
     ("f32", True, set()),
     ("f32", False, set()),
 ])
@@ -135,12 +136,16 @@ def _packed(kind: str, w: np.ndarray):
         blocks = quantize(w, Q.Q8_0).view(np.uint8).reshape(w.shape[0], -1, 34)
         return packed.Packed("q8_0", (packed.aligned(blocks[:, :, 2:]).view(np.int8),
                                       packed.aligned(blocks[:, :, :2]).view(np.float16)))
+    if kind == "q4_1":  # f16 d and m, then 16 bytes of nibbles
+        from ggufmake import quantize
+        blocks = quantize(w, Q.Q4_1).view(np.uint8).reshape(w.shape[0], -1, 20)
+        return packed.Packed("q4_1", (packed.aligned(blocks[:, :, 4:]), packed.aligned(blocks[:, :, :4]).view(np.float16)))
     bits = {"f32": w, "f16": w.astype(np.float16), "bf16": (w.view(np.uint32) >> 16).astype(np.uint16)}[kind]
     return packed.dense(kind, bits)
 
 
 @pytest.mark.parametrize("searched", [False, True], ids=["plain", "searched"])
-@pytest.mark.parametrize("kind", ["f32", "f16", "bf16", "q8_0"])
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16", "q8_0", "q4_1"])
 def test_linear_computes_x_times_the_widened_weight_for_every_kind_and_form(kind, searched):
     from tinygrad import Tensor
 

@@ -14,9 +14,10 @@ their sums differ only in order.
 from __future__ import annotations
 
 import attrs
-from tinygrad import Tensor, dtypes
+from tinygrad import Device, Tensor, dtypes
 
-from ..weights.packed import Q8_BLOCK, Packed
+from . import cpu_matvec
+from ..weights.packed import BLOCKED, Q8_BLOCK, Packed
 
 SPLIT = Q8_BLOCK  # the lanes of a split reduction: one Q8_0 block, so that its scale applies to one lane group
 
@@ -26,10 +27,15 @@ class DeviceWeight:
     kind: str  # as Packed.kind
     parts: tuple[Tensor, ...]
     shape: tuple[int, int]  # (out, in)
+    hand_written: bool = False  # the parts are cpu_matvec's and its C kernel computes x @ W.T
 
 
 def to_device(packed: Packed, put) -> DeviceWeight:
-    """`put(array) -> Tensor` places each part (in place on the CPU, a copy elsewhere)."""
+    """`put(array) -> Tensor` places each part (in place on the CPU, a copy elsewhere). On the CPU a Q8_0 or
+    Q4_1 weight goes in cpu_matvec's layout, for its hand-written kernel."""
+    if packed.kind in cpu_matvec.KINDS and Device.DEFAULT.startswith("CPU"):
+        parts = cpu_matvec.device_parts(packed.kind, packed.parts)
+        return DeviceWeight(packed.kind, tuple(put(p) for p in parts), packed.shape, hand_written=True)
     return DeviceWeight(packed.kind, tuple(put(p) for p in packed.parts), packed.shape)
 
 
@@ -39,11 +45,17 @@ def _blocked(w: DeviceWeight) -> Tensor:
     if w.kind == "q8_0":
         q, scale = w.parts
         return q.cast(dtypes.float32) * scale.cast(dtypes.float32)
+    if w.kind == "q4_1":  # ggml's order: d*q, then + m
+        qs, dm = w.parts
+        values = (qs & 0x0F).cat(qs.rshift(4), dim=-1).cast(dtypes.float32)
+        return values * dm[..., 0:1].cast(dtypes.float32) + dm[..., 1:2].cast(dtypes.float32)
     return _widened(w).reshape(out, inp // SPLIT, SPLIT)
 
 
 def linear(x: Tensor, w: DeviceWeight, *, searched: bool) -> Tensor:
     """x (rows, in) float32 @ W.T -> (rows, out) float32; `searched`: the kernels will be searched (BEAM)."""
+    if w.hand_written:
+        return cpu_matvec.matvec(x, w.kind, *w.parts, w.shape)
     if not searched or w.kind == "f32" or w.shape[1] % SPLIT:
         return plain(x, w)
     return split(x, w)
@@ -51,7 +63,7 @@ def linear(x: Tensor, w: DeviceWeight, *, searched: bool) -> Tensor:
 
 def plain(x: Tensor, w: DeviceWeight) -> Tensor:
     out, inp = w.shape
-    return x @ (_blocked(w).reshape(out, inp) if w.kind == "q8_0" else _widened(w)).T
+    return x @ (_blocked(w).reshape(out, inp) if w.kind in BLOCKED else _widened(w)).T
 
 
 def split(x: Tensor, w: DeviceWeight) -> Tensor:

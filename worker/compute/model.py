@@ -40,7 +40,7 @@ from tinygrad import Context, Device, Tensor, TinyJit, UOp, dtypes
 from tinygrad.device import Buffer
 from tinygrad.uop.ops import KernelInfo
 
-from . import kernel_cache
+from . import kernel_cache, whole_graphs
 from ..batching import DEFAULT_MAX_SEQS, Segment, bucket_sizes, default_max_batch, split_rows, unmeasured_cost
 from ..config import ModelConfig
 from .linear import DeviceWeight, linear, to_device
@@ -49,7 +49,8 @@ from ..files import ALIGN, aligned_empty
 from ..weights.contract import EMBEDDING, OUTPUT_NORM
 
 # numpy types the CPU device can compute on in place, as tinygrad's
-_FROM_BLOB = {np.float32: dtypes.float32, np.float16: dtypes.float16, np.int8: dtypes.int8, np.uint16: dtypes.uint16}
+_FROM_BLOB = {np.float32: dtypes.float32, np.float16: dtypes.float16, np.int8: dtypes.int8, np.uint8: dtypes.uint8,
+              np.uint16: dtypes.uint16}
 
 # HF rotate-half RoPE: the first and second halves of each head form the rotary pairs.
 
@@ -198,6 +199,7 @@ class StageModel:
                 self._head_host = host
         self.cos, self.sin = rope_tables(config)
         kernel_cache.install()
+        whole_graphs.install()  # before the first capture
         self._graphs = self._new_graphs()
         self._inputs = {b: _StepInputs(b, config.dim, config.head_dim) for b in self.buckets}
         self.bucket_cost = unmeasured_cost(self.buckets)  # seconds per call, once warm_up has timed them

@@ -17,7 +17,7 @@ from .packed import Packed
 BLOCK_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
                  "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
 PRECISIONS = ("auto", "file", "f32")  # which matrices keep the file's precision: see narrow_kinds
-NARROW_KINDS = frozenset({"f16", "bf16", "q8_0"})  # worker/weights/packed.py's kinds other than f32
+NARROW_KINDS = frozenset({"f16", "bf16", "q8_0", "q4_1"})  # worker/weights/packed.py's kinds other than f32
 EMBEDDING = "token_embd.weight"
 OUTPUT_NORM = "output_norm.weight"
 OUTPUT = "output.weight"
@@ -41,13 +41,14 @@ class WeightSource(Protocol):
 def narrow_kinds(precision: str, tuned: bool) -> frozenset[str]:
     """The file precisions a slice keeps as they are; the rest are widened to float32 at load.
 
-    file: all it can; f32: none (the reference path); auto: Q8_0 always, F16 and BF16 only when kernels
+    file: all it can; f32: none (the reference path); auto: Q8_0 and Q4_1 always (worker/compute/cpu_matvec.py's
+    kernels read them packed on the CPU), F16 and BF16 only when kernels
     are searched (`tuned`): tinygrad's untuned CPU kernels read f16 about 4× slower than f32 (4 blocks of
     the 312 M model: 103 against 24 ms a step), searched ones a little faster (18 against 20 ms)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if precision == "auto":
-        return NARROW_KINDS if tuned else frozenset({"q8_0"})
+        return NARROW_KINDS if tuned else frozenset({"q8_0", "q4_1"})
     return NARROW_KINDS if precision == "file" else frozenset()
 
 

@@ -16,7 +16,7 @@ from . import quants
 from ..errors import ModelFileError
 from ..files import aligned_empty, read_extent
 from .gguf_header import GGML_TYPES, GGUFHeader, TensorInfo, config_from_header, read_header
-from .packed import Q8_BLOCK, Q8_BLOCK_BYTES, Packed, permute_rows
+from .packed import Q4_1_BLOCK_BYTES, Q8_BLOCK, Q8_BLOCK_BYTES, Packed, permute_rows
 from .packed import dense as packed_dense
 
 # Types `dequantize` accepts: F32 (used as it is) and every type worker/weights/quants.py decodes, namely F16, BF16,
@@ -53,7 +53,7 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 _QK = re.compile(r"blk\.\d+\.attn_([qk])\.weight")
-_NARROW = {0: "f32", 1: "f16", 30: "bf16", 8: "q8_0"}  # ggml types kernels read as they are (worker/compute/linear.py)
+_NARROW = {0: "f32", 1: "f16", 30: "bf16", 8: "q8_0", 3: "q4_1"}  # ggml types kernels read as they are (worker/compute/linear.py)
 _NUMPY = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
 
 
@@ -99,14 +99,14 @@ class GGUFSource:
         return np.ascontiguousarray(w, dtype=np.float32)
 
     def load_packed(self, name: str) -> Packed:
-        """One matrix in the file's precision where kernels can read it so (F32, F16, BF16, Q8_0); other
+        """One matrix in the file's precision where kernels can read it so (F32, F16, BF16, Q8_0, Q4_1); other
         types widened to float32 here. Hugging Face layout, as `load`."""
         info = self._info(name)
         kind = _NARROW.get(info.ggml_type)
         if kind is None or len(info.shape) != 2:
             return packed_dense("f32", self.load(name))  # load undoes the q/k permutation itself
-        if kind == "q8_0":
-            packed = self._q8_0(info)
+        if kind in ("q8_0", "q4_1"):
+            packed = self._blocks(info, kind)
         else:
             packed = packed_dense(kind, self._raw(info).view(_NUMPY[kind]).reshape(info.shape))
         if m := _QK.fullmatch(name):
@@ -130,20 +130,23 @@ class GGUFSource:
         info = self._info(name)
         return dequantize(self._raw(info), info.ggml_type, info.shape, path=self.path, tensor=repr(name))
 
-    def _q8_0(self, info: TensorInfo) -> Packed:
-        """A Q8_0 matrix read a chunk of rows at a time straight into its int8 weights and f16 scales, so
-        that loading holds no second copy of the tensor."""
+    def _blocks(self, info: TensorInfo, kind: str) -> Packed:
+        """A Q8_0 or Q4_1 matrix read a chunk of rows at a time straight into its quant bytes and f16 scales
+        (d, and m for Q4_1), so that loading holds no second copy of the tensor."""
         rows, cols = info.shape
-        blocks, row_bytes = cols // Q8_BLOCK, cols // Q8_BLOCK * Q8_BLOCK_BYTES
-        q = aligned_empty(rows * cols).view(np.int8).reshape(rows, blocks, Q8_BLOCK)
-        scale = aligned_empty(rows * blocks * 2).view(np.float16).reshape(rows, blocks, 1)
+        scales, quant, block_bytes, qtype = {"q8_0": (1, Q8_BLOCK, Q8_BLOCK_BYTES, np.int8),
+                                             "q4_1": (2, Q8_BLOCK // 2, Q4_1_BLOCK_BYTES, np.uint8)}[kind]
+        blocks = cols // Q8_BLOCK
+        row_bytes = blocks * block_bytes
+        q = aligned_empty(rows * blocks * quant).view(qtype).reshape(rows, blocks, quant)
+        scale = aligned_empty(rows * blocks * 2 * scales).view(np.float16).reshape(rows, blocks, scales)
         step = max(1, DECODE_CHUNK_ELEMENTS // row_bytes)
         for first in range(0, rows, step):
             n = min(step, rows - first)
-            chunk = self._raw(info, first * row_bytes, n * row_bytes).reshape(n, blocks, Q8_BLOCK_BYTES)
-            scale[first:first + n] = chunk[:, :, :2].view(np.float16)
-            q[first:first + n] = chunk[:, :, 2:].view(np.int8)
-        return Packed("q8_0", (q, scale))
+            chunk = self._raw(info, first * row_bytes, n * row_bytes).reshape(n, blocks, block_bytes)
+            scale[first:first + n] = chunk[:, :, :2 * scales].view(np.float16)
+            q[first:first + n] = chunk[:, :, 2 * scales:].view(qtype)
+        return Packed(kind, (q, scale))
 
     def _raw(self, info: TensorInfo, start: int = 0, nbytes: int | None = None) -> np.ndarray:
         """Exactly the tensor's bytes [offset + start, offset + start + nbytes) (all of them by default),

@@ -1,7 +1,7 @@
 """Weights in their file's precision on the host: what a loader hands a slice when it keeps them narrow.
 
-A matrix read from an F16 or BF16 tensor stays 2 bytes a weight and a Q8_0 one 34 bytes a block of 32
-(an f16 scale and 32 int8s) instead of 4 bytes a weight widened at load: decode reads every weight once
+A matrix read from an F16 or BF16 tensor stays 2 bytes a weight, a Q8_0 one 34 bytes a block of 32
+(an f16 scale and 32 int8s) and a Q4_1 one 20 (f16 scale and min, 32 nibbles) instead of 4 bytes a weight widened at load: decode reads every weight once
 a step, so fewer bytes is speed (docs/benchmarks.md). The kernels widen each weight as they read it
 (worker/compute/linear.py), and a widened weight is exactly the value the f32 path would hold: f16 and bf16
 widen exactly, and a Q8_0 weight is int8 × f16 scale, which an f32 holds exactly.
@@ -18,6 +18,8 @@ from ..files import ALIGN, aligned_empty
 
 Q8_BLOCK = 32  # weights per Q8_0 block
 Q8_BLOCK_BYTES = 2 + Q8_BLOCK  # f16 scale, then 32 int8
+Q4_1_BLOCK_BYTES = 4 + Q8_BLOCK // 2  # f16 d and m, then 16 bytes of nibbles
+BLOCKED = {"q8_0": Q8_BLOCK, "q4_1": Q8_BLOCK}  # kinds stored in blocks: weights per block
 
 
 @attrs.frozen(eq=False)
@@ -27,6 +29,8 @@ class Packed:
     - "f16": (w float16 (out, in),)
     - "bf16": (bits uint16 (out, in),): numpy has no bfloat16; the bits are the high half of an f32
     - "q8_0": (q int8 (out, in // 32, 32), scale float16 (out, in // 32, 1))
+    - "q4_1": (qs uint8 (out, in // 32, 16), dm float16 (out, in // 32, 2)): byte j of a block holds value j
+      in its low nibble and value 16 + j in its high one; a value is d*q + m (worker/weights/quants.py)
     """
 
     kind: str
@@ -35,7 +39,9 @@ class Packed:
     @property
     def shape(self) -> tuple[int, int]:
         first = self.parts[0]
-        return (first.shape[0], first.shape[1] * first.shape[2]) if self.kind == "q8_0" else first.shape
+        if self.kind in BLOCKED:
+            return first.shape[0], first.shape[1] * BLOCKED[self.kind]
+        return first.shape
 
     @property
     def nbytes(self) -> int:
@@ -46,6 +52,10 @@ class Packed:
         if self.kind == "q8_0":
             q, scale = self.parts
             return (q[ids].astype(np.float32) * scale[ids].astype(np.float32)).reshape(len(ids), -1)
+        if self.kind == "q4_1":  # ggml's order: d*q, then + m (bit-exact with worker/weights/quants.py)
+            qs, dm = self.parts[0][ids], self.parts[1][ids].astype(np.float32)
+            values = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float32)
+            return (values * dm[..., :1] + dm[..., 1:]).reshape(len(ids), -1)
         return widen(self.kind, self.parts[0][ids])
 
     def widened(self) -> np.ndarray:

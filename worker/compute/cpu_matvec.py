@@ -1,0 +1,112 @@
+"""Matrix × rows for quantized weights on the CPU device, as hand-written C inside a tinygrad kernel.
+
+tinygrad 0.14's own kernels for a packed weight widen it one scalar at a time: on this project's 2-core
+box a Q4_1 or Q8_0 matvec ran at 0.6–0.7 G weights/s untuned and 1.7–1.9 searched (BEAM=2, about a
+minute per shape), against 8.6 GB/s of weights llama.cpp streams on one core (docs/benchmarks.md,
+issue 25). These kernels decode each block of 32 weights once into four 8-lane float vectors, with the
+compiler's vector extensions (clang builds them, as every tinygrad CPU kernel, with -march=native), and
+multiply them into every row of the step before moving on, so a batched step reads the weights once.
+
+Arithmetic, per row and output (the same whatever the rows beside it, so batched equals solo exactly):
+- Q8_0: y = Σ_blocks d · (q · x), the block's 32 products summed as four 8-lane vectors, lane by lane.
+- Q4_1: y = Σ_blocks (d · (q · x) + m · Σx): ggml's d·q + m folded into the dot product; against the
+  widened weights it differs only in rounding (float-summation tolerance, tests/test_cpu_matvec.py).
+The activations stay float32: llama.cpp quantizes them to 8 bits for integer dot products, which would
+change the answers.
+
+The C is a tinygrad CUSTOM op (its renderer pastes the text in with the buffers' names), one kernel per
+(kind, rows, out, in), compiled and cached like any other kernel (worker/compute/kernel_cache.py).
+Scales are float32 on the device (`device_parts`): freestanding C on x86 has no portable float16 load.
+"""
+from __future__ import annotations
+
+import numpy as np
+from tinygrad import Tensor, UOp, dtypes
+from tinygrad.uop.ops import KernelInfo, Ops
+
+KINDS = frozenset({"q8_0", "q4_1"})
+BLOCK = 32
+
+_HEAD = r"""typedef float v8f __attribute__((ext_vector_type(8)));
+typedef unsigned char v16u __attribute__((ext_vector_type(16)));
+typedef signed char v32s __attribute__((ext_vector_type(32)));"""
+
+# Four 8-lane vectors of one block's weights, c0..c3 (values 0-7, 8-15, 16-23, 24-31), from its bytes.
+_DECODE = {
+    "q4_1": r"""v16u v; __builtin_memcpy(&v, qb, 16);
+      v16u lo = v & (unsigned char)15, hi = v >> 4;
+      v8f c0 = __builtin_convertvector(__builtin_shufflevector(lo, lo, 0,1,2,3,4,5,6,7), v8f);
+      v8f c1 = __builtin_convertvector(__builtin_shufflevector(lo, lo, 8,9,10,11,12,13,14,15), v8f);
+      v8f c2 = __builtin_convertvector(__builtin_shufflevector(hi, hi, 0,1,2,3,4,5,6,7), v8f);
+      v8f c3 = __builtin_convertvector(__builtin_shufflevector(hi, hi, 8,9,10,11,12,13,14,15), v8f);""",
+    "q8_0": r"""v32s v; __builtin_memcpy(&v, qb, 32);
+      v8f c0 = __builtin_convertvector(__builtin_shufflevector(v, v, 0,1,2,3,4,5,6,7), v8f);
+      v8f c1 = __builtin_convertvector(__builtin_shufflevector(v, v, 8,9,10,11,12,13,14,15), v8f);
+      v8f c2 = __builtin_convertvector(__builtin_shufflevector(v, v, 16,17,18,19,20,21,22,23), v8f);
+      v8f c3 = __builtin_convertvector(__builtin_shufflevector(v, v, 24,25,26,27,28,29,30,31), v8f);""",
+}
+_QBYTES = {"q4_1": 16, "q8_0": 32}  # quant bytes per block
+_SCALES = {"q4_1": 2, "q8_0": 1}  # float32 scales per block on the device: d (and m)
+
+
+def source(kind: str, rows: int, out: int, inp: int) -> str:
+    """The kernel body: y (rows, out) = x (rows, inp) @ W.T, W as quant bytes and float32 scales."""
+    nb, qb, ns = inp // BLOCK, _QBYTES[kind], _SCALES[kind]
+    affine = kind == "q4_1"
+    sums = (f"float xs[{rows * nb}];\n  for (int b = 0; b < {rows}; b++) for (int k = 0; k < {nb}; k++) {{\n"
+            f"    float s = 0; for (int j = 0; j < 32; j++) s += x[b*{inp} + k*32 + j]; xs[b*{nb} + k] = s; }}"
+            if affine else "")
+    minus = f"msum[b] += sc[1] * xs[b*{nb} + k];" if affine else ""
+    body = f"""{{
+  {_HEAD}
+  float* y = @0; const float* x = @1; const unsigned char* q = @2; const float* scale = @3;
+  {sums}
+  for (int o = 0; o < {out}; o++) {{
+    v8f acc[{rows}]; float msum[{rows}];
+    for (int b = 0; b < {rows}; b++) {{ acc[b] = 0; msum[b] = 0; }}
+    for (int k = 0; k < {nb}; k++) {{
+      const unsigned char* qb = q + ((long)o*{nb} + k)*{qb}; const float* sc = scale + ((long)o*{nb} + k)*{ns};
+      {_DECODE[kind]}
+      for (int b = 0; b < {rows}; b++) {{
+        const float* xb = x + (long)b*{inp} + k*32; v8f x0, x1, x2, x3;
+        __builtin_memcpy(&x0, xb, 32); __builtin_memcpy(&x1, xb + 8, 32);
+        __builtin_memcpy(&x2, xb + 16, 32); __builtin_memcpy(&x3, xb + 24, 32);
+        v8f p = c0*x0 + c1*x1 + c2*x2 + c3*x3;
+        acc[b] += sc[0] * p; {minus}
+      }}
+    }}
+    for (int b = 0; b < {rows}; b++) {{
+      v8f a = acc[b];
+      y[(long)b*{out} + o] = ((a[0]+a[1]) + (a[2]+a[3])) + ((a[4]+a[5]) + (a[6]+a[7])) + msum[b];
+    }}
+  }}
+}}"""
+    # tinygrad formats the text with the buffers' names: C's braces doubled, @i becomes argument i
+    text = body.replace("{", "{{").replace("}", "}}")
+    for i in range(4):
+        text = text.replace(f"@{i}", f"{{{i}}}")
+    return text
+
+
+def device_parts(kind: str, parts: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """A packed weight's parts as these kernels read them: quant bytes (out, blocks, bytes) as uint8, and
+    float32 scales (out, blocks, d[, m]) — exact widenings of the file's float16."""
+    q, scale = parts
+    return q.view(np.uint8), scale.astype(np.float32)
+
+
+def _raw(u: UOp) -> UOp:
+    while u.op is Ops.RESHAPE:  # the C indexes flat buffers itself
+        u = u.src[0]
+    return u
+
+
+def matvec(x: Tensor, kind: str, q: Tensor, scale: Tensor, shape: tuple[int, int]) -> Tensor:
+    """x (rows, in) float32 → (rows, out) float32 through the C kernel for `kind`."""
+    rows, (out, inp) = x.shape[0], shape
+    text = source(kind, rows, out, inp)
+
+    def kernel(y: UOp, xs: UOp, qs: UOp, sc: UOp) -> UOp:
+        body = UOp(Ops.CUSTOM, dtypes.void, tuple(_raw(u) for u in (y, xs, qs, sc)), text)
+        return body.sink(arg=KernelInfo(name=f"{kind}_mv_{rows}_{out}_{inp}", opts_to_apply=()))
+    return Tensor.empty(rows, out).custom_kernel(x.contiguous(), q, scale, fxn=kernel)[0]
