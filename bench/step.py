@@ -5,6 +5,7 @@ what a batched step of B rows costs against one row.
   DEV=CPU python -m bench.step --model small --blocks 3 --batch 1 4 8 16 32
   DEV=CPU python -m bench.step --model small --blocks 3 --beam 2     # kernel search at warm-up
   DEV=CPU python -m bench.step --model tiny --blocks 2 --steps 200 --profile
+  DEV=CPU python -m bench.step --blocks 30 --head --prefill 512      # a 512-token prompt, tokens/s
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from worker.batching import Segment
+from worker.batching import DEFAULT_MAX_SEQS, Segment
 from worker.weights.fetch import DEFAULT_MODEL
 from worker.models import open_model
 from worker.weights.contract import PRECISIONS
@@ -50,6 +51,21 @@ def step_ms(model, blocks: int, steps: int, batch: int, beam: int = 0, profile: 
     return 1000 * statistics.median(times[5:]), warm_s
 
 
+def prefill_tokens_per_s(model, blocks: int, tokens: int, head: bool, repeats: int = 3) -> float:
+    """A `tokens`-long prompt through one slice of `blocks` blocks (with the head: the whole model in one
+    process), as a node prefills it: one segment, cut into the buckets a node captures by default (up to
+    default_max_batch(DEFAULT_MAX_SEQS) rows a call). Best of `repeats`."""
+    s = model.open_slice(range(blocks), embed=True, head=head, max_seqs=DEFAULT_MAX_SEQS)
+    s.warm_up(0)
+    hidden = s.embed([(7 * i) % 1000 + 1 for i in range(tokens)])
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        s.forward_batch(hidden, [Segment(0, 0, tokens)])
+        best = min(best, time.perf_counter() - start)
+    return tokens / best
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -57,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blocks", nargs="+", type=int, default=[8, 4, 1])
     p.add_argument("--batch", nargs="+", type=int, default=[1], help="rows per step (default 1)")
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--prefill", type=int, help="instead: time a prompt of this many tokens (tokens/s)")
+    p.add_argument("--head", action="store_true", help="with --prefill: include the final norm and head")
     p.add_argument("--profile", action="store_true", help="also print a cProfile of as many more steps")
     p.add_argument("--beam", type=int, default=0, help="kernel search width at warm-up (tinygrad BEAM; 0 = off)")
     p.add_argument("--precision", choices=PRECISIONS, default="auto",
@@ -64,6 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     model = open_model(args.model, cache_dir=Path(tempfile.gettempdir()), ollama_models_dir=None,
                        precision=args.precision, tuned=args.beam > 0)
+    if args.prefill:
+        for blocks in args.blocks:
+            rate = prefill_tokens_per_s(model, blocks, args.prefill, args.head)
+            print(f"{args.model} ({args.precision}), {blocks} blocks{' + head' if args.head else ''}: "
+                  f"prefill of {args.prefill} tokens at {rate:.1f} tokens/s")
+        return 0
     for blocks in args.blocks:
         for batch in args.batch:
             ms, warm_s = step_ms(model, blocks, args.steps, batch, args.beam, args.profile)

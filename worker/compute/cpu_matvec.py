@@ -49,38 +49,49 @@ _QBYTES = {"q4_1": 16, "q8_0": 32}  # quant bytes per block
 _SCALES = {"q4_1": 2, "q8_0": 1}  # float32 scales per block on the device: d (and m)
 
 
+TILE = 4  # rows that share one decoded block in registers: 4 accumulators of 8 lanes, plus the block's 4
+
+
 def source(kind: str, rows: int, out: int, inp: int) -> str:
-    """The kernel body: y (rows, out) = x (rows, inp) @ W.T, W as quant bytes and float32 scales."""
-    nb, qb, ns = inp // BLOCK, _QBYTES[kind], _SCALES[kind]
+    """The kernel body: y (rows, out) = x (rows, inp) @ W.T, W as quant bytes and float32 scales.
+
+    Rows go in tiles of up to TILE, each row with two accumulators (even and odd blocks) so that
+    consecutive blocks do not wait on one another's adds; every row's sums are formed in the same order
+    whatever tile it is in."""
+    nb, qbytes, ns = inp // BLOCK, _QBYTES[kind], _SCALES[kind]
     affine = kind == "q4_1"
-    sums = (f"float xs[{rows * nb}];\n  for (int b = 0; b < {rows}; b++) for (int k = 0; k < {nb}; k++) {{\n"
-            f"    float s = 0; for (int j = 0; j < 32; j++) s += x[b*{inp} + k*32 + j]; xs[b*{nb} + k] = s; }}"
-            if affine else "")
-    minus = f"msum[b] += sc[1] * xs[b*{nb} + k];" if affine else ""
-    body = f"""{{
-  {_HEAD}
-  float* y = @0; const float* x = @1; const unsigned char* q = @2; const float* scale = @3;
-  {sums}
-  for (int o = 0; o < {out}; o++) {{
-    v8f acc[{rows}]; float msum[{rows}];
-    for (int b = 0; b < {rows}; b++) {{ acc[b] = 0; msum[b] = 0; }}
-    for (int k = 0; k < {nb}; k++) {{
-      const unsigned char* qb = q + ((long)o*{nb} + k)*{qb}; const float* sc = scale + ((long)o*{nb} + k)*{ns};
-      {_DECODE[kind]}
-      for (int b = 0; b < {rows}; b++) {{
-        const float* xb = x + (long)b*{inp} + k*32; v8f x0, x1, x2, x3;
-        __builtin_memcpy(&x0, xb, 32); __builtin_memcpy(&x1, xb + 8, 32);
-        __builtin_memcpy(&x2, xb + 16, 32); __builtin_memcpy(&x3, xb + 24, 32);
-        v8f p = c0*x0 + c1*x1 + c2*x2 + c3*x3;
-        acc[b] += sc[0] * p; {minus}
-      }}
-    }}
-    for (int b = 0; b < {rows}; b++) {{
-      v8f a = acc[b];
-      y[(long)b*{out} + o] = ((a[0]+a[1]) + (a[2]+a[3])) + ((a[4]+a[5]) + (a[6]+a[7])) + msum[b];
-    }}
-  }}
-}}"""
+    tiles = [(r, min(TILE, rows - r)) for r in range(0, rows, TILE)]
+    lines = ["{", _HEAD, "float* y = @0; const float* x = @1; const unsigned char* q = @2; const float* scale = @3;"]
+    if affine:  # Σx of every row's blocks, for Q4_1's min term
+        lines.append(f"float xs[{rows * nb}];")
+        lines.append(f"for (int b = 0; b < {rows}; b++) for (int k = 0; k < {nb}; k++) {{ float s = 0;"
+                     f" for (int j = 0; j < 32; j++) s += x[b*{inp} + k*32 + j]; xs[b*{nb} + k] = s; }}")
+    lines.append(f"for (int o = 0; o < {out}; o++) {{")
+    lines.append(f"  const unsigned char* qo = q + (long)o*{nb * qbytes}; const float* so = scale + (long)o*{nb * ns};")
+    for first, n in tiles:
+        rs = range(first, first + n)
+        lines.append("  {")
+        lines.append("    " + " ".join(f"v8f a{r} = 0, b{r} = 0; float m{r} = 0;" for r in rs))
+        lines.append(f"    for (int k = 0; k < {nb}; k++) {{")
+        lines.append(f"      const unsigned char* qb = qo + k*{qbytes}; const float* sc = so + k*{ns};")
+        lines.append("      " + _DECODE[kind])
+        for r in rs:
+            lines.append(f"      {{ const float* xb = x + {r * inp} + k*32; v8f x0, x1, x2, x3;")
+            lines.append("        __builtin_memcpy(&x0, xb, 32); __builtin_memcpy(&x1, xb + 8, 32);"
+                         " __builtin_memcpy(&x2, xb + 16, 32); __builtin_memcpy(&x3, xb + 24, 32);")
+            lines.append("        v8f p = c0*x0 + c1*x1 + c2*x2 + c3*x3;")
+            lines.append(f"        if (k & 1) b{r} += sc[0] * p; else a{r} += sc[0] * p;")
+            if affine:
+                lines.append(f"        m{r} += sc[1] * xs[{r * nb} + k];")
+            lines.append("      }")
+        lines.append("    }")
+        for r in rs:
+            lines.append(f"    {{ v8f t = a{r} + b{r}; y[{r * out} + o] = "
+                         f"((t[0]+t[1]) + (t[2]+t[3])) + ((t[4]+t[5]) + (t[6]+t[7])) + m{r}; }}")
+        lines.append("  }")
+    lines.append("}")
+    lines.append("}")
+    body = "\n".join(lines)
     # tinygrad formats the text with the buffers' names: C's braces doubled, @i becomes argument i
     text = body.replace("{", "{{").replace("}", "}}")
     for i in range(4):

@@ -200,8 +200,9 @@ class StageModel:
         self.cos, self.sin = rope_tables(config)
         kernel_cache.install()
         whole_graphs.install()  # before the first capture
-        self._graphs = self._new_graphs()
+        self._graphs, self._head_graphs = self._new_graphs(), self._new_head_graphs()
         self._inputs = {b: _StepInputs(b, config.dim, config.head_dim) for b in self.buckets}
+        self._head_inputs = {b: Tensor.zeros(b, config.dim).contiguous().realize() for b in self._head_graphs}
         self.bucket_cost = unmeasured_cost(self.buckets)  # seconds per call, once warm_up has timed them
 
     @property
@@ -210,6 +211,9 @@ class StageModel:
 
     def _new_graphs(self) -> dict[int, TinyJit]:
         return {b: _capture_on_first_call(TinyJit(self._step)) for b in self.buckets}
+
+    def _new_head_graphs(self) -> dict[int, TinyJit]:
+        return {b: _capture_on_first_call(TinyJit(self._head_step)) for b in self.buckets} if self.head else {}
 
     def _on_device(self, weight: np.ndarray | Packed) -> Tensor | DeviceWeight:
         return to_device(weight, self._put) if isinstance(weight, Packed) else self._put(weight)
@@ -246,10 +250,25 @@ class StageModel:
                      floats[:, c.dim + half:].reshape(b, 1, 1, half), slot, cache_row, mask)
         for block in self.blocks:
             x = block(x, rows, kv_len, self.searched)
-        if self.head is not None:
-            norm, out = self.head
-            x = linear(_rms_norm(x, norm, c.norm_eps), out, searched=self.searched)
         return x.realize()
+
+    def _head_step(self, x: Tensor) -> Tensor:
+        """Final norm and head, a graph of its own: only the rows that are sampled need logits (a prompt's
+        last row, not the other rows of its chunks), and the head is the largest matrix of a small model."""
+        norm, out = self.head
+        return linear(_rms_norm(x, norm, self.config.norm_eps), out, searched=self.searched).realize()
+
+    def _logits(self, hidden: np.ndarray) -> np.ndarray:
+        """The head over `hidden` (rows, dim), in calls of the largest bucket, each padded to its bucket."""
+        outs = []
+        for i in range(0, len(hidden), self.max_batch):
+            part = hidden[i:i + self.max_batch]
+            bucket = next(b for b in self.buckets if b >= len(part))
+            padded = np.zeros((bucket, self.config.dim), dtype=np.float32)
+            padded[:len(part)] = part
+            _write(self._head_inputs[bucket], padded)
+            outs.append(_read(self._head_graphs[bucket](self._head_inputs[bucket]))[:len(part)])
+        return np.concatenate(outs)
 
     def forward_batch(self, hidden: np.ndarray, segments: list[Segment]) -> np.ndarray:
         """hidden (rows, dim) float32, the rows of `segments` in order → next hidden (rows, dim); with a
@@ -267,7 +286,7 @@ class StageModel:
         if self.head is None:
             return out
         last_rows = np.cumsum([s.length for s in segments]) - 1
-        return out[last_rows]
+        return self._logits(out[last_rows])
 
     def forward(self, hidden: np.ndarray, start_pos: int) -> np.ndarray:
         """One sequence in slot 0: hidden (seq_len, dim) → next hidden, or logits (vocab,) with a head."""
@@ -311,7 +330,7 @@ class StageModel:
         cache (table beam_search) and kernel_cache keeps the lowered programs, so the next boot of the same
         slice pays neither. Narrow weights then take the split matmul form (worker/compute/linear.py)."""
         if beam and not self.searched:  # graphs captured before (by a call) are captured again in that form
-            self.searched, self._graphs = True, self._new_graphs()
+            self.searched, self._graphs, self._head_graphs = True, self._new_graphs(), self._new_head_graphs()
         cost = {}
         for bucket in self.buckets:
             zeros = np.zeros((bucket, self.config.dim), dtype=np.float32)
@@ -324,6 +343,9 @@ class StageModel:
                 self._run(*args)
                 times.append(time.perf_counter() - started)
             cost[bucket] = sorted(times)[len(times) // 2]
+            if self.head is not None:
+                with Context(BEAM=beam) if beam else contextlib.nullcontext():
+                    self._logits(zeros)  # captures this bucket's head graph
         self.bucket_cost = cost
 
 
