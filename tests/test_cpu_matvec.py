@@ -1,4 +1,4 @@
-"""The hand-written CPU kernels for packed Q8_0 and Q4_1 weights (worker/compute/cpu_matvec.py): x @ W.T of
+"""The hand-written CPU kernels for F32 and packed Q8_0 and Q4_1 weights (worker/compute/cpu_matvec.py): x @ W.T of
 the widened weights within float-summation tolerance, and each row's result the same bits whatever rows
 share its step (batched decode equals solo)."""
 import numpy as np
@@ -15,6 +15,8 @@ SCALE_BYTES = {"q8_0": 2, "q4_1": 4}
 
 
 def packed(kind: str, w: np.ndarray) -> Packed:
+    if kind == "f32":
+        return Packed("f32", (aligned(w),))
     blocks = quantize(w, QTYPE[kind]).view(np.uint8).reshape(w.shape[0], w.shape[1] // 32, -1)
     head = SCALE_BYTES[kind]
     q = aligned(blocks[:, :, head:])
@@ -22,11 +24,11 @@ def packed(kind: str, w: np.ndarray) -> Packed:
 
 
 def run(kind: str, p: Packed, x: np.ndarray) -> np.ndarray:
-    q, scale = (Tensor(a) for a in cpu_matvec.device_parts(kind, p.parts))
-    return cpu_matvec.matvec(Tensor(x), kind, q, scale, p.shape).numpy()
+    parts = tuple(Tensor(a) for a in cpu_matvec.device_parts(kind, p.parts))
+    return cpu_matvec.matvec(Tensor(x), kind, parts, p.shape).numpy()
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_1"])
+@pytest.mark.parametrize("kind", ["f32", "q8_0", "q4_1"])
 @pytest.mark.parametrize("rows, out, inp", [(1, 40, 64), (3, 7, 96), (5, 64, 32)])
 def test_the_kernel_is_x_times_the_widened_weight(kind, rows, out, inp):
     rng = np.random.default_rng(rows * out + inp)
@@ -39,7 +41,7 @@ def test_the_kernel_is_x_times_the_widened_weight(kind, rows, out, inp):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6 * inp * np.abs(x).max() * np.abs(w).max())
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_1"])
+@pytest.mark.parametrize("kind", ["f32", "q8_0", "q4_1"])
 def test_a_row_gives_the_same_bits_alone_or_among_others(kind):
     rng = np.random.default_rng(7)
     p = packed(kind, rng.standard_normal((24, 128)).astype(np.float32))

@@ -24,7 +24,7 @@ import numpy as np
 from tinygrad import Tensor, UOp, dtypes
 from tinygrad.uop.ops import KernelInfo, Ops
 
-KINDS = frozenset({"q8_0", "q4_1"})
+KINDS = frozenset({"f32", "q8_0", "q4_1"})
 BLOCK = 32
 
 _HEAD = r"""typedef float v8f __attribute__((ext_vector_type(8)));
@@ -33,6 +33,9 @@ typedef signed char v32s __attribute__((ext_vector_type(32)));"""
 
 # Four 8-lane vectors of one block's weights, c0..c3 (values 0-7, 8-15, 16-23, 24-31), from its bytes.
 _DECODE = {
+    "f32": r"""const float* wb = (const float*)qb; v8f c0, c1, c2, c3;
+      __builtin_memcpy(&c0, wb, 32); __builtin_memcpy(&c1, wb + 8, 32);
+      __builtin_memcpy(&c2, wb + 16, 32); __builtin_memcpy(&c3, wb + 24, 32);""",
     "q4_1": r"""v16u v; __builtin_memcpy(&v, qb, 16);
       v16u lo = v & (unsigned char)15, hi = v >> 4;
       v8f c0 = __builtin_convertvector(__builtin_shufflevector(lo, lo, 0,1,2,3,4,5,6,7), v8f);
@@ -45,48 +48,50 @@ _DECODE = {
       v8f c2 = __builtin_convertvector(__builtin_shufflevector(v, v, 16,17,18,19,20,21,22,23), v8f);
       v8f c3 = __builtin_convertvector(__builtin_shufflevector(v, v, 24,25,26,27,28,29,30,31), v8f);""",
 }
-_QBYTES = {"q4_1": 16, "q8_0": 32}  # quant bytes per block
-_SCALES = {"q4_1": 2, "q8_0": 1}  # float32 scales per block on the device: d (and m)
+_QBYTES = {"f32": 128, "q4_1": 16, "q8_0": 32}  # weight bytes per block
+_SCALES = {"f32": 0, "q4_1": 2, "q8_0": 1}  # float32 scales per block on the device: d (and m)
 
 
-TILE = 4  # rows that share one decoded block in registers: 4 accumulators of 8 lanes, plus the block's 4
+TILE = 8  # rows that share one decoded block in registers: 8 accumulators of 8 lanes, plus the block's 4
 
 
 def source(kind: str, rows: int, out: int, inp: int) -> str:
     """The kernel body: y (rows, out) = x (rows, inp) @ W.T, W as quant bytes and float32 scales.
 
-    Rows go in tiles of up to TILE, each row with two accumulators (even and odd blocks) so that
-    consecutive blocks do not wait on one another's adds; every row's sums are formed in the same order
-    whatever tile it is in."""
+    Rows go in tiles of up to TILE, so that a decoded block serves them all from registers; every row's
+    sums are formed in the same order whatever tile it is in."""
     nb, qbytes, ns = inp // BLOCK, _QBYTES[kind], _SCALES[kind]
     affine = kind == "q4_1"
     tiles = [(r, min(TILE, rows - r)) for r in range(0, rows, TILE)]
-    lines = ["{", _HEAD, "float* y = @0; const float* x = @1; const unsigned char* q = @2; const float* scale = @3;"]
+    lines = ["{", _HEAD, "float* y = @0; const float* x = @1; const unsigned char* q = (const unsigned char*)@2;"]
+    if ns:
+        lines.append("const float* scale = @3;")
     if affine:  # Σx of every row's blocks, for Q4_1's min term
         lines.append(f"float xs[{rows * nb}];")
         lines.append(f"for (int b = 0; b < {rows}; b++) for (int k = 0; k < {nb}; k++) {{ float s = 0;"
                      f" for (int j = 0; j < 32; j++) s += x[b*{inp} + k*32 + j]; xs[b*{nb} + k] = s; }}")
     lines.append(f"for (int o = 0; o < {out}; o++) {{")
-    lines.append(f"  const unsigned char* qo = q + (long)o*{nb * qbytes}; const float* so = scale + (long)o*{nb * ns};")
+    lines.append(f"  const unsigned char* qo = q + (long)o*{nb * qbytes};" +
+                 (f" const float* so = scale + (long)o*{nb * ns};" if ns else ""))
     for first, n in tiles:
         rs = range(first, first + n)
         lines.append("  {")
-        lines.append("    " + " ".join(f"v8f a{r} = 0, b{r} = 0; float m{r} = 0;" for r in rs))
+        lines.append("    " + " ".join(f"v8f a{r} = 0; float m{r} = 0;" for r in rs))
         lines.append(f"    for (int k = 0; k < {nb}; k++) {{")
-        lines.append(f"      const unsigned char* qb = qo + k*{qbytes}; const float* sc = so + k*{ns};")
+        lines.append(f"      const unsigned char* qb = qo + k*{qbytes};" + (f" const float* sc = so + k*{ns};" if ns else ""))
         lines.append("      " + _DECODE[kind])
         for r in rs:
             lines.append(f"      {{ const float* xb = x + {r * inp} + k*32; v8f x0, x1, x2, x3;")
             lines.append("        __builtin_memcpy(&x0, xb, 32); __builtin_memcpy(&x1, xb + 8, 32);"
                          " __builtin_memcpy(&x2, xb + 16, 32); __builtin_memcpy(&x3, xb + 24, 32);")
             lines.append("        v8f p = c0*x0 + c1*x1 + c2*x2 + c3*x3;")
-            lines.append(f"        if (k & 1) b{r} += sc[0] * p; else a{r} += sc[0] * p;")
+            lines.append(f"        a{r} += sc[0] * p;" if ns else f"        a{r} += p;")
             if affine:
                 lines.append(f"        m{r} += sc[1] * xs[{r * nb} + k];")
             lines.append("      }")
         lines.append("    }")
         for r in rs:
-            lines.append(f"    {{ v8f t = a{r} + b{r}; y[{r * out} + o] = "
+            lines.append(f"    {{ v8f t = a{r}; y[{r * out} + o] = "
                          f"((t[0]+t[1]) + (t[2]+t[3])) + ((t[4]+t[5]) + (t[6]+t[7])) + m{r}; }}")
         lines.append("  }")
     lines.append("}")
@@ -94,16 +99,23 @@ def source(kind: str, rows: int, out: int, inp: int) -> str:
     body = "\n".join(lines)
     # tinygrad formats the text with the buffers' names: C's braces doubled, @i becomes argument i
     text = body.replace("{", "{{").replace("}", "}}")
-    for i in range(4):
+    for i in range(4 if ns else 3):
         text = text.replace(f"@{i}", f"{{{i}}}")
     return text
 
 
-def device_parts(kind: str, parts: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """A packed weight's parts as these kernels read them: quant bytes (out, blocks, bytes) as uint8, and
-    float32 scales (out, blocks, d[, m]) — exact widenings of the file's float16."""
+def device_parts(kind: str, parts: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+    """A weight's parts as these kernels read them: f32 as it is; Q8_0 and Q4_1 as quant bytes (out, blocks,
+    bytes) in uint8 and float32 scales (out, blocks, d[, m]), exact widenings of the file's float16."""
+    if kind == "f32":
+        return parts
     q, scale = parts
     return q.view(np.uint8), scale.astype(np.float32)
+
+
+def handles(kind: str, shape: tuple[int, int]) -> bool:
+    """Whether a weight of this kind and (out, in) goes through these kernels."""
+    return kind in KINDS and shape[1] % BLOCK == 0
 
 
 def _raw(u: UOp) -> UOp:
@@ -112,12 +124,12 @@ def _raw(u: UOp) -> UOp:
     return u
 
 
-def matvec(x: Tensor, kind: str, q: Tensor, scale: Tensor, shape: tuple[int, int]) -> Tensor:
+def matvec(x: Tensor, kind: str, parts: tuple[Tensor, ...], shape: tuple[int, int]) -> Tensor:
     """x (rows, in) float32 → (rows, out) float32 through the C kernel for `kind`."""
     rows, (out, inp) = x.shape[0], shape
     text = source(kind, rows, out, inp)
 
-    def kernel(y: UOp, xs: UOp, qs: UOp, sc: UOp) -> UOp:
-        body = UOp(Ops.CUSTOM, dtypes.void, tuple(_raw(u) for u in (y, xs, qs, sc)), text)
+    def kernel(*buffers: UOp) -> UOp:
+        body = UOp(Ops.CUSTOM, dtypes.void, tuple(_raw(u) for u in buffers), text)
         return body.sink(arg=KernelInfo(name=f"{kind}_mv_{rows}_{out}_{inp}", opts_to_apply=()))
-    return Tensor.empty(rows, out).custom_kernel(x.contiguous(), q, scale, fxn=kernel)[0]
+    return Tensor.empty(rows, out).custom_kernel(x.contiguous(), *parts, fxn=kernel)[0]

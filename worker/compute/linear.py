@@ -33,7 +33,7 @@ class DeviceWeight:
 def to_device(packed: Packed, put) -> DeviceWeight:
     """`put(array) -> Tensor` places each part (in place on the CPU, a copy elsewhere). On the CPU a Q8_0 or
     Q4_1 weight goes in cpu_matvec's layout, for its hand-written kernel."""
-    if packed.kind in cpu_matvec.KINDS and Device.DEFAULT.startswith("CPU"):
+    if cpu_matvec.handles(packed.kind, packed.shape) and Device.DEFAULT.startswith("CPU"):
         parts = cpu_matvec.device_parts(packed.kind, packed.parts)
         return DeviceWeight(packed.kind, tuple(put(p) for p in parts), packed.shape, hand_written=True)
     return DeviceWeight(packed.kind, tuple(put(p) for p in packed.parts), packed.shape)
@@ -55,7 +55,7 @@ def _blocked(w: DeviceWeight) -> Tensor:
 def linear(x: Tensor, w: DeviceWeight, *, searched: bool) -> Tensor:
     """x (rows, in) float32 @ W.T -> (rows, out) float32; `searched`: the kernels will be searched (BEAM)."""
     if w.hand_written:
-        return cpu_matvec.matvec(x, w.kind, *w.parts, w.shape)
+        return cpu_matvec.matvec(x, w.kind, w.parts, w.shape)
     if not searched or w.kind == "f32" or w.shape[1] % SPLIT:
         return plain(x, w)
     return split(x, w)
