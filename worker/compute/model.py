@@ -40,7 +40,7 @@ from tinygrad import Context, Device, Tensor, TinyJit, UOp, dtypes
 from tinygrad.device import Buffer
 from tinygrad.uop.ops import KernelInfo
 
-from . import kernel_cache, whole_graphs
+from . import cpu_attention, kernel_cache, whole_graphs
 from ..batching import DEFAULT_MAX_SEQS, Segment, bucket_sizes, default_max_batch, split_rows, unmeasured_cost
 from ..config import ModelConfig
 from .linear import DeviceWeight, linear, to_device
@@ -89,6 +89,8 @@ class Block:
     def __init__(self, config: ModelConfig, w: dict[str, Tensor], slots: int):
         self.config, self.w, self.slots = config, w, slots
         c = config
+        # on the CPU, worker/compute/cpu_attention.py's kernel; elsewhere tinygrad's own attention
+        self.hand_written = Device.DEFAULT.startswith("CPU") and c.head_dim % 8 == 0
         self.cache = Tensor.zeros(slots * c.max_context, 2 * c.n_kv_heads * c.head_dim).contiguous().realize()
 
     def __call__(self, x: Tensor, rows: _Rows, kv_len: UOp, searched: bool) -> Tensor:
@@ -115,6 +117,10 @@ class Block:
         q, k = _rotate(q, rows.cos, rows.sin), _rotate(k, rows.cos, rows.sin)
         new = k.reshape(b, kvh * hd).cat(v.reshape(b, kvh * hd), dim=1).contiguous()
         cache = self.cache.custom_kernel(new, rows.cache_row, fxn=_kv_store)[0]
+        if self.hand_written:
+            out = cpu_attention.attention(q.reshape(b, c.n_heads * hd), cache, rows.ints, heads=c.n_heads,
+                                          kv_heads=kvh, head_dim=hd, max_context=c.max_context)
+            return mm(out, "attn_output")
         seen = cache.reshape(self.slots, c.max_context, 2, kvh, hd)[rows.slot, 0:kv_len]  # (b, kv_len, 2, kvh, hd)
         keys, values = seen[:, :, 0].permute(0, 2, 1, 3), seen[:, :, 1].permute(0, 2, 1, 3)
         out = q.scaled_dot_product_attention(keys, values, attn_mask=rows.mask, enable_gqa=True)
@@ -130,6 +136,7 @@ class _Rows:
     slot: Tensor  # (b,) int
     cache_row: Tensor  # (b,) int: slot * max_context + position, where the row's key/value go
     mask: Tensor  # (b, 1, 1, kv_len) bool: key l is visible to the row when l <= its position
+    ints: Tensor  # (3, b) int32: position | slot | cache row, as written by the host
 
 
 class _StepInputs:
@@ -247,7 +254,7 @@ class StageModel:
         position, slot, cache_row = ints[0], ints[1], ints[2]
         mask = (Tensor.arange(kv_len).reshape(1, kv_len) <= position.reshape(b, 1)).reshape(b, 1, 1, kv_len)
         rows = _Rows(floats[:, c.dim:c.dim + half].reshape(b, 1, 1, half),
-                     floats[:, c.dim + half:].reshape(b, 1, 1, half), slot, cache_row, mask)
+                     floats[:, c.dim + half:].reshape(b, 1, 1, half), slot, cache_row, mask, ints)
         for block in self.blocks:
             x = block(x, rows, kv_len, self.searched)
         return x.realize()
