@@ -27,6 +27,7 @@ from node.transport.faults import NONE as NO_FAULTS, Faults, FaultSpecError, par
 
 DEFAULT_PORT = 8000
 DEFAULT_BIND = "0.0.0.0"
+DEFAULT_CHUNKED_PREFILL = 8  # bench.stall on SmolLM2 (docs/benchmarks.md, issue 25)
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024  # a few prefill activations of an 8B model, with room to spare
 DEFAULT_LOG_LEVEL = "INFO"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -64,6 +65,7 @@ class NodeConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_seqs: int = DEFAULT_MAX_SEQS    # requests whose KV caches a stage holds at once (its sequence slots)
     max_queue: int = DEFAULT_MAX_QUEUE  # stage 0: requests waiting for a slot before the entry answers 429
+    chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL  # prompt rows a step takes at most (roles/schedule.py)
     ctx: int = DEFAULT_CONTEXT          # PP_CTX: positions a slot's KV holds (prompt + answer), at most the model's
     beam: int = 0                       # PP_BEAM: tinygrad's kernel search width at boot (0 = off); cached on disk
     precision: str = "auto"             # PP_PRECISION: which matrices keep the file's precision (worker.weights.contract.narrow_kinds)
@@ -143,6 +145,8 @@ ENV_TABLE = (
     ("PP_MAX_SEQS", "--max-seqs", f"requests in flight at once: each holds a KV cache on every stage ({DEFAULT_MAX_SEQS})"),
     ("PP_CTX", "--ctx", f"context of each request, prompt and answer, in tokens; KV for it is allocated per slot "
                         f"at boot, so it sets the node's memory; at most the model's own ({DEFAULT_CONTEXT})"),
+    ("PP_CHUNKED_PREFILL_SIZE", "--chunked-prefill-size", "prompt rows one step takes at most, beside the decode "
+     f"rows: smaller keeps streams decoding while a long prompt is read, larger reads it sooner ({DEFAULT_CHUNKED_PREFILL})"),
     ("PP_MAX_QUEUE", "--max-queue", f"stage 0: requests waiting for a free slot; past it, 429 ({DEFAULT_MAX_QUEUE})"),
     ("PP_BEAM", "--beam", "kernel search at boot: tinygrad's BEAM width, e.g. 2; minutes once, cached on disk for the next boot (0 = off)"),
     ("PP_PRECISION", "--precision", "auto: Q8_0 weights stay as the file holds them, F16/BF16 too with --beam; file: all of them always; f32: every weight widened at load (auto)"),
@@ -192,6 +196,8 @@ def build_parser(prog: str = "python ppnode.py") -> argparse.ArgumentParser:
     p.add_argument("--max-seqs", metavar="K", help=f"requests in flight at once (PP_MAX_SEQS, default {DEFAULT_MAX_SEQS})")
     p.add_argument("--ctx", "--max-model-len", dest="ctx", metavar="TOKENS",
                    help=f"context per request, prompt and answer (PP_CTX, default {DEFAULT_CONTEXT})")
+    p.add_argument("--chunked-prefill-size", metavar="ROWS",
+                   help=f"prompt rows per step at most (PP_CHUNKED_PREFILL_SIZE, default {DEFAULT_CHUNKED_PREFILL})")
     p.add_argument("--max-queue", metavar="Q", help=f"requests waiting at stage 0 (PP_MAX_QUEUE, default {DEFAULT_MAX_QUEUE})")
     p.add_argument("--beam", metavar="W", help="kernel search width at boot, 0 = off (PP_BEAM, default 0)")
     p.add_argument("--precision", metavar="P", help="auto, file or f32: which weights stay as the file holds them (PP_PRECISION, default auto)")
@@ -253,6 +259,7 @@ def _config_from(src: _Sources, *, home: Path, rng: random.Random | None) -> Nod
         max_body_bytes=_max_body(env), log_level=_log_level(*src.get("--log-level")),
         max_seqs=_count(src, "--max-seqs", DEFAULT_MAX_SEQS, lowest=1),
         max_queue=_count(src, "--max-queue", DEFAULT_MAX_QUEUE, lowest=0),
+        chunked_prefill_size=_count(src, "--chunked-prefill-size", DEFAULT_CHUNKED_PREFILL, lowest=1),
         ctx=_count(src, "--ctx", DEFAULT_CONTEXT, lowest=16),
         beam=_count(src, "--beam", 0, lowest=0), precision=_precision(src), link_streams=_links(src), exit_on_stdin_eof=_flag(env, "PP_STDIN_LIFELINE"),
         faults=_faults(env))

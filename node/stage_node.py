@@ -48,8 +48,10 @@ def _clocked(fn, *args):
 
 class StageNode:
     def __init__(self, stage: int, num_stages: int, client: PeerClient, *, node_id: str,
-                 max_queue: int = DEFAULT_MAX_QUEUE, link_streams: bool = True, faults: Faults = NO_FAULTS):
+                 max_queue: int = DEFAULT_MAX_QUEUE, link_streams: bool = True, faults: Faults = NO_FAULTS,
+                 prompt_rows: int | None = None):
         self.stage, self.num_stages, self.node_id = stage, num_stages, node_id
+        self.prompt_rows = prompt_rows  # the chunked prefill size (roles/schedule.py)
         self.client, self.max_queue, self.link_streams, self.faults = client, max_queue, link_streams, faults
         self.name = stage_name(stage)
         self.metrics = NodeMetrics(self._metrics_snapshot)
@@ -86,7 +88,7 @@ class StageNode:
     def attach(self, worker, *, capacity: int | None = None) -> None:
         """The worker is loaded: from now on messages are admitted. `capacity`: see roles.make_actor."""
         self.actor = make_actor(self.stage, self.num_stages, worker, capacity=capacity, max_queue=self.max_queue,
-                                node_id=self.node_id)
+                                node_id=self.node_id, prompt_rows=self.prompt_rows)
         self.worker = worker
 
     def deliver(self, message, *, source: str | None = None, sent_at: float | None = None) -> None:

@@ -13,18 +13,18 @@ DEFAULT_MAX_QUEUE = 64
 
 
 def make_actor(stage: int, num_stages: int, worker, *, capacity: int | None = None,
-               max_queue: int = DEFAULT_MAX_QUEUE, node_id: str = ""):
+               max_queue: int = DEFAULT_MAX_QUEUE, node_id: str = "", prompt_rows: int | None = None):
     """The actor for a stage's role, sized by its worker. `capacity`: requests stage 0 lets hold slots at
     once (default: its own max_seqs; a node passes the smallest of the chain); `node_id`: stage 0 names
-    itself so in its requests (RequestStart.entry)."""
+    itself so in its requests (RequestStart.entry); `prompt_rows`: the chunked prefill size (roles/schedule.py)."""
     info = worker.info
     role = role_of(stage, num_stages)
     if role is Role.FIRST:
         return FirstActor(stage, num_stages, tokenize=lambda prompt, chat: worker.tokenize(prompt, chat=chat),
                           max_context=info.max_context, max_rows=info.max_batch,
                           capacity=capacity or info.max_seqs, max_queue=max_queue, entry=node_id,
-                          check_tokens=worker.check_tokens)
+                          check_tokens=worker.check_tokens, prompt_rows=prompt_rows)
     if role is Role.MIDDLE:
-        return MiddleActor(stage, num_stages, max_rows=info.max_batch)
-    return LastActor(stage, num_stages, max_rows=info.max_batch, detokenize=worker.detokenize,
+        return MiddleActor(stage, num_stages, max_rows=info.max_batch, prompt_rows=prompt_rows)
+    return LastActor(stage, num_stages, max_rows=info.max_batch, prompt_rows=prompt_rows, detokenize=worker.detokenize,
                      stop_ids=info.stop_ids, max_context=info.max_context)

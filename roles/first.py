@@ -58,13 +58,14 @@ class FirstActor:
 
     def __init__(self, stage: int, num_stages: int, *, tokenize: Callable[[str, bool], list[int]], max_context: int,
                  max_rows: int, capacity: int, max_queue: int, clock: Callable[[], float] = time.monotonic,
-                 entry: str = "", check_tokens: Callable[[list[int]], None] = lambda ids: None):
+                 entry: str = "", check_tokens: Callable[[list[int]], None] = lambda ids: None,
+                 prompt_rows: int | None = None):
         self.stage, self.num_stages = stage, num_stages
         self.next = stage_name(stage + 1)
         self._tokenize, self.max_context, self.clock = tokenize, max_context, clock
         self._check_tokens = check_tokens  # the worker's: raises WorkerError for ids out of its vocabulary
         self.capacity, self.max_queue, self.entry = capacity, max_queue, entry
-        self.queue = StageQueue(max_rows)
+        self.queue = StageQueue(max_rows, prompt_rows)
         self.live: dict[str, _Live] = {}
         self.chain: tuple[str, ...] = ()  # the members holding stages 1.. when the chain was last whole
         self.paused = False  # a stage is missing: compute nothing, start nothing

@@ -34,11 +34,11 @@ class _Progress:
 class LastActor(DownstreamActor):
     role = Role.LAST
 
-    def __init__(self, stage: int, num_stages: int, *, max_rows: int, detokenize: Callable[[list[int]], str],
+    def __init__(self, stage: int, num_stages: int, *, max_rows: int, prompt_rows: int | None = None, detokenize: Callable[[list[int]], str],
                  stop_ids: frozenset[int], max_context: int, clock: Callable[[], float] = time.monotonic):
         self.stage, self.num_stages = stage, num_stages
         self.feedback = stage_name(0)  # the first stage owns the embedding, so tokens go back there
-        self.queue = StageQueue(max_rows)
+        self.queue = StageQueue(max_rows, prompt_rows)
         self.entries = Entries(self._end_here)
         self.expected: dict[str, Held] = {}
         self.progress: dict[str, _Progress] = {}

@@ -17,10 +17,10 @@ from .topology import stage_name
 class MiddleActor(DownstreamActor):
     role = Role.MIDDLE
 
-    def __init__(self, stage: int, num_stages: int, *, max_rows: int):
+    def __init__(self, stage: int, num_stages: int, *, max_rows: int, prompt_rows: int | None = None):
         self.stage, self.num_stages = stage, num_stages
         self.next, self.entry = stage_name(stage + 1), stage_name(0)
-        self.queue = StageQueue(max_rows)
+        self.queue = StageQueue(max_rows, prompt_rows)
         self.entries = Entries(self._end_here)
         self.expected: dict[str, Held] = {}  # live requests: their life and where their next rows start
         self.reply_to: dict[str, str | None] = {}

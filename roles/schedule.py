@@ -8,7 +8,9 @@ and the next step takes as many as fit in one batch of `max_rows`. The planner i
 2. Prompt rows fill the rest of the step, oldest request first; a prompt that does not fit is split, and
    its remainder waits for the next step (chunked prefill). A stage's row budget is at least twice its
    sequence slots, so each step has room for every slot's decode row and at least as many prompt rows:
-   prompts always advance too.
+   prompts always advance too. The chunked prefill size (`prompt_rows`, a node's --chunked-prefill-size)
+   caps a step's prompt rows lower still, so that a long prompt costs the streams decoding beside it
+   little per step (issue 25: the stall a prefill puts on them), at the price of more steps for it.
 3. A request's rows are taken in position order: a later piece is taken only after every earlier one.
 
 So the bound on a decode's wait is one step of at most `max_rows` rows, whatever the prompts' length.
@@ -59,8 +61,9 @@ class Step:
     release: tuple[str, ...]  # requests whose slots the worker frees before computing
 
 
-def plan_rows(waiting: Sequence[Unit], max_rows: int) -> list[int]:
-    """How many rows of each waiting unit the next step takes (0: none), by the rules above."""
+def plan_rows(waiting: Sequence[Unit], max_rows: int, prompt_rows: int | None = None) -> list[int]:
+    """How many rows of each waiting unit the next step takes (0: none), by the rules above; `prompt_rows`
+    caps the prompt rows of one step (the chunked prefill size) below what the decode rows leave."""
     take = [0] * len(waiting)
     budget = max_rows
     seen: set[str] = set()
@@ -68,6 +71,8 @@ def plan_rows(waiting: Sequence[Unit], max_rows: int) -> list[int]:
         if u.decode and budget > 0 and u.request_id not in seen:  # never ahead of the request's own rows
             take[i], budget = 1, budget - 1
         seen.add(u.request_id)
+    if prompt_rows is not None:
+        budget = min(budget, prompt_rows)
     blocked: set[str] = set()  # requests with an earlier piece not fully taken
     for i, u in enumerate(waiting):
         if u.decode:
@@ -87,8 +92,8 @@ def plan_rows(waiting: Sequence[Unit], max_rows: int) -> list[int]:
 class StageQueue:
     """The rows waiting at one stage. Event loop only."""
 
-    def __init__(self, max_rows: int):
-        self.max_rows = max_rows
+    def __init__(self, max_rows: int, prompt_rows: int | None = None):
+        self.max_rows, self.prompt_rows = max_rows, prompt_rows
         self.waiting: list[Unit] = []
         self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._release: list[str] = []
@@ -119,7 +124,7 @@ class StageQueue:
 
     def next_step(self) -> Step | None:
         """Take the next step's rows off the queue, or None when there is nothing to do."""
-        take = plan_rows(self.waiting, self.max_rows)
+        take = plan_rows(self.waiting, self.max_rows, self.prompt_rows)
         units, rest = [], []
         for unit, k in zip(self.waiting, take):
             if k == unit.rows:

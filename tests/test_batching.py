@@ -8,9 +8,9 @@ from worker.models import tinygrad_model
 from worker.weights.tiny import TinySource
 
 
-@pytest.mark.parametrize("max_batch,want", [(1, (1,)), (2, (1, 2)), (4, (1, 4)), (16, (1, 4, 8, 16)),
-                                            (12, (1, 4, 8, 12))])
-def test_buckets_double_from_4_up_to_the_largest_batch(max_batch, want):
+@pytest.mark.parametrize("max_batch,want", [(1, (1,)), (2, (1, 2)), (4, (1, 2, 4)), (16, (1, 2, 4, 8, 16)),
+                                            (12, (1, 2, 4, 8, 12))])
+def test_buckets_double_up_to_the_largest_batch(max_batch, want):
     assert bucket_sizes(max_batch) == want
 
 

@@ -82,11 +82,12 @@ def test_the_cluster_token_loses_surrounding_whitespace():
     (["--precision", "F32"], "precision", "f32"),
     (["--ctx", "4096"], "ctx", 4096),
     (["--max-model-len", "512"], "ctx", 512),  # vLLM's name for it
+    (["--chunked-prefill-size", "4"], "chunked_prefill_size", 4),  # SGLang's name
 ])
 def test_a_flag_wins_over_its_variable(argv, field, expected):
     env = {"NUM_STAGES": "6", "SEED_ADDR": "s:1", "PEER_DIRECT": "p:1", "MODEL": "tiny", "PP_PORT": "8100",
            "PP_BIND": "10.0.0.1", "PP_ADVERTISE_ADDR": "x:1", "PP_NODE_ID": "alpha", "PP_LOG_LEVEL": "ERROR",
-           "PP_PRECISION": "file", "PP_CTX": "1024"}
+           "PP_PRECISION": "file", "PP_CTX": "1024", "PP_CHUNKED_PREFILL_SIZE": "12"}
     assert getattr(parse(env, argv), field) == expected
 
 
@@ -121,6 +122,7 @@ def test_the_port_flag_also_selects_the_vast_port_mapping():
     ({"PP_MAX_BODY": "0"}, [], (), "PP_MAX_BODY=0 must be a positive number of bytes"),
     ({"PP_CTX": "8"}, [], (), "PP_CTX=8 must be at least 16"),
     ({"PP_CTX": "lots"}, [], (), "PP_CTX='lots' is not a whole number"),
+    ({"PP_CHUNKED_PREFILL_SIZE": "0"}, [], (), "PP_CHUNKED_PREFILL_SIZE=0 must be at least 1"),
     ({"PP_LOG_LEVEL": "LOUD"}, [], (), "PP_LOG_LEVEL='LOUD' is not one of DEBUG, INFO"),
     ({"PP_PRECISION": "q4"}, [], (), "PP_PRECISION='q4': expected auto, file, f32"),
     ({"PP_NODE_ID": "my node"}, [], (), "PP_NODE_ID='my node': a node id must be printable and without spaces"),

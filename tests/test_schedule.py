@@ -31,6 +31,17 @@ def test_a_step_takes_waiting_rows_oldest_first_up_to_its_size_and_in_each_reque
     assert plan_rows(waiting, max_rows) == want
 
 
+@pytest.mark.parametrize("waiting,max_rows,prompt_rows,want", [
+    ([p("a", 10)], 8, 3, [3]),  # the chunk, not the step's room, bounds a prompt
+    ([d("x"), d("y"), p("a", 10)], 8, 3, [1, 1, 3]),  # decode rows do not count against it
+    ([p("a", 2), p("b", 5)], 8, 4, [2, 2]),  # it bounds a step's prompt rows together
+    ([d("x"), d("y"), p("a", 10)], 3, 4, [1, 1, 1]),  # the step's room still bounds everything
+    ([d("x"), p("a", 10)], 8, None, [1, 7]),  # no chunk size: the step's room
+])
+def test_the_chunked_prefill_size_caps_a_step_s_prompt_rows_beside_its_decodes(waiting, max_rows, prompt_rows, want):
+    assert plan_rows(waiting, max_rows, prompt_rows) == want
+
+
 def test_a_decode_waits_at_most_one_step_whatever_the_prompts_waiting():
     queue = StageQueue(max_rows=4)
     queue.add(p("long", 100))

@@ -17,10 +17,11 @@ class Segment:
 
 
 def bucket_sizes(max_batch: int) -> tuple[int, ...]:
-    """1, 4, 8, 16, ... up to max_batch (which need not be a power of two). No bucket of 2: on a CPU a
-    call of 2 rows cost more than one of 4 (three `small` blocks: 46 against 32 ms), and each bucket is
-    a graph to capture at boot."""
-    sizes, b = [1], 4
+    """1, 2, 4, 8, 16, ... up to max_batch (which need not be a power of two). Each bucket is a graph to
+    capture at boot. A bucket of 2 matters for a step of one decode and one prompt row (a small chunked
+    prefill): with the hand-written CPU kernels 2 rows cost 1.4x one row through 10 SmolLM2 blocks and 4 rows
+    2.1x (issue 25); tinygrad's own kernels once made 2 rows dearer than 4, and there was no bucket of 2."""
+    sizes, b = [1], 2
     while b < max_batch:
         sizes.append(b)
         b *= 2
