@@ -13,8 +13,9 @@ a degree-6 polynomial, relative error ~2e-7, within float-summation tolerance of
 """
 from __future__ import annotations
 
-from tinygrad import Tensor, UOp, dtypes
-from tinygrad.uop.ops import KernelInfo, Ops
+from tinygrad import Tensor
+
+from .cpu_matvec import c_kernel, custom_text
 
 def source(rows: int, heads: int, kv_heads: int, head_dim: int, max_context: int) -> str:
     """y (rows, heads·head_dim) from q (rows, heads·head_dim), the cache (slots·max_context, 2·kv_heads·head_dim)
@@ -61,16 +62,7 @@ for (int b = 0; b < {rows}; b++) {{
   }}
 }}
 }}"""
-    text = body.replace("{", "{{").replace("}", "}}")
-    for i in range(4):
-        text = text.replace(f"@{i}", f"{{{i}}}")
-    return text
-
-
-def _raw(u: UOp) -> UOp:
-    while u.op is Ops.RESHAPE:
-        u = u.src[0]
-    return u
+    return custom_text(body, 4)
 
 
 def attention(q: Tensor, cache: Tensor, ints: Tensor, *, heads: int, kv_heads: int, head_dim: int,
@@ -78,9 +70,5 @@ def attention(q: Tensor, cache: Tensor, ints: Tensor, *, heads: int, kv_heads: i
     """q (rows, heads·head_dim) float32 → (rows, heads·head_dim): each row attends to its slot's cached
     positions 0..its own (ints: position, slot, cache row per row)."""
     rows = q.shape[0]
-    text = source(rows, heads, kv_heads, head_dim, max_context)
-
-    def kernel(*buffers: UOp) -> UOp:
-        body = UOp(Ops.CUSTOM, dtypes.void, tuple(_raw(u) for u in buffers), text)
-        return body.sink(arg=KernelInfo(name=f"attention_{rows}_{heads}_{kv_heads}_{head_dim}", opts_to_apply=()))
-    return Tensor.empty(rows, heads * head_dim).custom_kernel(q.contiguous(), cache, ints, fxn=kernel)[0]
+    return c_kernel(f"attention_{rows}_{heads}_{kv_heads}_{head_dim}", source(rows, heads, kv_heads, head_dim, max_context),
+                    (rows, heads * head_dim), q.contiguous(), cache, ints)

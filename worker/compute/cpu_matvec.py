@@ -1,13 +1,14 @@
-"""Matrix × rows for quantized weights on the CPU device, as hand-written C inside a tinygrad kernel.
+"""Matrix × rows for F32, Q8_0 and Q4_1 weights on the CPU device, as hand-written C inside a tinygrad kernel.
 
 tinygrad 0.14's own kernels for a packed weight widen it one scalar at a time: on this project's 2-core
 box a Q4_1 or Q8_0 matvec ran at 0.6–0.7 G weights/s untuned and 1.7–1.9 searched (BEAM=2, about a
-minute per shape), against 8.6 GB/s of weights llama.cpp streams on one core (docs/benchmarks.md,
+minute per shape), and an F32 one at 4.4 GB/s where numpy's BLAS reads 8.2 (docs/benchmarks.md,
 issue 25). These kernels decode each block of 32 weights once into four 8-lane float vectors, with the
 compiler's vector extensions (clang builds them, as every tinygrad CPU kernel, with -march=native), and
 multiply them into every row of the step before moving on, so a batched step reads the weights once.
 
 Arithmetic, per row and output (the same whatever the rows beside it, so batched equals solo exactly):
+- F32: y = Σ_blocks (w · x), the block's 32 products summed as four 8-lane vectors, lane by lane.
 - Q8_0: y = Σ_blocks d · (q · x), the block's 32 products summed as four 8-lane vectors, lane by lane.
 - Q4_1: y = Σ_blocks (d · (q · x) + m · Σx): ggml's d·q + m folded into the dot product; against the
   widened weights it differs only in rounding (float-summation tolerance, tests/test_cpu_matvec.py).
@@ -96,10 +97,14 @@ def source(kind: str, rows: int, out: int, inp: int) -> str:
         lines.append("  }")
     lines.append("}")
     lines.append("}")
-    body = "\n".join(lines)
-    # tinygrad formats the text with the buffers' names: C's braces doubled, @i becomes argument i
+    return custom_text("\n".join(lines), 4 if ns else 3)
+
+
+def custom_text(body: str, buffers: int) -> str:
+    """C as a CUSTOM op's text: tinygrad formats it with the buffers' names, so C's braces are doubled
+    and @i becomes argument i."""
     text = body.replace("{", "{{").replace("}", "}}")
-    for i in range(4 if ns else 3):
+    for i in range(buffers):
         text = text.replace(f"@{i}", f"{{{i}}}")
     return text
 
@@ -124,12 +129,15 @@ def _raw(u: UOp) -> UOp:
     return u
 
 
+def c_kernel(name: str, text: str, out_shape: tuple[int, ...], *inputs: Tensor) -> Tensor:
+    """A float32 tensor of `out_shape` written by the C `text` (custom_text), given `inputs` as @1, @2, ..."""
+    def kernel(*buffers: UOp) -> UOp:
+        body = UOp(Ops.CUSTOM, dtypes.void, tuple(_raw(u) for u in buffers), text)
+        return body.sink(arg=KernelInfo(name=name, opts_to_apply=()))
+    return Tensor.empty(*out_shape).custom_kernel(*inputs, fxn=kernel)[0]
+
+
 def matvec(x: Tensor, kind: str, parts: tuple[Tensor, ...], shape: tuple[int, int]) -> Tensor:
     """x (rows, in) float32 → (rows, out) float32 through the C kernel for `kind`."""
     rows, (out, inp) = x.shape[0], shape
-    text = source(kind, rows, out, inp)
-
-    def kernel(*buffers: UOp) -> UOp:
-        body = UOp(Ops.CUSTOM, dtypes.void, tuple(_raw(u) for u in buffers), text)
-        return body.sink(arg=KernelInfo(name=f"{kind}_mv_{rows}_{out}_{inp}", opts_to_apply=()))
-    return Tensor.empty(rows, out).custom_kernel(x.contiguous(), *parts, fxn=kernel)[0]
+    return c_kernel(f"{kind}_mv_{rows}_{out}_{inp}", source(kind, rows, out, inp), (rows, out), x.contiguous(), *parts)

@@ -1,6 +1,8 @@
 """Weights on the device in their file's precision, and the matmul that widens them as it reads them.
 
-Two forms of x @ W.T:
+On the CPU, F32, Q8_0 and Q4_1 weights (whose `in` is a multiple of 32) go through hand-written C kernels
+(worker/compute/cpu_matvec.py): faster than either form below for every row count measured (issue 25).
+Elsewhere, and for F16/BF16, two forms of x @ W.T:
 - plain: tinygrad's own matmul over the widened weight.
 - split: the reduction over `in` cut into blocks of 32 whose partial sums are kept per lane and added
   at the end, so that a searched (BEAM) kernel keeps many independent accumulators instead of one chain

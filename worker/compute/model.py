@@ -16,10 +16,14 @@ Why it is built this way (tinygrad 0.14, measured in docs/benchmarks.md):
   two blocks at B = 1 and at B = 16), and neither does the capture time.
 - New keys and values are written by one small scatter kernel per block (`_kv_store`): tinygrad's
   indexed setitem rewrites the whole cache, which at 1B scale would move ~1 GB per step.
-- Reads gather each row's slot with an index tensor, which tinygrad folds into direct loads.
-- Matrices stay in the file's precision where it is F16, BF16 or Q8_0 (worker/weights/packed.py) and are widened
-  inside the matmul kernels (worker/compute/linear.py): decode reads every weight once a step, so fewer bytes a
-  weight is speed, and a stage holds about the file's bytes.
+- Reads gather each row's slot with an index tensor, which tinygrad folds into direct loads. On the CPU one
+  hand-written kernel per block does a step's attention instead (worker/compute/cpu_attention.py).
+- On the CPU a captured step is submitted whole, not kernel by kernel from Python (whole_graphs.py).
+- The head is its own graph, run only on the rows that are sampled.
+- Matrices stay in the file's precision where it is F16, BF16, Q8_0 or Q4_1 (worker/weights/packed.py) and are
+  widened inside the matmul kernels (worker/compute/linear.py; on the CPU hand-written ones, cpu_matvec.py):
+  decode reads every weight once a step, so fewer bytes a weight is speed, and a stage holds about the
+  file's bytes.
 - Each row's arithmetic is the same whatever the bucket and whatever else is in the batch (row-wise
   matmuls, a row's masked keys add exact zeros): the same request gives bit-identical logits alone
   or batched (tests/test_batching.py), and so prompts chunked through the step graph equal stepping
