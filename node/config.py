@@ -27,7 +27,7 @@ from node.transport.faults import NONE as NO_FAULTS, Faults, FaultSpecError, par
 
 DEFAULT_PORT = 8000
 DEFAULT_BIND = "0.0.0.0"
-DEFAULT_CHUNKED_PREFILL = 8  # bench.stall on SmolLM2 (docs/benchmarks.md, issue 25)
+DEFAULT_CHUNKED_PREFILL = 4  # bench.stall at N = 3 on SmolLM2: a stall 25x -> 9x for +35 % TTFT (docs/benchmarks.md, issue 25)
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024  # a few prefill activations of an 8B model, with room to spare
 DEFAULT_LOG_LEVEL = "INFO"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
