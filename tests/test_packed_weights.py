@@ -155,3 +155,18 @@ def test_linear_computes_x_times_the_widened_weight_for_every_kind_and_form(kind
     packed = _packed(kind, w)
     got = linear(Tensor(x), to_device(packed, lambda a: Tensor(a)), searched=searched).numpy()
     np.testing.assert_allclose(got, x @ packed.widened().T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("searched", [False, True], ids=["plain", "searched"])
+@pytest.mark.parametrize("kind", ["f32", "q8_0", "q4_1"])
+def test_tinygrad_s_own_forms_compute_x_times_the_widened_weight_where_no_hand_written_kernel_runs(kind, searched):
+    # what a GPU runs: the weight's parts as the file holds them, widened inside tinygrad's matmul
+    from tinygrad import Tensor
+
+    from worker.compute.linear import DeviceWeight, linear
+    rng = np.random.default_rng(4)
+    w, x = rng.standard_normal((40, 64)).astype(np.float32) + 0.3, rng.standard_normal((3, 64)).astype(np.float32)
+    packed = _packed(kind, w)
+    weight = DeviceWeight(kind, tuple(Tensor(p) for p in packed.parts), packed.shape)
+    got = linear(Tensor(x), weight, searched=searched).numpy()
+    np.testing.assert_allclose(got, x @ packed.widened().T, rtol=1e-5, atol=1e-5)
