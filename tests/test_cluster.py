@@ -68,7 +68,8 @@ async def test_every_message_crosses_every_hop_intact_over_http2(nursery, tmp_pa
     monkeypatch.setattr(wire, "body_of", recording_body_of)
     monkeypatch.setattr(frames, "encode", recording_frame)
     monkeypatch.setattr(StageNode, "deliver", recording_deliver)
-    orch, urls, _ = await start_cluster(nursery, n, tmp_path, link_streams=links == "stream")
+    # the prompt in one step (no smaller prefill chunks): the count below is one message per step and hop
+    orch, urls, _ = await start_cluster(nursery, n, tmp_path, link_streams=links == "stream", chunked_prefill_size=64)
     with trio.fail_after(60):
         await orch.submit("Say hello", max_tokens=5)
         await ended.wait()
