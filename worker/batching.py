@@ -19,8 +19,9 @@ class Segment:
 def bucket_sizes(max_batch: int) -> tuple[int, ...]:
     """1, 2, 4, 8, 16, ... up to max_batch (which need not be a power of two). Each bucket is a graph to
     capture at boot. A bucket of 2 matters for a step of one decode and one prompt row (a small chunked
-    prefill): with the hand-written CPU kernels 2 rows cost 1.4x one row through 10 SmolLM2 blocks and 4 rows
-    2.1x (issue 25); tinygrad's own kernels once made 2 rows dearer than 4, and there was no bucket of 2."""
+    prefill): with the hand-written CPU kernels 2 rows cost 1.2x one row through 10 SmolLM2 blocks and 4 rows
+    1.7x (`python -m bench.kernels --mixed`, issue 25); tinygrad's own kernels once made 2 rows dearer than 4,
+    and there was no bucket of 2."""
     sizes, b = [1], 2
     while b < max_batch:
         sizes.append(b)

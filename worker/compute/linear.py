@@ -33,8 +33,8 @@ class DeviceWeight:
 
 
 def to_device(packed: Packed, put) -> DeviceWeight:
-    """`put(array) -> Tensor` places each part (in place on the CPU, a copy elsewhere). On the CPU a Q8_0 or
-    Q4_1 weight goes in cpu_matvec's layout, for its hand-written kernel."""
+    """`put(array) -> Tensor` places each part (in place on the CPU, a copy elsewhere). On the CPU an F32, Q8_0
+    or Q4_1 weight that cpu_matvec handles goes in its layout, for its hand-written kernel."""
     if cpu_matvec.handles(packed.kind, packed.shape) and Device.DEFAULT.startswith("CPU"):
         parts = cpu_matvec.device_parts(packed.kind, packed.parts)
         return DeviceWeight(packed.kind, tuple(put(p) for p in parts), packed.shape, hand_written=True)
