@@ -18,11 +18,32 @@ SAMPLING_EPS = 1e-5  # below this temperature, greedy
 MAX_SEED = 2 ** 64 - 1
 
 
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (vLLM's default max_logprobs is 20 too)
+
+_v = attrs.validators
+
+
 @attrs.frozen
 class Sampling:
-    temperature: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))  # 0 = greedy argmax
-    top_p: float = attrs.field(default=1.0, validator=[attrs.validators.gt(0.0), attrs.validators.le(1.0)])
+    """How the last stage picks a request's tokens, and what it reports about them; vLLM's SamplingParams,
+    travelling in RequestStart. Every field's default leaves the sampler as plain greedy / temperature / top-p."""
+
+    temperature: float = attrs.field(default=0.0, validator=_v.ge(0.0))  # 0 = greedy argmax
+    top_p: float = attrs.field(default=1.0, validator=[_v.gt(0.0), _v.le(1.0)])
     seed: int = 0  # with temperature > 0, the same seed gives the same tokens
+    top_k: int = attrs.field(default=0, validator=_v.ge(0))  # 0: off (the API's -1 becomes 0)
+    min_p: float = attrs.field(default=0.0, validator=[_v.ge(0.0), _v.le(1.0)])
+    repetition_penalty: float = attrs.field(default=1.0, validator=_v.gt(0.0))  # prompt and output tokens
+    presence_penalty: float = attrs.field(default=0.0, validator=[_v.ge(-2.0), _v.le(2.0)])  # output tokens
+    frequency_penalty: float = attrs.field(default=0.0, validator=[_v.ge(-2.0), _v.le(2.0)])  # output tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in -100..100), added to the logits
+    min_tokens: int = attrs.field(default=0, validator=_v.ge(0))  # stop tokens are masked until this many
+    ignore_eos: bool = False  # the model's stop tokens do not end the request (stop_token_ids still do)
+    stop_token_ids: tuple[int, ...] = ()  # more tokens that end the request
+    logprobs: int | None = attrs.field(default=None, validator=_v.optional([_v.ge(0), _v.le(MAX_LOGPROBS)]))
+    prompt_logprobs: int | None = attrs.field(default=None,  # echo: each prompt token's logprob, top-n beside
+                                              validator=_v.optional([_v.ge(0), _v.le(MAX_LOGPROBS)]))
+    grammar: str = ""  # constrained decoding: the response_format as canonical JSON (worker/grammar.py)
 
     @property
     def greedy(self) -> bool:
