@@ -12,6 +12,7 @@ compute raises forgets every request in it, since their KV caches may be half-wr
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import attrs
 import numpy as np
@@ -19,7 +20,7 @@ import numpy as np
 from .errors import WorkerError
 from .batching import Segment
 from .partition import Role, layer_range, role_of
-from .sampling import GREEDY, Sampling, rng_for, sample
+from .sampling import GREEDY, Sampling, rng_for, sample, stop_set
 from .slice import Slice
 
 
@@ -130,11 +131,19 @@ class StageWorker:
                                     sampling=sampling or GREEDY))
         return Sampled(self.sample(request_id, logits), logits)
 
-    def sample(self, request_id: str, logits: np.ndarray) -> int:
-        """Draw the next token of a request from its logits, with the sampling it started with."""
+    def sample(self, request_id: str, logits: np.ndarray, *, prompt_ids: Sequence[int] = (),
+               output_ids: Sequence[int] = (), stop_ids: frozenset[int] | None = None,
+               allowed: np.ndarray | None = None) -> int:
+        """Draw the next token of a request from its logits, with the sampling it started with.
+
+        The penalties read `prompt_ids` and `output_ids` (the tokens so far); min_tokens masks `stop_ids`,
+        by default the model's stop ids as the request's ignore_eos and stop_token_ids make them.
+        """
         self._require(Role.LAST, "sample")
         req = self._known(request_id)
-        return sample(logits, req.sampling, req.rng)
+        stops = stop_set(self.info.stop_ids, req.sampling) if stop_ids is None else stop_ids
+        return sample(logits, req.sampling, req.rng, prompt_ids=prompt_ids, output_ids=output_ids,
+                      stop_ids=stops, allowed=allowed)
 
     def detokenize(self, tokens: list[int]) -> str:
         self._require(Role.LAST, "detokenize")
