@@ -1,8 +1,12 @@
 """OpenAI's wire format at the entry: parameters parsed or refused by name, and streamed text that never
 breaks a character or shows a stop string."""
+import copy
+import json
+
 import pytest
 
-from node.api.openai_wire import ApiError, ApiRequest, Completion, TextStream, parse_request
+from chat_fixtures import OPENAI_TOOL_CONVERSATION, TOOL_CONVERSATION
+from node.api.openai_wire import MAX_ARGUMENTS_DEPTH, ApiError, ApiRequest, Completion, TextStream, parse_request
 from worker.sampling import Sampling
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -61,6 +65,81 @@ def test_a_bad_parameter_is_refused_naming_it(body, param, code):
     assert e.status == 400 and e.body() == {"error": {"message": e.message, "type": "invalid_request_error",
                                                       "param": param, "code": code}}
     assert param.split("[")[0] in e.message
+
+
+def test_tool_call_history_takes_the_shape_hugging_face_templates_expect():
+    # null or absent content beside tool_calls is "", arguments' JSON text is the object it spells, a `name` stays
+    assert list(parse({"model": "m", "messages": OPENAI_TOOL_CONVERSATION}).messages) == TOOL_CONVERSATION
+
+
+def test_tool_call_arguments_may_nest_as_deep_as_max_arguments_depth():
+    arguments = '{"a": ' * MAX_ARGUMENTS_DEPTH + "[]" + "}" * MAX_ARGUMENTS_DEPTH  # the array is one level more
+    with pytest.raises(ApiError, match=f"nested deeper than {MAX_ARGUMENTS_DEPTH} levels"):
+        parse({"model": "m", "messages": with_change(1, set_function(0, arguments=arguments))})
+    shallower = arguments.replace("[]", "1")
+    parsed = parse({"model": "m", "messages": with_change(1, set_function(0, arguments=shallower))})
+    assert parsed.messages[1]["tool_calls"][0]["function"]["arguments"] == json.loads(shallower)
+
+
+def with_change(n: int, change) -> list[dict]:
+    """OPENAI_TOOL_CONVERSATION with its message n changed by `change` (or put in its place, if not callable)."""
+    messages = copy.deepcopy(OPENAI_TOOL_CONVERSATION)
+    if callable(change):
+        change(messages[n])
+    else:
+        messages[n:n + 1] = change
+    return messages
+
+
+def set_call(k: int, **fields):
+    return lambda m: m["tool_calls"][k].update(fields)
+
+
+def set_function(k: int, **fields):
+    return lambda m: m["tool_calls"][k]["function"].update(fields)
+
+
+CALLS = "messages[1].tool_calls"
+
+
+@pytest.mark.parametrize("messages,param,code", [
+    (with_change(1, set_function(0, name=None)), f"{CALLS}[0].function.name", "missing_required_parameter"),
+    (with_change(1, set_function(0, name="")), f"{CALLS}[0].function.name", "invalid_value"),
+    (with_change(1, set_function(0, name=7)), f"{CALLS}[0].function.name", "invalid_type"),
+    (with_change(1, set_function(0, arguments=None)), f"{CALLS}[0].function.arguments", "missing_required_parameter"),
+    (with_change(1, set_function(0, arguments={"city": "Paris"})), f"{CALLS}[0].function.arguments",
+     "invalid_type"),  # OpenAI sends the JSON text
+    (with_change(1, set_function(1, arguments='{"city": ')), f"{CALLS}[1].function.arguments", "invalid_value"),
+    (with_change(1, set_function(0, arguments='["Paris"]')), f"{CALLS}[0].function.arguments", "invalid_value"),
+    (with_change(1, set_function(0, arguments='{"t": NaN}')), f"{CALLS}[0].function.arguments", "invalid_value"),
+    (with_change(1, set_function(0, arguments='{"\\ud800": 1}')), f"{CALLS}[0].function.arguments",
+     "invalid_value"),
+    (with_change(1, set_function(0, arguments="[" * 100_000)), f"{CALLS}[0].function.arguments", "invalid_value"),
+    (with_change(1, set_call(0, function="get_weather")), f"{CALLS}[0].function", "invalid_type"),
+    (with_change(1, set_call(0, type="custom")), f"{CALLS}[0].type", "invalid_value"),
+    (with_change(1, set_call(0, type=None)), f"{CALLS}[0].type", "missing_required_parameter"),
+    (with_change(1, set_call(0, id=None)), f"{CALLS}[0].id", "missing_required_parameter"),
+    (with_change(1, set_call(1, id="call_1")), f"{CALLS}[1].id", "invalid_value"),  # two calls, one id
+    (with_change(1, lambda m: m["tool_calls"].__setitem__(0, "get_weather")), f"{CALLS}[0]", "invalid_type"),
+    (with_change(1, lambda m: m.update(tool_calls={})), CALLS, "invalid_type"),
+    (with_change(1, lambda m: m.update(tool_calls=[])), CALLS, "invalid_value"),
+    (with_change(1, lambda m: m.update(tool_calls=None)), "messages[1].content", "missing_required_parameter"),
+    (with_change(0, lambda m: m.update(tool_calls=OPENAI_TOOL_CONVERSATION[1]["tool_calls"])),
+     "messages[0].tool_calls", "invalid_value"),  # only an assistant calls tools
+    (with_change(0, lambda m: m.update(name=["ana"])), "messages[0].name", "invalid_type"),
+    (with_change(2, lambda m: m.pop("tool_call_id")), "messages[2].tool_call_id", "missing_required_parameter"),
+    (with_change(2, lambda m: m.update(content=None)), "messages[2].content", "missing_required_parameter"),
+    (with_change(3, lambda m: m.update(tool_call_id="call_9")), "messages[3].tool_call_id", "invalid_value"),
+    (with_change(3, lambda m: m.update(tool_call_id="call_1")), "messages[3].tool_call_id", "invalid_value"),
+    (with_change(1, [OPENAI_TOOL_CONVERSATION[2]]), "messages[1].tool_call_id", "invalid_value"),  # answers nothing
+    (with_change(3, [{"role": "user", "content": "and?"}]), f"{CALLS}[1].id", "invalid_value"),  # call_2 unanswered
+    (with_change(5, []), "messages[4].tool_calls[0].id", "invalid_value"),  # ends before call_3 is answered
+])
+def test_a_malformed_tool_call_history_is_refused_naming_the_field(messages, param, code):
+    with pytest.raises(ApiError) as info:
+        parse({"model": "m", "messages": messages})
+    e = info.value
+    assert (e.status, e.param, e.code) == (400, param, code) and e.message.startswith(f"{param}: ")
 
 
 def test_several_completion_prompts_are_refused():

@@ -7,6 +7,13 @@ trim_blocks and lstrip_blocks and the loop-controls extension; `tojson` that doe
 (`bos_token`, `eos_token`) and `add_generation_prompt` as variables. The rendered text starts with the
 BOS token when the template writes it, so it is encoded without adding another.
 
+Tool-call history (assistant turns with `tool_calls`, `tool` turns with their results) goes through a template
+only where the template renders it: the template must name `tool_calls` for calls and the `tool` role for
+results (read from jinja2's syntax tree, not the source's text), and what it renders must show each call's
+function name and each result's text.
+A template without tool support — SmolLM2-135M-Instruct's, Llama 3's fallback below — refuses such a
+conversation naming the first turn it would lose, rather than render a prompt that silently drops it.
+
 Where templates come from: `tokenizer.chat_template` in GGUF metadata, `chat_template` in a Hugging Face
 `tokenizer_config.json` (or a `chat_template.jinja` beside it). Models that carry none — the built-in
 ones among them — use Llama 3's instruct template.
@@ -19,6 +26,7 @@ import json
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 
 from ..errors import WorkerError
@@ -31,7 +39,7 @@ LLAMA3_TEMPLATE = (
     "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 def _raise_exception(message: str):
@@ -46,34 +54,91 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
-@functools.lru_cache(maxsize=16)
-def compile_template(source: str) -> jinja2.Template:
+@functools.cache
+def _environment() -> jinja2.Environment:
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                        extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+@functools.lru_cache(maxsize=16)
+def compile_template(source: str) -> jinja2.Template:
     try:
-        return env.from_string(source)
+        return _environment().from_string(source)
     except jinja2.TemplateSyntaxError as exc:
         raise WorkerError(f"the model's chat template does not parse: {exc}") from None
+
+
+@functools.lru_cache(maxsize=16)
+def spelled_names(source: str) -> frozenset[str]:
+    """Every attribute name and string constant in a template (which parses): `message.tool_calls`,
+    `'tool_calls' in message`, `message['tool_calls']` and `message.role == 'tool'` each spell theirs; text
+    outside the template's tags (`<|im_start|>tool`) spells none."""
+    tree = _environment().parse(source)
+    return frozenset({node.attr for node in tree.find_all(jinja2.nodes.Getattr)}
+                     | {node.value for node in tree.find_all(jinja2.nodes.Const) if isinstance(node.value, str)})
 
 
 def render(source: str, messages: list[dict], *, bos_token: str, eos_token: str,
            add_generation_prompt: bool = True, **extra) -> str:
     """The conversation as the template writes it. A template's own refusals (raise_exception, e.g.
-    "roles must alternate") and malformed messages are WorkerErrors naming the problem."""
+    "roles must alternate"), malformed messages and tool turns the template does not render are WorkerErrors
+    naming the problem."""
     check_messages(messages)
+    template = compile_template(source)
+    tool_turns = list(_tool_turns(messages))
+    for n, what, spelled, _ in tool_turns:
+        if spelled not in spelled_names(source):
+            raise _not_rendered(what, n)
     try:
-        return compile_template(source).render(messages=messages, bos_token=bos_token, eos_token=eos_token,
-                                               add_generation_prompt=add_generation_prompt, **extra)
+        text = template.render(messages=messages, bos_token=bos_token, eos_token=eos_token,
+                               add_generation_prompt=add_generation_prompt, **extra)
     except jinja2.TemplateError as exc:
         raise WorkerError(f"the model's chat template refused the conversation: {exc}") from None
+    for n, what, _, shown in tool_turns:
+        if not all(_shows(text, s) for s in shown):
+            raise _not_rendered(what, n)
+    return text
+
+
+def _tool_turns(messages: list[dict]):
+    """(index, what it holds, the name a template handling it spells, texts its rendering must show) for each
+    turn with tool calls (their function names) or a tool's result (its text)."""
+    for n, m in enumerate(messages):
+        if m.get("tool_calls"):
+            yield n, "tool calls", "tool_calls", [call["function"]["name"] for call in m["tool_calls"]]
+        elif m["role"] == "tool":
+            yield n, "tool results", "tool", [m["content"].strip()]
+
+
+def _shows(text: str, value: str) -> bool:
+    """`value` is in `text` as it is, or as a JSON string (`tojson`) writes it."""
+    return value in text or json.dumps(value, ensure_ascii=False)[1:-1] in text
+
+
+def _not_rendered(what: str, n: int) -> WorkerError:
+    return WorkerError(f"this model's chat template does not render {what} (messages[{n}])")
 
 
 def check_messages(messages: list[dict]) -> None:
+    """Each turn a role and text content; a tool result names the call it answers, and tool calls (an
+    assistant's) are each a function's name and its arguments (an object, or its JSON text)."""
     if not messages:
         raise WorkerError("messages: empty")
     for n, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise WorkerError(f"messages[{n}]: want a role ({', '.join(ROLES)}) and text content")
+        if m["role"] == "tool" and not isinstance(m.get("tool_call_id"), str):
+            raise WorkerError(f"messages[{n}]: a tool result wants the tool_call_id it answers")
+        if "tool_calls" in m and (m["role"] != "assistant" or not _well_formed(m["tool_calls"])):
+            raise WorkerError(f"messages[{n}]: tool_calls want an assistant turn and a list of calls, each a "
+                              f"function's name and arguments")
+
+
+def _well_formed(calls) -> bool:
+    return isinstance(calls, list) and all(
+        isinstance(c, dict) and isinstance(f := c.get("function"), dict) and isinstance(f.get("name"), str)
+        and isinstance(f.get("arguments"), (dict, str)) for c in calls)
