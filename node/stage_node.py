@@ -133,15 +133,18 @@ class StageNode:
                 "slots_in_use": self.worker.slots_in_use if self.worker is not None else None,
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # ru_maxrss is KiB
 
-    def open_local(self, request: wire.InferenceRequest) -> trio.MemoryReceiveChannel:
+    def open_local(self, request: wire.InferenceRequest,
+                   into: trio.MemorySendChannel | None = None) -> trio.MemoryReceiveChannel | None:
         """Admit a request made here (the OpenAI API) and follow it: the channel gets each Progress of it,
-        then the last stage's InferenceResponse. Raises Refused as `deliver` does."""
-        send, receive = trio.open_memory_channel(float("inf"))
+        then the last stage's InferenceResponse (or `into` does, a send channel this node closes with
+        close_local). Raises Refused as `deliver` does."""
+        send, receive = (into, None) if into is not None else trio.open_memory_channel(float("inf"))
         self._local[request.request_id] = send
         try:
             self.deliver(request)
         except BaseException:
             del self._local[request.request_id]
+            send.close()
             raise
         return receive
 

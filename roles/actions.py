@@ -8,6 +8,7 @@ from typing import Callable
 import attrs
 
 from worker.errors import WorkerError
+from worker.logprobs import TokenLogprob
 
 from .messages import Activation, EndReason, EndRequest, InferenceResponse, NextTokens, SegmentMeta
 from .schedule import StageQueue, Step
@@ -47,6 +48,8 @@ class Progress:
     token_id: int | None = None
     done: bool = False
     end: EndRequest | None = None
+    logprob: TokenLogprob | None = None  # the Token's, as the last stage sent them
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 def wrong_role(stage: int, role, message) -> Refused:

@@ -226,7 +226,8 @@ class FirstActor:
             live = self.live.get(t.request_id)
             if live is None or t.generation != live.generation:
                 continue  # ended here, or replayed, while the token was on its way
-            actions.append(Progress(t.request_id, t.token_id, t.done))
+            actions.append(Progress(t.request_id, t.token_id, t.done, logprob=t.logprob,
+                                    prompt_logprobs=t.prompt_logprobs))
             if t.done:
                 actions += self.end(EndRequest(t.request_id, EndReason.FINISHED))
             else:

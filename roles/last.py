@@ -10,8 +10,9 @@ from typing import Callable
 import attrs
 
 from worker.errors import WorkerError
+from worker.logprobs import TokenLogprob, token_logprobs
 from worker.partition import Role
-from worker.sampling import GREEDY
+from worker.sampling import GREEDY, stop_set
 from worker.stage import StepItem
 from worker.stopping import generation_done
 
@@ -29,6 +30,21 @@ class _Progress:
     stage_ms: list[float]  # compute per stage, summed over the request's steps
     first_token_at: float = 0.0  # clock() when the first token was sampled
     sampled_at: list[float] = attrs.field(factory=list)  # clock() at each token
+    prompt_logprobs: list[TokenLogprob] = attrs.field(factory=list)  # asked for: sent with the first token
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """The prompt's logprobs were asked for and not yet sent (a replay's first token is not the first)."""
+        return self.start.sampling.prompt_logprobs is not None and not self.start.replayed
+
+
+@attrs.frozen
+class _Sampled:
+    """What the compute thread made of one item's logits."""
+
+    token_id: int | None  # None: a prompt chunk before the last, nothing sampled
+    logprob: TokenLogprob | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # of the prompt tokens after these rows' positions
 
 
 class LastActor(DownstreamActor):
@@ -80,7 +96,8 @@ class LastActor(DownstreamActor):
                 continue
             for i, t in enumerate((*unit.stage_ms, ms)):
                 prog.stage_ms[i] += t
-            if out is None:
+            prog.prompt_logprobs += out.prompt_logprobs
+            if out.token_id is None:
                 continue  # a prompt chunk before the last: nothing to sample yet
             token, done = self._sampled(unit, prog, out)
             tokens.append(token)
@@ -106,24 +123,57 @@ class LastActor(DownstreamActor):
 
     # -- compute thread ----------------------------------------------------------------------
     def run(self, step: Step, worker):
-        """Compute the step, then sample for each item whose rows end its prompt or are a decode row:
-        per item, its token, None (a prompt chunk before the last) or the WorkerError that refused it."""
+        """Compute the step, then sample for each item whose rows end its prompt or are a decode row: per
+        item, a _Sampled (its token, or None for a prompt chunk before the last, and the logprobs asked for)
+        or the WorkerError that refused it. A request's progress is read here, on the compute thread: the
+        event loop changes it only in `finish`, after the step that sampled its last token."""
+        progress = [self.progress.get(u.request_id) for u in step.units]
+        every_row = [p is not None and p.wants_prompt_logprobs and u.position < len(p.start.prompt_token_ids) - 1
+                     for u, p in zip(step.units, progress)]
         results, ms = compute(step, worker, [StepItem(u.request_id, u.position, hidden=u.hidden, seq_len=u.rows,
-                                                      sampling=u.start.sampling if u.start else GREEDY)
-                                             for u in step.units])
-        return [r if isinstance(r, WorkerError) else _sample(worker, u.request_id, r) if u.sample else None
-                for u, r in zip(step.units, results)], ms
+                                                      sampling=u.start.sampling if u.start else GREEDY,
+                                                      all_logits=all_rows)
+                                             for u, all_rows in zip(step.units, every_row)])
+        return [r if isinstance(r, WorkerError) or p is None else self._pick(worker, u, p, r, all_rows)
+                for u, p, r, all_rows in zip(step.units, progress, results, every_row)], ms
+
+    def _pick(self, worker, unit: Unit, prog: _Progress, logits, all_rows: bool) -> _Sampled | WorkerError:
+        """Compute thread: the prompt's logprobs of these rows where asked, then the token where one is due."""
+        s, prompt_lps = prog.start, ()
+        if all_rows:  # row i's logits predict the prompt token at position + i + 1
+            ids = s.prompt_token_ids
+            n = min(unit.rows, len(ids) - 1 - unit.position)
+            prompt_lps = tuple(token_logprobs(logits[:n], ids[unit.position + 1:unit.position + 1 + n],
+                                              s.sampling.prompt_logprobs))
+            logits = logits[-1]
+        if not unit.sample:
+            return _Sampled(None, prompt_logprobs=prompt_lps)
+        try:
+            token = worker.sample(unit.request_id, logits, prompt_ids=s.prompt_token_ids,
+                                  output_ids=tuple(prog.tokens), stop_ids=self._stops(prog))
+        except WorkerError as exc:  # logits that are not finite: this request fails, the others go on
+            return exc
+        asked = s.sampling.logprobs
+        logprob = None if asked is None else token_logprobs(logits[None], [token], asked)[0]
+        return _Sampled(token, logprob, prompt_lps)
 
     # -- internals ---------------------------------------------------------------------------
-    def _sampled(self, unit: Unit, prog: _Progress, token_id: int) -> tuple[Token, bool]:
+    def _sampled(self, unit: Unit, prog: _Progress, out: _Sampled) -> tuple[Token, bool]:
+        token_id = out.token_id
         prog.tokens.append(token_id)
         prog.sampled_at.append(self.clock())
+        prompt_lps = ()
         if len(prog.tokens) == 1:
             prog.first_token_at = prog.sampled_at[0]
+            prompt_lps, prog.prompt_logprobs = tuple(prog.prompt_logprobs), []
         position = unit.position + unit.rows
         done = generation_done(token_id, generated=len(prog.tokens), max_tokens=prog.start.max_tokens,
-                               next_position=position, max_context=self.max_context, stop_ids=self.stop_ids)
-        return Token(unit.request_id, token_id, position, done, unit.generation), done
+                               next_position=position, max_context=self.max_context, stop_ids=self._stops(prog))
+        return Token(unit.request_id, token_id, position, done, unit.generation, out.logprob, prompt_lps), done
+
+    def _stops(self, prog: _Progress) -> frozenset[int]:
+        """The tokens that end this request: the model's (unless ignore_eos) and its stop_token_ids."""
+        return stop_set(self.stop_ids, prog.start.sampling)
 
     def _finish(self, request_id: str, prog: _Progress) -> Reply:
         text = self.detokenize([t for t in prog.tokens if t not in self.stop_ids])
@@ -149,11 +199,3 @@ class LastActor(DownstreamActor):
         self.entries.drop(request_id)
         self.progress.pop(request_id, None)
 
-
-def _sample(worker, request_id: str, logits) -> int | WorkerError:
-    """One request's token, or the WorkerError that refused its sampling (logits that are not finite): that
-    request fails, the others of the step go on."""
-    try:
-        return worker.sample(request_id, logits)
-    except WorkerError as exc:
-        return exc

@@ -19,6 +19,7 @@ import urllib.parse
 
 import attrs
 
+from worker.logprobs import TokenLogprob
 from worker.sampling import GREEDY, Sampling
 
 MAX_TOKENS_LIMIT = 1 << 16
@@ -151,6 +152,9 @@ class Token:
     position: int  # where token_id is fed back in
     done: bool
     generation: int = 0  # of the request's rows it was sampled from
+    logprob: TokenLogprob | None = None  # asked for (Sampling.logprobs): this token's, with its top alternatives
+    # asked for (Sampling.prompt_logprobs), on a request's first token: the prompt's tokens from the second on
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @attrs.frozen

@@ -90,9 +90,9 @@ def slow_stub(monkeypatch, seconds: float) -> None:
     """Make every stand-in step take `seconds` longer, blocking the compute thread as a long tinygrad step would."""
     real = StubSlice.forward_batch
 
-    def forward_batch(self, hidden, segments):
+    def forward_batch(self, hidden, segments, logit_rows=None):
         time.sleep(seconds)
-        return real(self, hidden, segments)
+        return real(self, hidden, segments, logit_rows)
     monkeypatch.setattr(StubSlice, "forward_batch", forward_batch)
 
 

@@ -9,6 +9,7 @@ import pytest
 from node.transport import frames
 from roles.messages import (
     Activation, EndReason, EndRequest, NextTokens, RequestStart, SegmentMeta, Token, WireError)
+from worker.logprobs import TokenLogprob
 from worker.sampling import Sampling
 
 DIM = 8
@@ -24,6 +25,8 @@ MESSAGES = [
     Activation.of([(SegmentMeta("a", 0, 3, (0.25,), START), hidden(3, 1)),
                    (SegmentMeta("ünïcode-b", 9, 1, (1.0, 2.0 / 3.0)), hidden(1, 2))]),
     NextTokens((Token("a", 5, 3, False), Token("b", 128009, 10, True))),
+    NextTokens((Token("c", 7, 4, False, 1, TokenLogprob(7, -0.25, ((7, -0.25), (2, -1.5))),
+                      (TokenLogprob(3, -2.0), TokenLogprob(4, -9999.0, ((1, -0.1),)))),)),
     EndRequest("a", EndReason.FAILED, "stage 2: boom", 2),
     EndRequest("b", EndReason.FINISHED),
 ]
@@ -45,7 +48,7 @@ def test_every_message_arrives_equal_with_its_seq_and_stamp_however_the_bytes_ar
         cuts = sorted(rng.sample(range(1, len(data)), rng.randint(0, 20)))
         got = read_all(data, cuts)
         assert [m for _, _, m in got] == MESSAGES
-        assert [(seq, at) for seq, at, _ in got] == [(n, 100.0 + n) for n in range(1, 5)]
+        assert [(seq, at) for seq, at, _ in got] == [(n, 100.0 + n) for n in range(1, len(MESSAGES) + 1)]
 
 
 def test_byte_by_byte_is_the_same_as_all_at_once():
@@ -73,7 +76,9 @@ def frame(kind: int, payload: bytes) -> bytes:
     (frame(frames.NEXT_TOKENS, struct.pack(">H", 2) + struct.pack(">H", 1) + b"a" + struct.pack(">IIBI", 1, 2, 0, 0)),
      "kind 2"),  # says two tokens, holds one
     (frame(frames.NEXT_TOKENS, struct.pack(">H", 1) + struct.pack(">H", 1) + b"a" + struct.pack(">IIBI", 1, 2, 0, 0)
-           + b"xx"), "after the last token"),
+           + struct.pack(">I", 0) + b"xx"), "after the last token"),
+    (frame(frames.NEXT_TOKENS, struct.pack(">H", 1) + struct.pack(">H", 1) + b"a" + struct.pack(">IIBI", 1, 2, 0, 0)
+           + struct.pack(">I", 12) + b'{"logprob":1}'[:12]), "not JSON"),  # logprobs cut short
     (frame(frames.NEXT_TOKENS, struct.pack(">H", 1) + struct.pack(">H", 2) + b"\xff\xfe" + struct.pack(">IIBI", 1, 2, 0, 0)),
      "utf-8"),
     (frame(frames.END, b'{"request_id": "a", "reason": "exploded"}'), "reason"),

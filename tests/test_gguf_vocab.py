@@ -170,7 +170,7 @@ def test_a_hugging_face_directory_with_that_tokenizer_json_tokenizes_as_llama_cp
 
 
 def test_generated_ids_stream_as_text_each_character_once_it_is_whole(vocab):
-    from node.api.openai_wire import TextStream
+    from node.api.text_stream import TextStream
     name, v = vocab
     stream, ids = TextStream(), RECORDED[name]["hard"]
     pieces = [stream.push(v.decode_bytes([i])) for i in ids] + [stream.flush()]

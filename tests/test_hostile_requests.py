@@ -30,8 +30,9 @@ import trio
 
 from cluster import API_KEY, slow_stub, start_cluster, stub_tokens
 from node.api import openai_api
-from node.api.openai_api import _prompt_ids
-from node.api.openai_wire import MAX_STOP_CHARS, ApiError, TextStream, _StopMatcher, body_limit, parse_request
+from node.api.openai_api import _prompts
+from node.api.openai_wire import MAX_STOP_CHARS, ApiError, body_limit, parse_request
+from node.api.text_stream import TextStream, _StopMatcher
 from roles import make_actor
 from roles.messages import EndReason, EndRequest, InferenceRequest
 from worker.errors import WorkerError
@@ -287,7 +288,7 @@ class _Untokenizable:
 def test_a_prompt_longer_than_the_context_could_hold_is_refused_before_tokenizing(body, chat):
     api = parse_request(body, chat=chat, seed_if_unset=0)
     with pytest.raises(ApiError) as info:
-        _prompt_ids(_Untokenizable(), api)
+        _prompts(_Untokenizable(), api)
     assert (info.value.status, info.value.code) == (400, "context_length_exceeded")
 
 

@@ -6,14 +6,17 @@ import json
 import pytest
 
 from chat_fixtures import OPENAI_TOOL_CONVERSATION, TOOL_CONVERSATION
-from node.api.openai_wire import MAX_ARGUMENTS_DEPTH, ApiError, ApiRequest, Completion, TextStream, parse_request
+from node.api.openai_answer import Choice, Completion
+from node.api.openai_wire import MAX_ARGUMENTS_DEPTH, ApiError, ApiRequest, Limits, parse_request
+from node.api.text_stream import TextStream
+from worker.logprobs import TokenLogprob
 from worker.sampling import Sampling
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
 def parse(body, chat=True):
-    return parse_request(body, chat=chat, seed_if_unset=7)
+    return parse_request(body, chat=chat, seed_if_unset=7, limits=Limits(vocab_size=100, max_n=4))
 
 
 def test_a_minimal_chat_request_takes_openai_s_defaults():
@@ -23,7 +26,7 @@ def test_a_minimal_chat_request_takes_openai_s_defaults():
 
 
 def test_unknown_parameters_are_ignored_and_known_ones_are_read():
-    r = parse({**CHAT, "frequency_penalty": 0.5, "user": "x", "max_completion_tokens": 9, "max_tokens": 3,
+    r = parse({**CHAT, "user": "x", "max_completion_tokens": 9, "max_tokens": 3,
                "temperature": 0, "top_p": 0.5, "seed": 3, "stop": ["a", "bb"], "stream": True,
                "stream_options": {"include_usage": True}, "return_token_ids": True})
     assert (r.max_tokens, r.sampling, r.stop, r.stream, r.include_usage, r.return_token_ids) == (
@@ -36,10 +39,11 @@ def test_chat_content_may_be_text_parts_and_developer_is_a_system_turn():
     assert r.messages == ({"role": "system", "content": "ab"},)
 
 
-@pytest.mark.parametrize("prompt,want", [("hi", "hi"), (["hi"], "hi"), ([1, 2], (1, 2)), ([[3]], (3,))])
-def test_a_completion_prompt_is_text_or_token_ids(prompt, want):
+@pytest.mark.parametrize("prompt,want", [("hi", ("hi",)), (["hi"], ("hi",)), ([1, 2], ((1, 2),)), ([[3]], ((3,),)),
+                                         (["a", [4, 5], "b"], ("a", (4, 5), "b"))])
+def test_a_completion_prompt_is_text_or_token_ids_or_an_array_of_either(prompt, want):
     r = parse({"model": "m", "prompt": prompt}, chat=False)
-    assert r.prompt == want and r.max_tokens == 16  # OpenAI's completions default
+    assert r.prompts == want and r.max_tokens == 16  # OpenAI's completions default
 
 
 @pytest.mark.parametrize("body,param,code", [
@@ -49,9 +53,29 @@ def test_a_completion_prompt_is_text_or_token_ids(prompt, want):
     ({**CHAT, "max_tokens": 0}, "max_tokens", "invalid_value"),
     ({**CHAT, "max_tokens": True}, "max_tokens", "invalid_type"),
     ({**CHAT, "stream": "yes"}, "stream", "invalid_type"),
-    ({**CHAT, "n": 2}, "n", "invalid_value"),
+    ({**CHAT, "n": 5}, "n", "invalid_value"),
+    ({**CHAT, "n": 0}, "n", "invalid_value"),
     ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
-    ({**CHAT, "logprobs": True}, "logprobs", "unsupported_parameter"),
+    ({**CHAT, "top_logprobs": 2}, "top_logprobs", "invalid_value"),
+    ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
+    ({**CHAT, "logprobs": 1}, "logprobs", "invalid_type"),
+    ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
+    ({**CHAT, "tool_choice": "auto"}, "tool_choice", "unsupported_parameter"),
+    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter"),
+    ({**CHAT, "suffix": "x"}, "suffix", "unsupported_parameter"),
+    ({**CHAT, "frequency_penalty": 2.5}, "frequency_penalty", "invalid_value"),
+    ({**CHAT, "presence_penalty": -3}, "presence_penalty", "invalid_value"),
+    ({**CHAT, "repetition_penalty": 0}, "repetition_penalty", "invalid_value"),
+    ({**CHAT, "min_p": 1.5}, "min_p", "invalid_value"),
+    ({**CHAT, "top_k": -2}, "top_k", "invalid_value"),
+    ({**CHAT, "min_tokens": -1}, "min_tokens", "invalid_value"),
+    ({**CHAT, "max_tokens": 3, "min_tokens": 4}, "min_tokens", "invalid_value"),
+    ({**CHAT, "ignore_eos": 1}, "ignore_eos", "invalid_type"),
+    ({**CHAT, "logit_bias": {"100": 1}}, "logit_bias", "invalid_value"),
+    ({**CHAT, "logit_bias": {"x": 1}}, "logit_bias", "invalid_value"),
+    ({**CHAT, "logit_bias": {"5": 101}}, "logit_bias", "invalid_value"),
+    ({**CHAT, "stop_token_ids": [1, 100]}, "stop_token_ids", "invalid_value"),
+    ({**CHAT, "skip_special_tokens": "no"}, "skip_special_tokens", "invalid_type"),
     ({"messages": CHAT["messages"]}, "model", "missing_required_parameter"),
     ({"model": "m"}, "messages", "missing_required_parameter"),
     ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "invalid_value"),
@@ -142,9 +166,48 @@ def test_a_malformed_tool_call_history_is_refused_naming_the_field(messages, par
     assert (e.status, e.param, e.code) == (400, param, code) and e.message.startswith(f"{param}: ")
 
 
-def test_several_completion_prompts_are_refused():
-    with pytest.raises(ApiError, match="one prompt only"):
-        parse({"model": "m", "prompt": ["a", "b"]}, chat=False)
+@pytest.mark.parametrize("body,param", [
+    ({"model": "m", "prompt": "p", "logprobs": 21}, "logprobs"),
+    ({"model": "m", "prompt": "p", "logprobs": True}, "logprobs"),
+    ({"model": "m", "prompt": "p", "max_tokens": 0}, "max_tokens"),
+    ({"model": "m", "prompt": [1, 100]}, "prompt"),
+    ({"model": "m", "prompt": ["a", []]}, "prompt"),
+    ({"model": "m", "prompt": []}, "prompt"),
+    ({"model": "m", "prompt": ["a"] * 257}, "prompt"),
+    ({"model": "m", "prompt": "p", "response_format": {"type": "yaml"}}, "response_format"),
+])
+def test_a_bad_completion_parameter_is_refused_naming_it(body, param):
+    with pytest.raises(ApiError) as info:
+        parse(body, chat=False)
+    assert (info.value.status, info.value.param) == (400, param) and param in info.value.message
+
+
+def test_vllm_s_sampling_extensions_are_read_into_the_sampling():
+    r = parse({**CHAT, "temperature": 0.5, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2,
+               "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {"7": -100, "3": 2.5},
+               "min_tokens": 2, "ignore_eos": True, "stop_token_ids": [9, 8], "seed": 1})
+    assert r.sampling == Sampling(0.5, 1.0, 1, top_k=5, min_p=0.1, repetition_penalty=1.2, presence_penalty=0.5,
+                                  frequency_penalty=-0.5, logit_bias=((3, 2.5), (7, -100.0)), min_tokens=2,
+                                  ignore_eos=True, stop_token_ids=(9, 8))
+    assert parse({**CHAT, "top_k": -1}).sampling.top_k == 0  # vLLM's -1: every token
+
+
+@pytest.mark.parametrize("body,chat,logprobs,prompt_logprobs", [
+    ({**CHAT, "logprobs": True}, True, 0, None),
+    ({**CHAT, "logprobs": True, "top_logprobs": 3}, True, 3, None),
+    ({**CHAT, "logprobs": False}, True, None, None),
+    ({"model": "m", "prompt": "p", "logprobs": 2}, False, 2, None),
+    ({"model": "m", "prompt": "p", "logprobs": 1, "echo": True, "max_tokens": 0}, False, 1, 1),
+    ({"model": "m", "prompt": "p", "echo": True}, False, None, None),
+])
+def test_logprobs_are_asked_of_the_last_stage_only_where_the_client_asks(body, chat, logprobs, prompt_logprobs):
+    r = parse(body, chat=chat)
+    assert (r.logprobs, r.sampling.logprobs, r.sampling.prompt_logprobs) == (logprobs, logprobs, prompt_logprobs)
+
+
+def test_the_special_token_and_stop_string_switches_are_read():
+    r = parse({**CHAT, "skip_special_tokens": False, "include_stop_str_in_output": True, "n": 3})
+    assert (r.skip_special_tokens, r.include_stop_str_in_output, r.n) == (False, True, 3)
 
 
 def test_a_character_split_across_tokens_is_sent_whole():
@@ -168,13 +231,49 @@ def test_text_stops_before_a_stop_string_even_across_tokens(chunks, stops, want)
 
 
 def test_a_stream_chunk_and_the_whole_answer_have_openai_s_shape():
-    c = Completion(ApiRequest(chat=True, model="m", include_usage=True), "r1", (1, 2, 3), created=5)
-    assert c.chunk("", [], first=True) == {
+    c = Completion(ApiRequest(chat=True, model="m", include_usage=True), "r1", [Choice(0, "r1-0", (1, 2, 3))],
+                   lambda t: b"t%d" % t, created=5)
+    [choice] = c.choices
+    assert c.chunk(choice, "", [], [], first=True) == {
         "id": "chatcmpl-r1", "object": "chat.completion.chunk", "created": 5, "model": "m", "usage": None,
         "choices": [{"index": 0, "logprobs": None, "finish_reason": None, "delta": {"content": "", "role": "assistant"}}]}
-    c.token_ids, c.text, c.finish_reason = [7, 8], "ok", "stop"
-    assert c.chunk("", [], finish=True)["choices"][0] == {"index": 0, "logprobs": None, "finish_reason": "stop",
-                                                          "delta": {}}
+    choice.token_ids, choice.text, choice.finish_reason = [7, 8], "ok", "stop"
+    assert c.chunk(choice, "", [], [], finish=True)["choices"][0] == {"index": 0, "logprobs": None,
+                                                                      "finish_reason": "stop", "delta": {}}
     assert c.usage_chunk()["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
     assert c.response()["choices"] == [{"index": 0, "logprobs": None, "finish_reason": "stop",
                                         "message": {"role": "assistant", "content": "ok", "refusal": None}}]
+
+
+def test_echo_with_logprobs_puts_the_prompt_first_and_its_first_token_has_none():
+    api = ApiRequest(chat=False, model="m", prompts=("ab",), echo=True, logprobs=1)
+    choice = Choice(0, "r-0", (1, 2), "ab", token_ids=[3], text="c", finish_reason="length",
+                    logprobs=[TokenLogprob(3, -0.5, ((3, -0.5),))],
+                    prompt_logprobs=(TokenLogprob(2, -1.25, ((4, -0.25),)),))
+    c = Completion(api, "r", [choice], lambda t: {1: b"a", 2: b"b", 3: b"c", 4: b"dd"}[t], created=5)
+    [out] = c.response()["choices"]
+    assert out["text"] == "abc"
+    assert out["logprobs"] == {"tokens": ["a", "b", "c"], "token_logprobs": [None, -1.25, -0.5],
+                               "top_logprobs": [None, {"dd": -0.25}, {"c": -0.5}], "text_offset": [0, 1, 2]}
+
+
+def test_chat_logprobs_list_each_token_with_its_bytes_and_alternatives():
+    api = ApiRequest(chat=True, model="m", logprobs=1)
+    choice = Choice(0, "r-0", (1,), token_ids=[3], text="é", logprobs=[TokenLogprob(3, -0.5, ((4, -0.1),))])
+    c = Completion(api, "r", [choice], lambda t: {3: "é".encode(), 4: b"x"}[t], created=5)
+    assert c.response()["choices"][0]["logprobs"] == {"content": [
+        {"token": "é", "logprob": -0.5, "bytes": [195, 169],
+         "top_logprobs": [{"token": "x", "logprob": -0.1, "bytes": [120]}]}], "refusal": None}
+
+
+def test_usage_counts_each_prompt_once_however_many_choices_it_has():
+    api = ApiRequest(chat=False, model="m", prompts=("a", "b"), n=2)
+    choices = [Choice(i, f"r-{i}", (1,) * (3 if i < 2 else 5), token_ids=[9] * (i + 1)) for i in range(4)]
+    c = Completion(api, "r", choices, lambda t: b"", created=5)
+    assert c.usage() == {"prompt_tokens": 8, "completion_tokens": 10, "total_tokens": 18}
+    assert [x["index"] for x in c.response()["choices"]] == [0, 1, 2, 3]
+
+
+def test_a_stop_string_is_kept_in_the_text_when_asked():
+    stream = TextStream(("wor",), include_stop=True)
+    assert stream.push(b"Hello wo") + stream.push(b"rld") == "Hello wor" and stream.stopped

@@ -2,6 +2,7 @@
 docs/design.md — now for many requests at once: admission and its queue, batched steps, and every way a request ends."""
 import itertools
 
+import attrs
 import pytest
 
 from roles import make_actor
@@ -11,7 +12,9 @@ from roles.last import LastActor
 from roles.messages import (Activation, ActivationMeta, CancelRequest, EndReason, EndRequest, InferenceRequest,
                             InferenceResponse, NextTokens, RequestStart, SegmentMeta, Token)
 from roles.middle import MiddleActor
+from worker.batching import Segment
 from worker.errors import WorkerError
+from worker.logprobs import token_logprobs
 from worker.models import open_worker, stub_model
 from worker.reference import generate_full
 from worker.sampling import GREEDY, Sampling
@@ -256,3 +259,43 @@ def test_many_requests_routed_in_process_each_get_their_single_process_tokens(n)
         ids = workers[0].tokenize(prompt)
         assert list(replies[rid].token_ids) == generate_full(model, ids, 12).token_ids, rid
     assert all(w.active == frozenset() for w in workers)
+
+
+def route_following(actors, workers, requests):
+    """As route, for InferenceRequests given whole; also returns the Progress events stage 0 sent."""
+    inbox = {s: [] for s in range(len(actors))}
+    inbox[0].extend(requests)
+    replies, progress = {}, []
+    while any(inbox.values()) or any(a.queue.waiting for a in actors):
+        for s in range(len(actors)):
+            for m in inbox[s]:
+                for action in actors[s].admit(m):
+                    (progress.append(action) if isinstance(action, Progress) else deliver(action, inbox, replies))
+            inbox[s] = []
+            for action in step(actors[s], workers[s]):
+                (progress.append(action) if isinstance(action, Progress) else deliver(action, inbox, replies))
+    return replies, progress
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_prompt_and_token_logprobs_come_back_as_one_process_computes_them(n):
+    """The prompt runs in chunks at the last stage; each chunk's rows give the logprobs of the prompt tokens
+    after them, and all of them travel with the first token; each token brings its own."""
+    model = stub_model()
+    workers = [open_worker(model, s, n, max_seqs=3) for s in range(n)]
+    actors = [make_actor(s, n, w, prompt_rows=2) for s, w in enumerate(workers)]
+    ids = workers[0].tokenize("a longer prompt, in chunks")
+    sampling = Sampling(logprobs=2, prompt_logprobs=3)
+    other = InferenceRequest("plain", "", max_tokens=3, reply_to="http://runner", prompt_token_ids=tuple(ids))
+    asked = attrs.evolve(other, request_id="asked", sampling=sampling)
+    replies, progress = route_following(actors, workers, [other, asked])
+    full = model.open_slice(range(model.total_blocks), embed=True, head=True)
+    logits = full.forward_batch(full.embed(ids), [Segment(0, 0, len(ids))], logit_rows=range(len(ids)))
+    mine = [p for p in progress if p.request_id == "asked" and p.token_id is not None]
+    assert mine[0].prompt_logprobs == tuple(token_logprobs(logits[:-1], ids[1:], 3))
+    assert all(p.prompt_logprobs == () for p in mine[1:])
+    want = generate_full(model, ids, 3)
+    assert [p.token_id for p in mine] == want.token_ids == list(replies["asked"].token_ids)
+    assert [p.logprob for p in mine] == [token_logprobs(lg[None], [t], 2)[0] for lg, t in zip(want.logits, want.token_ids)]
+    plain = [p for p in progress if p.request_id == "plain" and p.token_id is not None]
+    assert all(p.logprob is None and p.prompt_logprobs == () for p in plain)

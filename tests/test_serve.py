@@ -150,7 +150,7 @@ def test_a_prompt_longer_than_the_context_is_400_context_length_exceeded(served)
     assert (body["code"], body["param"]) == ("context_length_exceeded", "messages") and "512" in body["message"]
 
 
-@pytest.mark.parametrize("extra,param", [({"top_p": "x"}, "top_p"), ({"n": 2}, "n"), ({"max_tokens": -1}, "max_tokens")])
+@pytest.mark.parametrize("extra,param", [({"top_p": "x"}, "top_p"), ({"n": 3}, "n"), ({"max_tokens": -1}, "max_tokens")])
 def test_a_bad_parameter_is_400_naming_it(served, extra, param):
     with pytest.raises(openai.BadRequestError) as info:
         served.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],

@@ -25,8 +25,8 @@ class Slice(Protocol):
     def embed(self, token_ids: list[int]) -> np.ndarray: ...  # (seq_len, hidden_dim); first slice only
 
     # hidden (rows, hidden_dim), the segments' rows in order -> hidden (rows, hidden_dim), or with a head
-    # the logits of each segment's last row (len(segments), vocab)
-    def forward_batch(self, hidden: np.ndarray, segments: list[Segment]) -> np.ndarray: ...
+    # the logits of each segment's last row (len(segments), vocab), or of the rows logit_rows names
+    def forward_batch(self, hidden: np.ndarray, segments: list[Segment], logit_rows=None) -> np.ndarray: ...
 
     def forward(self, hidden: np.ndarray, position: int) -> np.ndarray: ...  # one sequence in slot 0
 

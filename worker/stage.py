@@ -59,6 +59,7 @@ class StepItem:
     hidden: bytes = b""
     seq_len: int = 0  # rows of `hidden`; the first stage takes len(tokens)
     sampling: Sampling = GREEDY  # kept when the request starts (position 0), for the last stage's sampler
+    all_logits: bool = False  # last stage: the logits of every row (a prompt's logprobs), not only the last
 
     @property
     def rows(self) -> int:
@@ -150,21 +151,22 @@ class StageWorker:
         self.check_tokens(tokens)
         return self.tokenizer.decode(tokens, specials=False)  # an answer's text: no control tokens
 
-    def token_bytes(self, tokens: list[int]) -> bytes:
+    def token_bytes(self, tokens: list[int], *, specials: bool = False) -> bytes:
         """The raw bytes of `tokens`, for the entry to stream text as tokens come back (the first stage
-        holds the tokenizer too), control tokens left out as detokenize does; a character split across
-        tokens is completed by the caller."""
+        holds the tokenizer too), control tokens left out as detokenize does unless `specials`; a character
+        split across tokens is completed by the caller."""
         if self.role is Role.MIDDLE:
             raise WorkerError(f"token_bytes is a first- or last-stage op; this worker is stage {self.info.stage} "
                               f"of {self.info.num_stages} (middle)")
         self.check_tokens(tokens)
-        return self.tokenizer.decode_bytes(tokens, specials=False)
+        return self.tokenizer.decode_bytes(tokens, specials=specials)
 
     # -- any stage ---------------------------------------------------------------------------
     def run(self, items: list[StepItem]) -> list[bytes | np.ndarray | WorkerError]:
         """Compute the steps of several requests as one batch, in order. Each result is the item's hidden
-        bytes (first and middle stages), its last row's logits (the last stage), or the WorkerError that
-        refused it. A request starts, taking a free slot, with its step at position 0."""
+        bytes (first and middle stages), its last row's logits (the last stage; every row's, (rows, vocab),
+        for an item with `all_logits`), or the WorkerError that refused it. A request starts, taking a free
+        slot, with its step at position 0."""
         results: list = [None] * len(items)
         accepted: list[tuple[int, StepItem, _Request]] = []
         planned: dict[str, int] = {}  # next position per request, counting earlier items of this batch
@@ -234,8 +236,10 @@ class StageWorker:
                  results: list) -> None:
         segments = [Segment(req.slot, item.position, item.rows) for _, item, req in accepted]
         hidden = np.concatenate([self._input(item) for _, item, _ in accepted])
+        wanted = _logit_rows([item for _, item, _ in accepted]) if self.role is Role.LAST else None
         try:
-            out = self.compute.forward_batch(hidden, segments)
+            out = (self.compute.forward_batch(hidden, segments) if wanted is None
+                   else self.compute.forward_batch(hidden, segments, logit_rows=wanted[0]))
         except BaseException:
             for _, item, _ in accepted:
                 self.release(item.request_id)
@@ -244,7 +248,12 @@ class StageWorker:
         offset = 0
         for n, (i, item, req) in enumerate(accepted):
             req.next_position = item.position + item.rows
-            results[i] = out[n] if self.role is Role.LAST else out[offset:offset + item.rows].tobytes()
+            if self.role is not Role.LAST:
+                results[i] = out[offset:offset + item.rows].tobytes()
+            elif wanted is None:
+                results[i] = out[n]
+            else:
+                results[i] = out[wanted[1][n]] if item.all_logits else out[wanted[1][n].stop - 1]
             offset += item.rows
 
     def _input(self, item: StepItem) -> np.ndarray:
@@ -280,3 +289,17 @@ class StageWorker:
         bad = [t for t in tokens if not (isinstance(t, int) and 0 <= t < self.info.vocab_size)]
         if bad:
             raise WorkerError(f"token ids out of range 0..{self.info.vocab_size - 1}: {bad[:5]}")
+
+
+def _logit_rows(items: list[StepItem]) -> tuple[np.ndarray, list[slice]] | None:
+    """Which of a step's rows the head runs on, where some item wants every row's logits: the step's row
+    indices, and each item's slice of the head's output. None where every item wants only its last row."""
+    if not any(item.all_logits for item in items):
+        return None
+    rows, spans, offset, taken = [], [], 0, 0
+    for item in items:
+        mine = range(offset, offset + item.rows) if item.all_logits else range(offset + item.rows - 1, offset + item.rows)
+        rows.extend(mine)
+        spans.append(slice(taken, taken + len(mine)))
+        taken, offset = taken + len(mine), offset + item.rows
+    return np.asarray(rows), spans

@@ -68,16 +68,21 @@ class StubSlice:
     def warm_up(self, beam: int = 0) -> None:
         pass  # nothing to compile
 
-    def forward_batch(self, hidden: np.ndarray, segments: list[Segment]) -> np.ndarray:
+    def forward_batch(self, hidden: np.ndarray, segments: list[Segment], logit_rows=None) -> np.ndarray:
         """Each segment on its own slot's cache, as the tinygrad slice does in one batched step."""
         outs, offset = [], 0
         for s in segments:
             outs.append(self._forward(hidden[offset:offset + s.length], s.position, s.slot))
             offset += s.length
-        return np.stack(outs) if self._head else np.concatenate(outs)
+        out = np.concatenate(outs)
+        if not self._head:
+            return out.astype(np.float32)
+        rows = np.cumsum([s.length for s in segments]) - 1 if logit_rows is None else logit_rows
+        return np.stack([self._logits(out[r]) for r in rows])
 
     def forward(self, hidden: np.ndarray, position: int) -> np.ndarray:
-        return self._forward(hidden, position, 0)
+        h = self._forward(hidden, position, 0)
+        return self._logits(h[-1]) if self._head else h.astype(np.float32)
 
     def _forward(self, hidden: np.ndarray, position: int, slot: int) -> np.ndarray:
         h = hidden.astype(np.int64)
@@ -86,7 +91,9 @@ class StubSlice:
             cache[position:position + len(h)] = h
             seen = np.cumsum(cache[:position + len(h)], axis=0)[position:]  # Σ cache[0..p] per row
             h = (31 * h + (i + 1) * (np.arange(STUB_DIM) + 1) + seen) % _MOD
-        if self._head:
-            target = int(h[-1].sum()) % STUB_VOCAB
-            return -np.abs(np.arange(STUB_VOCAB) - target).astype(np.float32)
-        return h.astype(np.float32)
+        return h
+
+    @staticmethod
+    def _logits(row: np.ndarray) -> np.ndarray:
+        target = int(row.sum()) % STUB_VOCAB
+        return -np.abs(np.arange(STUB_VOCAB) - target).astype(np.float32)

@@ -37,7 +37,7 @@ class Vocabulary(Protocol):
     def longest_token_bytes(self) -> int: ...
     def tokenize(self, prompt: str, *, chat: bool = True) -> list[int]: ...
     def tokenize_messages(self, messages: list[dict]) -> list[int]: ...
-    def token_bytes(self, tokens: list[int]) -> bytes: ...
+    def token_bytes(self, tokens: list[int], *, specials: bool = False) -> bytes: ...
 
 
 class Members(Protocol):
@@ -68,10 +68,12 @@ class Entry(Protocol):
     def health(self) -> dict:
         """The stage's /health figures; the actor's `admitting`, `slots` and `queue` among them."""
 
-    def open_local(self, request: InferenceRequest) -> trio.MemoryReceiveChannel:
+    def open_local(self, request: InferenceRequest,
+                   into: trio.MemorySendChannel | None = None) -> trio.MemoryReceiveChannel | None:
         """Admit a request and follow it: the channel gets each roles.actions.Progress of it, then the last
-        stage's InferenceResponse. Raises roles.actions.Refused (its `code` says why, where it is the prompt's
-        fault)."""
+        stage's InferenceResponse. With `into` (a clone the node owns and closes) they go there instead, and
+        nothing is returned: several requests share one channel. Raises roles.actions.Refused (its `code` says
+        why, where it is the prompt's fault)."""
 
     def close_local(self, request_id: str, *, cancel: bool) -> None:
         """Stop following a request; with `cancel`, also end it and free its slots."""

@@ -33,12 +33,17 @@ import trio
 from quart import request
 from quart_trio import QuartTrio
 
+import attrs
+
 from roles.actions import PROMPT_INVALID, PROMPT_TOO_LONG, Progress, Refused
 from roles.messages import MAX_TOKENS_LIMIT, EndReason, InferenceRequest, InferenceResponse
 from worker.errors import WorkerError
+from worker.sampling import MAX_SEED, stop_set
 
 from node.api.entry import Entry, Vocabulary
-from node.api.openai_wire import ApiError, ApiRequest, Completion, TextStream, body_limit, parse_body, parse_request
+from node.api.openai_answer import Choice, Completion, Entries
+from node.api.openai_wire import ApiError, ApiRequest, Limits, body_limit, parse_body, parse_request
+from node.api.text_stream import TextStream
 from node.transport.app import shape_refusals, still_loading
 
 API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
@@ -107,14 +112,17 @@ async def _complete(app: QuartTrio, node: Entry, model_name: str, *, chat: bool)
     worker = _ready(node)
     longest = await trio.to_thread.run_sync(lambda: worker.longest_token_bytes)  # made once, from the vocabulary
     body = await _read_body(body_limit(worker.info.max_context, longest))
-    api = parse_request(parse_body(body), chat=chat, seed_if_unset=secrets.randbits(31))
+    limits = Limits(vocab_size=worker.info.vocab_size, max_n=worker.info.max_seqs)
+    api = parse_request(parse_body(body), chat=chat, seed_if_unset=secrets.randbits(31), limits=limits)
     if api.model != model_name:
         raise ApiError(404, f"model {api.model!r} is not served here; this cluster serves {model_name!r}",
                        param="model", code="model_not_found")
-    ids = await trio.to_thread.run_sync(_prompt_ids, worker, api)
-    completion = Completion(api, uuid.uuid4().hex, tuple(ids))
-    events = _admit(node, worker, api, completion)
-    follow = _Follow(node, worker, completion, events)
+    prompts = await trio.to_thread.run_sync(_prompts, worker, api)
+    request_id = uuid.uuid4().hex
+    choices = [Choice(i * api.n + j, f"{request_id}-{i * api.n + j}", tuple(ids), text)
+               for i, (ids, text) in enumerate(prompts) for j in range(api.n)]
+    completion = Completion(api, request_id, choices, lambda t: worker.token_bytes([t], specials=True))
+    follow = _Follow(node, worker, completion, _admit(node, worker, api, choices))
     request.scope[_FOLLOWS].append(follow)  # no checkpoint since the admission: nothing can be lost between
     if not api.stream:
         try:
@@ -154,83 +162,150 @@ def too_large(limit: int) -> ApiError:
                     code="request_too_large")
 
 
-def _prompt_ids(worker: Vocabulary, api: ApiRequest) -> list[int]:
-    """In a worker thread: the prompt's ids, or the ApiError refusing it. A prompt bigger than the context
-    could ever hold is refused before any work on it: a text of more characters than the context's tokens
-    could spell (each at most the longest token's bytes) untokenized, an array of more ids than the context
-    unchecked. Whether the ids leave room in the context and are the vocabulary's is the actor's to say
-    (roles/first.py), when _admit hands it the request."""
-    param = "messages" if api.chat else "prompt"
+def _prompts(worker: Vocabulary, api: ApiRequest) -> list[tuple[list[int], str]]:
+    """In a worker thread: each prompt's ids and text (what `echo` shows), or the ApiError refusing one."""
+    if api.chat:
+        return [(_prompt_ids(worker, api, None, "messages"), "")]
+    out = []
+    for n, prompt in enumerate(api.prompts):
+        param = "prompt" if len(api.prompts) == 1 else f"prompt[{n}]"
+        ids = _prompt_ids(worker, api, prompt, param)
+        text = prompt if isinstance(prompt, str) else worker.token_bytes(ids, specials=not api.skip_special_tokens
+                                                                          ).decode("utf-8", errors="replace")
+        out.append((ids, text))
+    return out
+
+
+def _prompt_ids(worker: Vocabulary, api: ApiRequest, prompt: str | tuple[int, ...] | None, param: str) -> list[int]:
+    """A prompt's ids. A prompt bigger than the context could ever hold is refused before any work on it: a
+    text of more characters than the context's tokens could spell (each at most the longest token's bytes)
+    untokenized, an array of more ids than the context unchecked. Whether the ids leave room in the context
+    is checked when _admit hands the request to the actor (roles/first.py)."""
     context = worker.info.max_context
-    if isinstance(api.prompt, tuple) and not api.chat:
-        if len(api.prompt) > context:
-            raise _too_long(context, param, f"{len(api.prompt)} tokens")
-        return list(api.prompt)
-    chars = sum(len(m["content"]) for m in api.messages) if api.chat else len(api.prompt)
+    if isinstance(prompt, tuple):
+        if len(prompt) > context:
+            raise _too_long(context, param, f"{len(prompt)} tokens")
+        return list(prompt)
+    chars = sum(len(m["content"] or "") for m in api.messages) if prompt is None else len(prompt)
     if chars > context * worker.longest_token_bytes:
         raise _too_long(context, param, f"{chars} characters, more than {context} tokens of at most "
                                         f"{worker.longest_token_bytes} characters each can hold")
     try:
-        return worker.tokenize_messages(list(api.messages)) if api.chat else worker.tokenize(api.prompt, chat=False)
+        return worker.tokenize_messages(list(api.messages)) if prompt is None else worker.tokenize(prompt, chat=False)
     except WorkerError as exc:
-        raise ApiError(400, f"{param}: {exc}", param=param, code="invalid_value") from None
+        raise ApiError(400, f"{param}: {exc}", param=param.split("[")[0], code="invalid_value") from None
 
 
 def _too_long(context: int, param: str, what: str) -> ApiError:
     return ApiError(400, f"This model's maximum context length is {context} tokens. However, your {param} "
-                         f"resulted in {what}.", param=param, code="context_length_exceeded")
+                         f"resulted in {what}.", param=param.split("[")[0], code="context_length_exceeded")
 
 
-def _admit(node: Entry, worker: Vocabulary, api: ApiRequest, completion: Completion) -> trio.MemoryReceiveChannel:
-    context, prompt = worker.info.max_context, completion.prompt_token_ids
-    room = max(1, context - len(prompt))  # a prompt that leaves none is the actor's to refuse
-    max_tokens = min(api.max_tokens or room, room, MAX_TOKENS_LIMIT)
-    req = InferenceRequest(completion.request_id, "", max_tokens=max_tokens, sampling=api.sampling,
-                           reply_to=node.url, prompt_token_ids=prompt)
+def _admit(node: Entry, worker: Vocabulary, api: ApiRequest, choices: list[Choice]) -> trio.MemoryReceiveChannel:
+    """Every choice is a request of the engine's, admitted together or not at all; their events share one
+    channel. max_tokens past what the context holds is refused, as vLLM does (max_tokens 0 runs one token:
+    the prompt's logprobs come with it, and the answer leaves it out)."""
+    requests = [_engine_request(node, worker, api, c) for c in choices]
+    send, events = trio.open_memory_channel(float("inf"))
+    admitted: list[str] = []
     try:
-        return node.open_local(req)
+        for req in requests:
+            node.open_local(req, into=send.clone())
+            admitted.append(req.request_id)
     except Refused as exc:
-        param = "messages" if api.chat else "prompt"
-        if exc.code == PROMPT_TOO_LONG:
-            raise _too_long(context, param, f"{len(prompt)} tokens") from None
-        if exc.code == PROMPT_INVALID:
-            raise ApiError(400, exc.message, param=param, code="invalid_value") from None
-        raise api_refusal(exc.status, exc.message, exc.retry_after_s) from None
+        for rid in admitted:
+            node.close_local(rid, cancel=True)
+        raise _refused(exc, api, worker.info.max_context, len(requests[len(admitted)].prompt_token_ids)) from None
+    except BaseException:
+        for rid in admitted:
+            node.close_local(rid, cancel=True)
+        raise
+    finally:
+        send.close()  # the requests hold their own clones
+    return events
+
+
+def _engine_request(node: Entry, worker: Vocabulary, api: ApiRequest, c: Choice) -> InferenceRequest:
+    context, prompt = worker.info.max_context, c.prompt_token_ids
+    room = context - len(prompt)
+    if api.max_tokens is not None and api.max_tokens > max(room, 0) and room > 0:
+        raise ApiError(400, f"This model's maximum context length is {context} tokens. However, you requested "
+                            f"{api.max_tokens} output tokens and your prompt contains {len(prompt)} input tokens, "
+                            f"for a total of {api.max_tokens + len(prompt)} tokens.", param="max_tokens",
+                       code="context_length_exceeded")
+    max_tokens = min(max(api.max_tokens or room, 1), MAX_TOKENS_LIMIT) if room > 0 else 1
+    sampling = attrs.evolve(api.sampling, seed=(api.sampling.seed + c.index % api.n) % (MAX_SEED + 1))
+    return InferenceRequest(c.request_id, "", max_tokens=max_tokens, sampling=sampling, reply_to=node.url,
+                            prompt_token_ids=prompt)
+
+
+def _refused(exc: Refused, api: ApiRequest, context: int, prompt_len: int) -> ApiError:
+    param = "messages" if api.chat else "prompt"
+    if exc.code == PROMPT_TOO_LONG:
+        return _too_long(context, param, f"{prompt_len} tokens")
+    if exc.code == PROMPT_INVALID:
+        return ApiError(400, exc.message, param=param, code="invalid_value")
+    return api_refusal(exc.status, exc.message, exc.retry_after_s)
 
 
 class _Follow:
-    """One request followed from the entry: its tokens become text pieces, in order."""
+    """A request's choices followed from the entry: their tokens become text pieces, in order per choice."""
 
     def __init__(self, node: Entry, worker: Vocabulary, completion: Completion, events: trio.MemoryReceiveChannel):
         self.node, self.worker, self.completion, self.events = node, worker, completion, events
-        self.text = TextStream(completion.request.stop)
-        self.over = False  # the request ended (or was ended by us): nothing to cancel on the way out
+        api = completion.request
+        self.choices = {c.request_id: c for c in completion.choices}
+        self.texts = {rid: TextStream(api.stop, include_stop=api.include_stop_str_in_output) for rid in self.choices}
+        self.stops = stop_set(worker.info.stop_ids, api.sampling)  # what ends a choice, as the last stage says
+        self.over: set[str] = set()  # choices ended (or ended by us): nothing to cancel on the way out
 
     async def pieces(self):
-        """(text, token ids) as tokens come back; the completion's text and finish reason are kept."""
-        c, stop_ids = self.completion, self.worker.info.stop_ids
+        """(choice, text, token ids, logprob entries) as tokens come back, until every choice is over; each
+        choice's text and finish reason are kept."""
+        going = set(self.choices)
         async for event in self.events:
-            if isinstance(event, InferenceResponse):
+            c = self.choices.get(event.request_id)
+            if isinstance(event, InferenceResponse) or c is None or c.request_id not in going:
                 continue  # the stages' figures came before the last token: read by _final
             if event.end is not None:
                 self._ended(event)
-            c.token_ids.append(event.token_id)
-            text = "" if event.token_id in stop_ids else self.text.push(self.worker.token_bytes([event.token_id]))
-            if event.done:
-                text += self.text.flush()
-            c.text += text
-            yield text, [event.token_id]
-            if self.text.stopped or event.done:
-                c.finish_reason = "stop" if self.text.stopped or event.token_id in stop_ids else "length"
-                break
-        if self.text.stopped:
-            self.close(cancel=True)  # a stop string: the stages need not go on
-        elif c.request.return_token_ids:
+            piece = self._piece(c, event)
+            yield piece
+            if c.finish_reason is not None:
+                going.discard(c.request_id)
+                if self.texts[c.request_id].stopped:
+                    self._close(c.request_id, cancel=True)  # a stop string: the stages need not go on
+                if not going:
+                    break
+        if self.completion.request.return_token_ids:
             await self._final()
-        self.over = True
+        self.over.update(self.choices)
+
+    def _piece(self, c: Choice, event: Progress) -> tuple[Choice, str, list[int], Entries]:
+        api, token = self.completion.request, event.token_id
+        text, entries = "", []
+        if not c.token_ids and c.finish_reason is None and api.echo:  # the first token: the prompt comes first
+            c.prompt_logprobs = event.prompt_logprobs
+            text, entries = c.prompt_text, c.prompt_entries()
+        if api.max_tokens == 0:  # echo alone: the token sampled to get there is no part of the answer
+            c.finish_reason = "length"
+            return c, text, [], entries
+        stream = self.texts[c.request_id]
+        c.token_ids.append(token)
+        if event.logprob is not None:
+            c.logprobs.append(event.logprob)
+            entries.append((token, event.logprob))
+        new = "" if token in self.stops else stream.push(self.worker.token_bytes(
+            [token], specials=not api.skip_special_tokens))
+        if event.done:
+            new += stream.flush()
+        c.text += new
+        if stream.stopped or event.done:
+            c.finish_reason = "stop" if stream.stopped or token in self.stops else "length"
+        return c, text + new, [token], entries
 
     def _ended(self, event: Progress) -> None:
-        self.over = True
+        self.over.add(event.request_id)
         end = event.end
         if end.reason is EndReason.FAILED:
             raise ApiError(500, end.error or "a stage failed", type="server_error", code="stage_failed")
@@ -238,30 +313,44 @@ class _Follow:
 
     async def _final(self) -> None:
         """The last stage's figures (compute per stage, timing), for clients that asked for token ids."""
+        waiting = set(self.choices)
         with trio.move_on_after(FINAL_WAIT_S):
             async for event in self.events:
-                if isinstance(event, InferenceResponse):
-                    self.completion.timings = {"stage_compute_ms": list(event.stage_compute_ms),
-                                               "decode_s": event.decode_s, "queued_s": event.queued_s,
-                                               "token_ms": list(event.token_ms)}
-                    return
+                if isinstance(event, InferenceResponse) and event.request_id in waiting:
+                    self.choices[event.request_id].timings = {
+                        "stage_compute_ms": list(event.stage_compute_ms), "decode_s": event.decode_s,
+                        "queued_s": event.queued_s, "token_ms": list(event.token_ms)}
+                    waiting.discard(event.request_id)
+                    if not waiting:
+                        return
 
-    def close(self, *, cancel: bool = False) -> None:
-        self.node.close_local(self.completion.request_id, cancel=cancel or not self.over)
-        self.over = True
+    def _close(self, request_id: str, *, cancel: bool) -> None:
+        self.node.close_local(request_id, cancel=cancel or request_id not in self.over)
+        self.over.add(request_id)
+
+    def close(self) -> None:
+        """Stop following every choice; those not over are cancelled, freeing their slots."""
+        for rid in self.choices:
+            self._close(rid, cancel=False)
 
     async def sse(self):
-        """The stream: a first chunk at once (the role), a chunk per piece of text, the finish, usage if
-        asked, then [DONE]; an error event then [DONE] if the request fails."""
-        c = self.completion
+        """The stream: a first chunk per choice at once (the role), a chunk per piece of text (or of
+        logprobs), each choice's finish, usage if asked, then [DONE]; an error event then [DONE] if the
+        request fails."""
+        c, api = self.completion, self.completion.request
         try:
-            yield _event(c.chunk("", [], first=True))
+            for choice in c.choices:
+                yield _event(c.chunk(choice, "", [], [], first=True))
             async with aclosing(self.pieces()) as pieces:
-                async for text, ids in pieces:
-                    if text or c.request.return_token_ids:
-                        yield _event(c.chunk(text, ids))
-            yield _event(c.chunk("", [], finish=True))
-            if c.request.include_usage:
+                async for choice, text, ids, entries in pieces:
+                    if text or entries or api.return_token_ids:
+                        yield _event(c.chunk(choice, text, ids, entries))
+                    if choice.finish_reason is not None and not api.return_token_ids:
+                        yield _event(c.chunk(choice, "", [], [], finish=True))
+            if api.return_token_ids:  # after _final: the finish chunks carry the stages' figures
+                for choice in c.choices:
+                    yield _event(c.chunk(choice, "", [], [], finish=True))
+            if api.include_usage:
                 yield _event(c.usage_chunk())
         except ApiError as exc:
             yield _event(exc.body())

@@ -7,7 +7,7 @@ the pipeline's messages one after another, each length-prefixed, since HTTP/2 ke
             u8 n, n x f64 stage_ms | u32 length + JSON of RequestStart (0: none); then the hidden rows
             (float32, little-endian) to the end of the frame
     kind 2  NextTokens: u16 tokens, each: str request_id | u32 token_id | u32 position | u8 done |
-            u32 generation
+            u32 generation | u32 length + JSON of the token's logprobs, {logprob, prompt_logprobs} (0: none)
     kind 3  EndRequest, as JSON (rare: a request's end, or a failure report)
 
     str = u16 length + UTF-8. Integers big-endian.
@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import struct
 
+import attrs
+
 from roles.messages import (
     Activation, ActivationMeta, EndRequest, NextTokens, RequestStart, SegmentMeta, Token, WireError)
+from worker.logprobs import TokenLogprob
 
 from node.transport import wire
 
@@ -68,10 +71,21 @@ def _activation(act: Activation) -> list[bytes]:
     return parts
 
 
+@attrs.frozen
+class _Logprobs:
+    """A token's logprobs, where they were asked for: the rare part of a fed-back token, as JSON."""
+
+    logprob: TokenLogprob | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+
+
 def _next_tokens(msg: NextTokens) -> list[bytes]:
     parts = [_U16.pack(len(msg.tokens))]
     for t in msg.tokens:
-        parts += [_str(t.request_id), _TOKEN.pack(t.token_id, t.position, t.done, t.generation)]
+        extra = b"" if t.logprob is None and not t.prompt_logprobs else wire.encode(
+            _Logprobs(t.logprob, t.prompt_logprobs))
+        parts += [_str(t.request_id), _TOKEN.pack(t.token_id, t.position, t.done, t.generation),
+                  _U32.pack(len(extra)), extra]
     return parts
 
 
@@ -166,7 +180,9 @@ def _read_next_tokens(c: _Cursor) -> NextTokens:
     for _ in range(n):
         rid = c.str()
         token_id, position, done, generation = c.take(_TOKEN)
-        tokens.append(Token(rid, token_id, position, bool(done), generation))
+        (extra_len,) = c.take(_U32)
+        extra = wire.decode(_Logprobs, c.bytes(extra_len)) if extra_len else _Logprobs()
+        tokens.append(Token(rid, token_id, position, bool(done), generation, extra.logprob, extra.prompt_logprobs))
     if c.at != len(c.data):
         raise WireError(f"NextTokens frame: {len(c.data) - c.at} bytes after the last token")
     return NextTokens(tuple(tokens))

@@ -281,10 +281,12 @@ class StageModel:
             outs.append(_read(self._head_graphs[bucket](self._head_inputs[bucket]))[:len(part)])
         return np.concatenate(outs)
 
-    def forward_batch(self, hidden: np.ndarray, segments: list[Segment]) -> np.ndarray:
+    def forward_batch(self, hidden: np.ndarray, segments: list[Segment], logit_rows=None) -> np.ndarray:
         """hidden (rows, dim) float32, the rows of `segments` in order → next hidden (rows, dim); with a
-        head, the logits of each segment's last row (len(segments), vocab). The rows run as one or more
-        graph calls, in order (split_rows picks the cheapest cut), so a segment may be any length."""
+        head, the logits of each segment's last row (len(segments), vocab), or of the rows `logit_rows`
+        names (indices into the step's rows: every row of a prompt whose logprobs were asked for). The rows
+        run as one or more graph calls, in order (split_rows picks the cheapest cut), so a segment may be
+        any length."""
         self._check(hidden, segments)
         slots = np.concatenate([np.full(s.length, s.slot) for s in segments])
         positions = np.concatenate([np.arange(s.position, s.position + s.length) for s in segments])
@@ -296,8 +298,8 @@ class StageModel:
         out = np.concatenate(outs)
         if self.head is None:
             return out
-        last_rows = np.cumsum([s.length for s in segments]) - 1
-        return self._logits(out[last_rows])
+        rows = np.cumsum([s.length for s in segments]) - 1 if logit_rows is None else np.asarray(logit_rows)
+        return self._logits(out[rows])
 
     def forward(self, hidden: np.ndarray, start_pos: int) -> np.ndarray:
         """One sequence in slot 0: hidden (seq_len, dim) → next hidden, or logits (vocab,) with a head."""

@@ -74,8 +74,8 @@ class TinygradSlice:
     def embed(self, token_ids: list[int]) -> np.ndarray:
         return self._table.rows(np.asarray(token_ids, dtype=np.int64))
 
-    def forward_batch(self, hidden: np.ndarray, segments: list[Segment]) -> np.ndarray:
-        return self.model.forward_batch(hidden, segments)
+    def forward_batch(self, hidden: np.ndarray, segments: list[Segment], logit_rows=None) -> np.ndarray:
+        return self.model.forward_batch(hidden, segments, logit_rows)
 
     def forward(self, hidden: np.ndarray, position: int) -> np.ndarray:
         return self.model.forward(hidden, position)
