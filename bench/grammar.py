@@ -8,7 +8,8 @@ ranks file llama-models ships, through tiktoken: test requirements).
 llguidance runs through worker/grammar.py itself; xgrammar (which needs torch) through an adapter of the same
 shape. Both hand back the same thing, a bool array over the vocabulary, and are checked to allow every token of
 the document. The output walked is a support ticket with nested objects, arrays, an enum, a pattern, numbers
-and accented text, pretty-printed with two-space indents, as the vocabulary's own tokenizer cuts it; once
+and accented text, written compactly (the separators alone, as worker/grammar.py allows), as the vocabulary's
+own tokenizer cuts it; once
 under its schema (json_schema) and once under any-object (json_object). One step is allowed() then
 accept(token); the last step is the mask that allows the stop token. "setup" is once per worker (the
 vocabulary as the library wants it), "compile" once per grammar text; the first walk runs right after
@@ -54,7 +55,7 @@ DOCUMENT = json.dumps({
     "customer": {"name": "Zoë Müller", "email": "zoe.mueller@example.org", "vip": True},
     "items": [{"sku": "CAF-0042", "qty": 2, "price": 4.5}, {"sku": "CRO-1187", "qty": 1, "price": 3.25}],
     "note": "Customer says the courier waited 40 minutes outside; she would like a refund, not a voucher.",
-}, indent=2, ensure_ascii=False)
+}, separators=(",", ":"), ensure_ascii=False)  # compact: worker/grammar.py allows no free whitespace
 FORMATS = {"json_schema": SCHEMA, "json_object": {"type": "object"}}
 VOCABS = ("smollm2", "llama3")
 LIBS = ("llguidance", "xgrammar")
@@ -129,7 +130,7 @@ class Xgrammar:
         self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
 
     def compile(self, fmt: str):
-        return self._compiler.compile_json_schema(json.dumps(FORMATS[fmt]), any_whitespace=True, strict_mode=False)
+        return self._compiler.compile_json_schema(json.dumps(FORMATS[fmt]), any_whitespace=False, strict_mode=False)
 
     def matcher(self, compiled):
         return _XgrammarMatcher(self._xgr, compiled, self._size)

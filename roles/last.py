@@ -10,6 +10,7 @@ from typing import Callable
 import attrs
 
 from worker.errors import WorkerError
+from worker.grammar import GrammarError, Matcher
 from worker.logprobs import TokenLogprob, token_logprobs
 from worker.partition import Role
 from worker.sampling import GREEDY, stop_set
@@ -31,6 +32,7 @@ class _Progress:
     first_token_at: float = 0.0  # clock() when the first token was sampled
     sampled_at: list[float] = attrs.field(factory=list)  # clock() at each token
     prompt_logprobs: list[TokenLogprob] = attrs.field(factory=list)  # asked for: sent with the first token
+    matcher: Matcher | None = None  # constrained decoding: made and used on the compute thread only
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -149,10 +151,14 @@ class LastActor(DownstreamActor):
         if not unit.sample:
             return _Sampled(None, prompt_logprobs=prompt_lps)
         try:
+            matcher = self._matcher(worker, prog)
             token = worker.sample(unit.request_id, logits, prompt_ids=s.prompt_token_ids,
-                                  output_ids=tuple(prog.tokens), stop_ids=self._stops(prog))
-        except WorkerError as exc:  # logits that are not finite: this request fails, the others go on
-            return exc
+                                  output_ids=tuple(prog.tokens), stop_ids=self._stops(prog),
+                                  allowed=None if matcher is None else matcher.allowed())
+            if matcher is not None:
+                matcher.accept(token)
+        except (WorkerError, GrammarError) as exc:  # logits that are not finite, say: this request fails alone
+            return exc if isinstance(exc, WorkerError) else WorkerError(f"response_format: {exc}")
         asked = s.sampling.logprobs
         logprob = None if asked is None else token_logprobs(logits[None], [token], asked)[0]
         return _Sampled(token, logprob, prompt_lps)
@@ -170,6 +176,18 @@ class LastActor(DownstreamActor):
         done = generation_done(token_id, generated=len(prog.tokens), max_tokens=prog.start.max_tokens,
                                next_position=position, max_context=self.max_context, stop_ids=self._stops(prog))
         return Token(unit.request_id, token_id, position, done, unit.generation, out.logprob, prompt_lps), done
+
+    @staticmethod
+    def _matcher(worker, prog: _Progress) -> Matcher | None:
+        """Compute thread: the request's grammar matcher, made at its first token (a replay's walks the
+        tokens generated before it)."""
+        if not prog.start.sampling.grammar:
+            return None
+        if prog.matcher is None:
+            prog.matcher = worker.grammar_matcher(prog.start.sampling.grammar)
+            for token in prog.tokens:
+                prog.matcher.accept(token)
+        return prog.matcher
 
     def _stops(self, prog: _Progress) -> frozenset[int]:
         """The tokens that end this request: the model's (unless ignore_eos) and its stop_token_ids."""

@@ -1,5 +1,7 @@
 """`ppsmoke.py --seed --serve` (real node processes, tiny) used with the official `openai` client: what
 it answers, how it refuses, and that a client walking away frees its slots on every stage."""
+import json
+import re
 import signal
 import subprocess
 import sys
@@ -195,3 +197,32 @@ def test_ppsmoke_refuses_contradictory_serve_flags():
     done = subprocess.run([sys.executable, str(ROOT / "ppsmoke.py"), "--seed", "--serve", "--json"],
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 2 and "--serve" in done.stderr
+
+
+COLOR = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}, "n": {"type": "integer"}},
+         "required": ["color", "n"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_response_format_json_schema_makes_even_random_weights_write_the_schema(served, seed):
+    """The tiny model's weights are random: unconstrained it writes bytes, never this object."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": COLOR}}
+    r = served.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
+                                                max_tokens=48, temperature=1.0, seed=seed, response_format=fmt)
+    text = r.choices[0].message.content
+    if r.choices[0].finish_reason == "stop":
+        value = json.loads(text)
+        assert set(value) == {"color", "n"} and value["color"] in ("red", "green") and isinstance(value["n"], int)
+    else:  # cut by max_tokens inside the integer: a prefix of the object
+        assert text.startswith('{"color":"') and re.fullmatch(r'\{"color":"(red|green)","n":-?\d*', text), text
+    free = served.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
+                                                   max_tokens=12, temperature=1.0, seed=seed)
+    assert not free.choices[0].message.content.startswith('{"color"')
+
+
+def test_a_bad_schema_is_a_400_naming_response_format(served):
+    with pytest.raises(openai.BadRequestError) as info:
+        served.client().chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frog"}}})
+    assert openai_error(info)["param"] == "response_format" and "frog" in openai_error(info)["message"]

@@ -19,6 +19,7 @@ import numpy as np
 
 from .errors import WorkerError
 from .batching import Segment
+from .grammar import GrammarCompiler, GrammarError, Matcher
 from .partition import Role, layer_range, role_of
 from .sampling import GREEDY, Sampling, rng_for, sample, stop_set
 from .slice import Slice
@@ -145,6 +146,21 @@ class StageWorker:
         stops = stop_set(self.info.stop_ids, req.sampling) if stop_ids is None else stop_ids
         return sample(logits, req.sampling, req.rng, prompt_ids=prompt_ids, output_ids=output_ids,
                       stop_ids=stops, allowed=allowed)
+
+    def grammar_matcher(self, grammar: str) -> Matcher:
+        """A request's constrained decoding (Sampling.grammar, worker/grammar.py), fresh at its first token;
+        compiled grammars are kept. On the compute thread: compiling takes milliseconds."""
+        self._require(Role.LAST, "grammar_matcher")
+        try:
+            return self._grammars.matcher(grammar)
+        except GrammarError as exc:
+            raise WorkerError(f"response_format: {exc}") from None
+
+    @functools.cached_property
+    def _grammars(self) -> GrammarCompiler:
+        tok = self.tokenizer
+        return GrammarCompiler([tok.decode_bytes([i]) for i in range(tok.vocab_size)], tok.stop_ids,
+                               self.info.vocab_size, control_ids=getattr(tok, "control_ids", ()), encode=tok.encode)
 
     def detokenize(self, tokens: list[int]) -> str:
         self._require(Role.LAST, "detokenize")

@@ -20,6 +20,7 @@ import math
 
 import attrs
 
+from worker.grammar import GrammarError, canonical_format
 from worker.sampling import MAX_LOGPROBS, MAX_SEED, Sampling
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -259,10 +260,12 @@ def _response_format(body: dict) -> str:
     """Constrained decoding's grammar (worker/grammar.py), as the canonical text the last stage compiles;
     "" for plain text."""
     fmt = _get(body, "response_format", dict, default=None)
-    if fmt is None or fmt.get("type") == "text":
+    if fmt is None:
         return ""
-    raise ApiError(400, f"response_format: {fmt.get('type')!r} is not supported by this server",
-                   param="response_format", code="unsupported_parameter")
+    try:
+        return canonical_format(fmt)
+    except GrammarError as exc:  # its message names the part: response_format.json_schema.schema: ...
+        raise ApiError(400, str(exc), param="response_format", code="invalid_value") from None
 
 
 def _stop(body: dict) -> tuple[str, ...]:
