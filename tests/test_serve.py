@@ -2,18 +2,16 @@
 it answers, how it refuses, and that a client walking away frees its slots on every stage."""
 import json
 import re
-import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
-from test_smoke_seed import ROOT, assert_all_gone, processes_marked, start, wait_for_line
+from served import serving
+from test_smoke_seed import ROOT, processes_marked
 from worker.models import tinygrad_model
 from worker.reference import generate_full
 from worker.weights.tiny import TinySource
@@ -22,37 +20,11 @@ TOKEN = "serve-test-cluster-token"  # the nodes' own, from the environment: neve
 PROMPT = "Say hello"
 
 
-class Served:
-    def __init__(self, proc, base_url: str, api_key: str, stage_urls: list[str], mark: str):
-        self.proc, self.base_url, self.api_key, self.stage_urls, self.mark = proc, base_url, api_key, stage_urls, mark
-
-    def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, timeout=120, **kw)
-
-    def slots_in_use(self) -> list[int]:
-        return [httpx.get(u + "/health").json()["slots_in_use"] for u in self.stage_urls]
-
-
 @pytest.fixture(scope="module")
 def served():
-    mark = uuid.uuid4().hex
-    proc = start(["-n", "2", "--serve", "--max-seqs", "2", "--max-queue", "1"], mark,
-                 env_extra={"PP_CLUSTER_TOKEN": TOKEN})
-    out = wait_for_line(proc.stdout, "curl -N", 240)
-    base_url = next(line.split("=", 1)[1].strip() for line in out if line.startswith("OPENAI_BASE_URL="))
-    api_key = next(line.split("=", 1)[1].strip() for line in out if line.startswith("OPENAI_API_KEY="))
-    assert api_key != TOKEN and TOKEN not in "".join(out)  # a client key of its own making, printed; the token not
-    err = wait_for_line(proc.stderr, "pp-entry is ready", 30)
-    stage_urls = [line.split(" listening at ")[1].split()[0] for line in err if " listening at " in line]
-    assert len(stage_urls) == 2
-    yield Served(proc, base_url, api_key, stage_urls, mark)
-    proc.send_signal(signal.SIGINT)
-    try:
-        assert proc.wait(timeout=30) == 0, proc.stderr.read()[-2000:]
-    finally:
-        proc.stdout.close()
-        proc.stderr.close()
-    assert_all_gone(mark)
+    with serving(["--max-seqs", "2", "--max-queue", "1"], stages=2, env_extra={"PP_CLUSTER_TOKEN": TOKEN}) as s:
+        assert s.api_key != TOKEN and TOKEN not in s.printed  # a client key of its own making, printed; the token not
+        yield s
 
 
 @pytest.fixture(scope="module")
