@@ -186,7 +186,7 @@ async def walk_away(api, urls, model) -> dict:
 
 async def _ended(api) -> dict[str, float]:
     metrics = (await api.get("/metrics")).text
-    return {k: float(v) for k, v in re.findall(r'pp_requests_total\{reason="(\w+)"\} (\S+)', metrics)}
+    return {k: float(v) for k, v in re.findall(r'pp_requests_total\{[^}]*reason="(\w+)"[^}]*\} (\S+)', metrics)}
 
 
 async def _idle(client, urls) -> bool:

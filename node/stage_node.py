@@ -49,12 +49,12 @@ def _clocked(fn, *args):
 class StageNode:
     def __init__(self, stage: int, num_stages: int, client: PeerClient, *, node_id: str,
                  max_queue: int = DEFAULT_MAX_QUEUE, link_streams: bool = True, faults: Faults = NO_FAULTS,
-                 prompt_rows: int | None = None):
+                 prompt_rows: int | None = None, model_name: str):
         self.stage, self.num_stages, self.node_id = stage, num_stages, node_id
         self.prompt_rows = prompt_rows  # the chunked prefill size (roles/schedule.py)
         self.client, self.max_queue, self.link_streams, self.faults = client, max_queue, link_streams, faults
         self.name = stage_name(stage)
-        self.metrics = NodeMetrics(self._metrics_snapshot)
+        self.metrics = NodeMetrics(self._metrics_snapshot, model_name=model_name)  # the API's name for the model
         self.hops = hops.HopStats(observe=lambda link, part, s: self.metrics.hop.labels(link, part).observe(s))
         self.figures = StageFigures(self.metrics)
         self.sender = Sender(client, self._addr_of, source=self.name, stats=self.hops, faults=faults)

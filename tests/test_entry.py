@@ -25,7 +25,7 @@ def members_of(protocol) -> set[str]:
 
 @pytest.mark.parametrize("protocol,implementation", [(Entry, StageNode), (Members, Swim)])
 def test_the_stage_node_and_swim_have_every_member_the_api_uses(protocol, implementation):
-    node = StageNode(0, 2, client=None, node_id="n") if implementation is StageNode else None
+    node = StageNode(0, 2, client=None, node_id="n", model_name="m") if implementation is StageNode else None
     missing = {m for m in members_of(protocol) if not hasattr(implementation, m) and not hasattr(node, m)}
     assert not missing
 

@@ -1,5 +1,5 @@
 """GET /metrics on every node: Prometheus' text format, read back with prometheus_client's own parser, and
-counters that move by what a request did."""
+counters that move by what a request did; every series names the served model, as vLLM's do."""
 import httpx
 import trio
 from prometheus_client.parser import text_string_to_metric_families
@@ -8,6 +8,7 @@ from cluster import API_KEY, start_cluster
 from worker.models import stub_model
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}  # a scraper is a client
+MODEL_NAME = "served-stub"  # what the API calls the model: not the model argument
 
 
 async def scrape(client, url) -> dict:
@@ -19,11 +20,11 @@ async def scrape(client, url) -> dict:
 
 
 def value(samples, name, **labels):
-    return samples.get((name, frozenset(labels.items())), 0.0)
+    return samples.get((name, frozenset({"model_name": MODEL_NAME, **labels}.items())), 0.0)
 
 
 async def test_metrics_parse_and_move_by_what_one_request_did(nursery, tmp_path):
-    _, urls, _ = await start_cluster(nursery, 3, tmp_path)
+    _, urls, _ = await start_cluster(nursery, 3, tmp_path, model_name=MODEL_NAME)
     messages = [{"role": "user", "content": "Say hello"}]
     prompt = len(stub_model().tokenizer().encode_messages(messages))
     async with httpx.AsyncClient(timeout=30) as client:
@@ -31,7 +32,7 @@ async def test_metrics_parse_and_move_by_what_one_request_did(nursery, tmp_path)
         before = [await scrape(client, u) for u in urls]
         with trio.fail_after(30):
             r = await client.post(urls[0] + "/v1/chat/completions", headers=AUTH, json={
-                "model": "stub", "messages": messages, "max_tokens": 5, "temperature": 0, "ignore_eos": True})
+                "model": MODEL_NAME, "messages": messages, "max_tokens": 5, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
         after = [await scrape(client, u) for u in urls]
     entry0, entry1 = before[0], after[0]
@@ -45,10 +46,22 @@ async def test_metrics_parse_and_move_by_what_one_request_did(nursery, tmp_path)
     for stage, (b, a) in enumerate(zip(before, after)):
         assert value(a, "pp_step_compute_seconds_count") > value(b, "pp_step_compute_seconds_count"), stage
         assert value(a, "pp_slots_in_use") == 0
-        assert ("pp_weight_bytes", frozenset()) in a and value(a, "pp_peak_rss_bytes") > 0  # the stub weighs 0
+        assert ("pp_weight_bytes", frozenset({("model_name", MODEL_NAME)})) in a  # the stub weighs 0
+        assert value(a, "pp_peak_rss_bytes") > 0
         assert value(a, "pp_gossip_members", state="alive") == 4  # three stages and the orchestrator
         assert value(a, "pp_gossip_members", state="dead") == 0
     # the hop into stage 1 was timed on the wire, and in the queue before its step
     assert value(after[1], "pp_hop_seconds_count", hop="from pp-stage-0", part="queue") > 0
+    nursery.cancel_scope.cancel()
+
+
+async def test_every_series_of_every_node_is_labelled_with_the_served_model_name(nursery, tmp_path):
+    _, urls, _ = await start_cluster(nursery, 2, tmp_path, model_name=MODEL_NAME)
+    async with httpx.AsyncClient(timeout=30) as client:
+        scraped = [await scrape(client, u) for u in urls]
+    for samples in scraped:
+        assert {"pp_slots_in_use", "pp_gossip_members", "pp_generated_tokens_total",
+                "pp_step_compute_seconds_count"} <= {name for name, _ in samples}
+        assert {dict(labels).get("model_name") for _, labels in samples} == {MODEL_NAME}
     nursery.cancel_scope.cancel()
 

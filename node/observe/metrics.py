@@ -11,6 +11,9 @@ moved by the node as things happen; the gauges are read from the node when a scr
     pp_hop_seconds{hop,part}                         where a hop's time goes (node/observe/hops.py), per hop and part
     pp_gossip_members{state}                         members of this node's gossip view by state
     pp_weight_bytes, pp_kv_bytes, pp_peak_rss_bytes  memory
+
+Every series carries `model_name`, the name the OpenAI API serves the model by, as vLLM's do: a dashboard
+made for vLLM filters on it, and one Prometheus can scrape clusters of several models apart.
 """
 from __future__ import annotations
 
@@ -27,38 +30,51 @@ _FAST = (.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1
 
 
 class NodeMetrics:
-    def __init__(self, snapshot: Callable[[], dict]):
+    def __init__(self, snapshot: Callable[[], dict], *, model_name: str):
         """`snapshot()` gives the node's figures of the moment (StageNode.health plus gossip counts)."""
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.generated = Counter("pp_generated_tokens", "Tokens generated (stage 0: as fed back to it)", registry=r)
-        self.prompt = Counter("pp_prompt_tokens", "Prompt tokens of requests admitted (stage 0)", registry=r)
-        self.ended = Counter("pp_requests", "Requests ended at stage 0, by how", ["reason"], registry=r)
-        self.ttft = Histogram("pp_time_to_first_token_seconds", "Stage 0: from admission to the first token",
-                              buckets=_LATENCY, registry=r)
+        r, m = self.registry, ["model_name"]
+        self.generated = Counter("pp_generated_tokens", "Tokens generated (stage 0: as fed back to it)", m,
+                                 registry=r).labels(model_name)
+        self.prompt = Counter("pp_prompt_tokens", "Prompt tokens of requests admitted (stage 0)", m,
+                              registry=r).labels(model_name)
+        self.ended = _Named(Counter("pp_requests", "Requests ended at stage 0, by how", [*m, "reason"], registry=r),
+                            model_name)
+        self.ttft = Histogram("pp_time_to_first_token_seconds", "Stage 0: from admission to the first token", m,
+                              buckets=_LATENCY, registry=r).labels(model_name)
         self.tpot = Histogram("pp_time_per_output_token_seconds", "Stage 0: between consecutive tokens of a request",
-                              buckets=_LATENCY, registry=r)
-        self.step = Histogram("pp_step_compute_seconds", "One batched step on the compute thread", buckets=_LATENCY,
-                              registry=r)
-        self.hop = Histogram("pp_hop_seconds", "Where a hop's time goes (node/observe/hops.py): per hop and part",
-                             ["hop", "part"], buckets=_FAST, registry=r)
-        r.register(_Snapshot(snapshot))
+                              m, buckets=_LATENCY, registry=r).labels(model_name)
+        self.step = Histogram("pp_step_compute_seconds", "One batched step on the compute thread", m,
+                              buckets=_LATENCY, registry=r).labels(model_name)
+        self.hop = _Named(Histogram("pp_hop_seconds", "Where a hop's time goes (node/observe/hops.py): per hop and "
+                                    "part", [*m, "hop", "part"], buckets=_FAST, registry=r), model_name)
+        r.register(_Snapshot(snapshot, model_name))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
+class _Named:
+    """A metric with more labels than model_name: `labels(...)` takes the others, model_name is set."""
+
+    def __init__(self, metric, model_name: str):
+        self._metric, self._model_name = metric, model_name
+
+    def labels(self, *values: str):
+        return self._metric.labels(self._model_name, *values)
+
+
 class _Snapshot:
     """The gauges, read from the node at scrape time."""
 
-    def __init__(self, snapshot: Callable[[], dict]):
-        self._snapshot = snapshot
+    def __init__(self, snapshot: Callable[[], dict], model_name: str):
+        self._snapshot, self._model_name = snapshot, model_name
 
     def describe(self):
         return []  # not known before the first scrape: no fixed description
 
     def collect(self):
-        s = self._snapshot()
+        s, name_label = self._snapshot(), [self._model_name]
         for name, help_text, value in (
                 ("pp_requests_running", "Stage 0: requests holding sequence slots", s.get("running")),
                 ("pp_requests_queued", "Stage 0: requests waiting for a slot", s.get("queued")),
@@ -67,9 +83,11 @@ class _Snapshot:
                 ("pp_kv_bytes", "Bytes of this stage's KV caches", s.get("kv_bytes")),
                 ("pp_peak_rss_bytes", "Peak resident memory of the process", s.get("peak_rss_bytes"))):
             if value is not None:
-                yield GaugeMetricFamily(name, help_text, value=value)
+                gauge = GaugeMetricFamily(name, help_text, labels=["model_name"])
+                gauge.add_metric(name_label, value)
+                yield gauge
         members = GaugeMetricFamily("pp_gossip_members", "Members of this node's gossip view, by state",
-                                    labels=["state"])
+                                    labels=["model_name", "state"])
         for state in State:
-            members.add_metric([state.value], s.get("members", {}).get(state.value, 0))
+            members.add_metric([*name_label, state.value], s.get("members", {}).get(state.value, 0))
         yield members
