@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 class CountingDispatcher:
     """Accepts every activation and only counts it, so the timings are transport alone."""
 
-    swim, loading = None, False
+    swim, loading, serving = None, False, True
 
     def __init__(self, hidden_dim: int):
         self.hidden_dim = hidden_dim

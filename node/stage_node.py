@@ -77,6 +77,15 @@ class StageNode:
         return self.actor is None or self.links is None
 
     @property
+    def serving(self) -> bool:
+        """/health's 200: loaded, and on stage 0 a whole chain behind it that admits requests (/health's `ready`
+        and `admitting`, once the chain has been seen whole); a stage that is missing or still loading is a 503
+        there, as while this one loads."""
+        if self.loading:
+            return False
+        return self.stage != 0 or (bool(self.actor.chain) and not self.actor.paused)
+
+    @property
     def last_answer(self) -> dict:
         """Stage 0: figures of the last answer followed here (the chat page shows them)."""
         return self.figures.last_answer

@@ -56,6 +56,8 @@ class Orchestrator:
     async def wait_response(self, request_id: str, wait_s: float):
         return None  # responses come to us; we keep none for others
 
+    serving = True  # /health: the runner has no model to wait for
+
     def health(self) -> dict:
         return {"ok": True, "node": self.node_id, "role": "orchestrator"}
 

@@ -1,4 +1,6 @@
-"""Bad input at a node's HTTP edge is refused with a clear 4xx, and the node keeps serving."""
+"""Bad input at a node's HTTP edge is refused with a clear 4xx, and the node keeps serving; /health's status says
+whether the cluster serves."""
+import functools
 import json
 import struct
 
@@ -6,7 +8,8 @@ import httpx
 import pytest
 import trio
 
-from cluster import TOKEN, start_cluster
+import cluster as local
+from cluster import FAST_SWIM, TOKEN, stage_config, start_cluster
 from node.transport import wire
 from worker.models import stub_model
 from worker.reference import generate_full
@@ -193,3 +196,32 @@ async def test_an_early_refusal_over_http1_closes_the_connection_instead_of_leav
             assert r.status_code == 401 and r.http_version == "HTTP/1.1"
         r = await h1.get(urls[0] + "/v1/members", headers=AUTH)
         assert r.status_code == 200 and "close" not in r.headers.get("connection", "")
+
+
+# -- /health's status -----------------------------------------------------------------------------------------
+
+async def test_health_is_503_until_the_chain_can_serve_then_200_and_503_again_while_a_stage_is_missing(
+        nursery, tmp_path):
+    orch = await nursery.start(functools.partial(local.run_orchestrator, TOKEN, swim_config=FAST_SWIM))
+    compute = await nursery.start(local._shared_compute)
+    def config(stage, peer):
+        return stage_config(stage, 2, model="stub", seed=orch.url, peer=peer, tmp=tmp_path)
+    url0 = await nursery.start(local._scoped, trio.CancelScope(), config(0, None), compute)
+    async with httpx.AsyncClient(timeout=10) as client:
+        with trio.fail_after(30):
+            while not (alone := await client.get(url0 + "/health")).json()["ready"]:
+                await trio.sleep(0.05)
+        assert alone.status_code == 503 and alone.json()["admitting"] is False  # loaded, but alone
+        stage1 = trio.CancelScope()
+        url1 = await nursery.start(local._scoped, stage1, config(1, url0), compute)
+        with trio.fail_after(30):
+            await orch.converge(2)
+        whole = await client.get(url0 + "/health")
+        assert whole.status_code == 200 and whole.json()["admitting"] is True
+        assert set(whole.json()) == set(alone.json()) and whole.json()["ok"] is True  # the body is the same
+        assert (await client.get(url1 + "/health")).status_code == 200
+        stage1.cancel()  # gossip declares it dead: stage 0 admits nothing until a replacement joins
+        with trio.fail_after(30):
+            while (await client.get(url0 + "/health")).status_code != 503:
+                await trio.sleep(0.1)
+    nursery.cancel_scope.cancel()

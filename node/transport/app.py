@@ -4,6 +4,9 @@ caller's nursery, HTTP/2 cleartext with prior knowledge, HTTP/1.1 still accepted
 Handlers validate, hand the message to the dispatcher and answer at once: a hop never waits for
 downstream compute. Who may call what is node/transport/auth.py's: the client surface (the OpenAI API, /v1/pipeline,
 /metrics) takes a client API key, everything else the cluster token; /health and the chat page are open.
+
+/health answers 503 until the dispatcher says it is `serving`, then 200, with the same body either way: a load
+balancer or a script waiting for the cluster reads the status, a person reads the body.
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ class Dispatcher(Protocol):
 
     swim: Swim | None
     loading: bool  # True until messages for the model can be admitted (the runner never takes them): still_loading()
+    serving: bool  # /health's status: 200 once this node does its part of serving requests, 503 before
     hidden_dim: int | None  # the activations' width, once not loading
 
     def deliver(self, message, *, source: str | None = None, sent_at: float | None = None) -> None: ...
@@ -99,8 +103,8 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_st
 
     @app.get("/health")
     async def health():
-        return jsonify({**dispatcher.health(), "http_versions": dict(app.http_versions),
-                        "body_bytes": dict(app.body_bytes)})
+        body = {**dispatcher.health(), "http_versions": dict(app.http_versions), "body_bytes": dict(app.body_bytes)}
+        return jsonify(body), 200 if dispatcher.serving else 503
 
     @app.get("/metrics")
     async def metrics():
