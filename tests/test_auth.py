@@ -17,14 +17,13 @@ from node.transport.auth import Credential
 TOKEN_AUTH = {"Authorization": f"Bearer {TOKEN}"}
 KEY_AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CLIENT_SURFACE = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
-                  ("GET", "/v1/pipeline"), ("GET", "/metrics")]
-API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
-# every endpoint a node serves to its peers and its runner (node/transport/app.py), and one it does not serve at all
+                  ("GET", "/v1/models/stub"), ("GET", "/v1/pipeline"), ("GET", "/metrics")]
+API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/stub")
+# every endpoint a node serves to its peers and its runner (node/transport/app.py)
 INTERNAL = [("POST", "/swim/ping"), ("POST", "/swim/ping-req"), ("POST", "/swim/sync"), ("GET", "/v1/members"),
             ("POST", "/v1/inference"), ("POST", "/v1/cancel"), ("POST", "/v1/response"), ("POST", "/v1/next-token"),
             ("POST", "/v1/end"), ("POST", "/v1/activation"), ("POST", "/v1/link?link=l1&from=pp-stage-0"),
-            ("GET", "/v1/link/l1"), ("GET", "/v1/response/r1?wait=0"), ("GET", "/v1/hops"), ("POST", "/v1/hops/reset"),
-            ("GET", "/v1/no-such-endpoint")]
+            ("GET", "/v1/link/l1"), ("GET", "/v1/response/r1?wait=0"), ("GET", "/v1/hops"), ("POST", "/v1/hops/reset")]
 
 
 # --- the decision, as a table ----------------------------------------------------------------------------------
@@ -46,9 +45,19 @@ INTERNAL = [("POST", "/swim/ping"), ("POST", "/swim/ping-req"), ("POST", "/swim/
     ("/v1/inference", Credential.CLIENT, False, 403),
     ("/v1/chat/completions/", Credential.CLIENT, False, 403),  # not the client surface: the cluster's by default
     ("/v1/added-later", Credential.CLIENT, False, 403),
+    ("/v1/models/org/name", Credential.CLIENT, False, None),
+    ("/v1/models/org/name", Credential.CLUSTER, False, 403),
+    ("/v1/modelsx", Credential.CLIENT, False, 403),
 ])
 def test_each_path_takes_its_own_kind_of_credential(path, credential, opt_in, status):
     refused = auth.refusal(path, credential, token_is_api_key=opt_in)
+    assert (refused and refused.status) == status
+
+
+@pytest.mark.parametrize("credential, status", [(Credential.CLIENT, None), (Credential.CLUSTER, None),
+                                                (Credential.NONE, 401)])
+def test_a_path_no_route_serves_is_for_either_credential_to_hear_so(credential, status):
+    refused = auth.refusal("/v1/embeddings", credential, routed=False)  # the app answers it 404
     assert (refused and refused.status) == status
 
 
@@ -81,6 +90,13 @@ async def call(client, method, url, headers, body=b"{}"):
     r = await client.request(method, url, headers={**headers, "Content-Type": "application/json"},
                              content=body if method == "POST" else None)
     return r.status_code, r.json()
+
+
+async def test_a_path_no_route_serves_is_404_to_a_client_key_and_the_token_and_401_to_anyone_else(cluster):
+    _, urls, client = cluster
+    for headers, status in ((KEY_AUTH, 404), (TOKEN_AUTH, 404), ({}, 401), ({"Authorization": "Bearer x"}, 401)):
+        r = await client.get(urls[0] + "/v1/no-such-endpoint", headers=headers)
+        assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
 async def test_a_client_key_opens_no_internal_endpoint(cluster):

@@ -1,5 +1,5 @@
-"""Bad input at a node's HTTP edge is refused with a clear 4xx, and the node keeps serving; /health's status says
-whether the cluster serves."""
+"""Bad input at a node's HTTP edge is refused with a clear 4xx, and the node keeps serving; every refusal is
+JSON (OpenAI's shape where an OpenAI client may meet it), and /health's status says whether the cluster serves."""
 import functools
 import json
 import struct
@@ -9,13 +9,14 @@ import pytest
 import trio
 
 import cluster as local
-from cluster import FAST_SWIM, TOKEN, stage_config, start_cluster
+from cluster import API_KEY, FAST_SWIM, TOKEN, stage_config, start_cluster
 from node.transport import wire
 from worker.models import stub_model
 from worker.reference import generate_full
 from worker.stub import STUB_DIM
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+KEY = {"Authorization": f"Bearer {API_KEY}"}
 MAX_BODY = 64 * 1024
 
 
@@ -196,6 +197,57 @@ async def test_an_early_refusal_over_http1_closes_the_connection_instead_of_leav
             assert r.status_code == 401 and r.http_version == "HTTP/1.1"
         r = await h1.get(urls[0] + "/v1/members", headers=AUTH)
         assert r.status_code == 200 and "close" not in r.headers.get("connection", "")
+
+
+# -- every refusal is JSON --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method,path,headers,status,code", [
+    ("GET", "/v1/embeddings", KEY, 404, None),  # no such route: any credential of the node's may learn that
+    ("POST", "/v1/embeddings", AUTH, 404, None),
+    ("POST", "/v1/embeddings", {}, 401, "invalid_api_key"),
+    ("GET", "/v1/chat/completions", KEY, 405, None),
+    ("DELETE", "/v1/models/stub", KEY, 405, None),
+    ("GET", "/v1/inference", AUTH, 405, None),  # the cluster's own route: the token opens it, not with GET
+])
+async def test_404s_and_405s_under_v1_are_openai_json_not_html_pages(cluster, method, path, headers, status, code):
+    _, urls, client = cluster
+    r = await client.request(method, urls[0] + path, headers=headers)
+    assert r.status_code == status and r.headers["content-type"] == "application/json", r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == code
+    if status != 401:
+        assert error["type"] == "invalid_request_error" and path in error["message"]
+    if status == 405:
+        assert method not in r.headers["allow"] and r.headers["allow"] in error["message"]
+
+
+async def test_elsewhere_and_on_the_other_stages_a_404_is_json_too(cluster):
+    _, urls, client = cluster
+    for url, path, headers in ((urls[0], "/nope", AUTH), (urls[1], "/v1/models", KEY)):
+        r = await client.get(url + path, headers=headers)
+        assert r.status_code == 404 and r.json() == {"error": f"no such endpoint: GET {path}"}
+
+
+async def test_a_model_is_retrieved_by_its_id_as_v1_models_lists_it_and_another_id_is_404(cluster):
+    _, urls, client = cluster
+    [listed] = (await client.get(urls[0] + "/v1/models", headers=KEY)).json()["data"]
+    r = await client.get(urls[0] + "/v1/models/stub", headers=KEY)
+    assert r.status_code == 200 and r.json() == listed
+    r = await client.get(urls[0] + "/v1/models/gpt-4o", headers=KEY)
+    error = r.json()["error"]
+    assert r.status_code == 404 and (error["type"], error["param"], error["code"]) == (
+        "invalid_request_error", "model", "model_not_found") and "'gpt-4o'" in error["message"]
+    r = await client.get(urls[0] + "/v1/models/stub", headers=AUTH)
+    assert r.status_code == 403 and r.json()["error"]["message"].startswith("the cluster token is not a client API key")
+
+
+async def test_a_model_name_with_slashes_is_retrieved_by_it(nursery, tmp_path):
+    _, urls, _ = await start_cluster(nursery, 2, tmp_path, model_name="HuggingFaceTB/SmolLM2-135M-Instruct")
+    async with httpx.AsyncClient(timeout=10, headers=KEY) as client:
+        r = await client.get(urls[0] + "/v1/models/HuggingFaceTB/SmolLM2-135M-Instruct")
+        assert r.status_code == 200 and r.json()["id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+        assert (await client.get(urls[0] + "/v1/models/HuggingFaceTB")).status_code == 404
+    nursery.cancel_scope.cancel()
 
 
 # -- /health's status -----------------------------------------------------------------------------------------

@@ -43,6 +43,15 @@ def test_the_model_is_listed_by_the_name_the_cluster_was_started_with(served):
     assert model.id == "tiny" and model.object == "model"
 
 
+def test_the_model_is_retrieved_by_its_id_and_another_id_is_not_found(served):
+    client = served.client()
+    [listed] = client.models.list().data
+    assert client.models.retrieve("tiny") == listed
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-4o")
+    assert (openai_error(info)["code"], openai_error(info)["param"]) == ("model_not_found", "model")
+
+
 def test_a_chat_completion_is_the_single_process_greedy_answer_with_its_usage(served, tiny):
     r = served.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
                                                 max_tokens=12, temperature=0)

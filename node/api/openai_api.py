@@ -1,6 +1,6 @@
 """The OpenAI-compatible API on pp-entry: `POST /v1/chat/completions`, `POST /v1/completions` (streamed as
-server-sent events or not) and `GET /v1/models`, on stage 0's own app and port. The cluster token is the
-API key.
+server-sent events or not), `GET /v1/models` and `GET /v1/models/{id}`, on stage 0's own app and port. A
+client API key opens it (node/transport/auth.py).
 
 A request is tokenized here (the chat template is the model's own), admitted into the engine like any
 other (a slot, or the queue, or 429), and followed: stage 0 sees every token come back on the feedback
@@ -47,6 +47,7 @@ from node.api.text_stream import TextStream
 from node.transport.app import shape_refusals, still_loading
 
 API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+MODEL_PATH = "/v1/models/"  # GET /v1/models/{id}: the one model's card
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
 BODY_IDLE_S = 10.0  # a client sending its body: the longest wait for a byte of it
 FINAL_WAIT_S = 5.0  # after the last token, how long a return_token_ids request waits for the stages' figures
@@ -56,13 +57,25 @@ _FOLLOWS = "pp.follows"  # the ASGI scope's list of what an exchange follows (_c
 def add_openai_routes(app: QuartTrio, node: Entry, *, model_name: str) -> None:
     started = int(time.time())
     app.asgi_app = _close_when_over(app.asgi_app)
-    shape_refusals(app, API_PATHS, lambda status, message: api_refusal(status, message).body())
+    # every refusal under /v1 an OpenAI client may meet is in OpenAI's shape: a route's, and the 404 of a path no
+    # route serves or the 405 of a method one does not take (the cluster's own /v1 routes keep theirs otherwise)
+    shape_refusals(app, API_PATHS, openai_shape, prefixes=(MODEL_PATH,), unrouted=("/v1/",))
+
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": started, "owned_by": "pp",
+                "max_model_len": _ready(node).info.max_context}
 
     @app.get("/v1/models")
     async def models():
-        info = _ready(node).info
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
-                                            "owned_by": "pp", "max_model_len": info.max_context}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get(MODEL_PATH + "<path:model_id>")  # path: a served name may hold slashes (org/model, a file's path)
+    async def model(model_id: str):
+        card = model_card()
+        if model_id != model_name:
+            raise ApiError(404, f"model {model_id!r} is not served here; this cluster serves {model_name!r}",
+                           param="model", code="model_not_found")
+        return card
 
     @app.post("/v1/chat/completions")
     async def chat_completions():
@@ -76,6 +89,11 @@ def add_openai_routes(app: QuartTrio, node: Entry, *, model_name: str) -> None:
     async def api_error(exc: ApiError):
         headers = {} if exc.retry_after_s is None else {"Retry-After": str(exc.retry_after_s)}
         return exc.body(), exc.status, headers
+
+
+def openai_shape(status: int, message: str) -> dict:
+    """node/transport/app.py's RefusalShape for OpenAI's paths."""
+    return api_refusal(status, message).body()
 
 
 def api_refusal(status: int, message: str, retry_after_s: int | None = None) -> ApiError:

@@ -5,8 +5,10 @@ Handlers validate, hand the message to the dispatcher and answer at once: a hop 
 downstream compute. Who may call what is node/transport/auth.py's: the client surface (the OpenAI API, /v1/pipeline,
 /metrics) takes a client API key, everything else the cluster token; /health and the chat page are open.
 
-/health answers 503 until the dispatcher says it is `serving`, then 200, with the same body either way: a load
-balancer or a script waiting for the cluster reads the status, a person reads the body.
+Every refusal is JSON, Quart's own 404 and 405 included: `{"error": message}`, or the shape a surface added on
+top registers for its paths (shape_refusals: the OpenAI API's). /health answers 503 until the dispatcher says
+it is `serving`, then 200, with the same body either way: a load balancer or a script waiting for the
+cluster reads the status, a person reads the body.
 """
 from __future__ import annotations
 
@@ -17,11 +19,13 @@ import socket
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
+import attrs
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 from quart import Response, current_app, jsonify, request
 from quart_trio import QuartTrio
+from werkzeug.exceptions import MethodNotAllowed, NotFound
 
 from roles.actions import Refused
 
@@ -70,7 +74,7 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_st
     app.config["BODY_TIMEOUT"] = 120
     app.http_versions = collections.Counter()  # requests served per HTTP version, for tests and /health
     app.body_bytes = collections.Counter()  # request body bytes received per path: bytes on the wire
-    app.refusal_shapes = {}  # path -> RefusalShape: see shape_refusals
+    app.refusal_shapes = _Shapes()  # see shape_refusals
     keys = auth.Keys.of(token, api_keys, token_is_api_key=token_is_api_key)
 
     @app.before_request
@@ -79,7 +83,7 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_st
         if request.path in auth.OPEN_PATHS:  # the chat page holds no secret; every call it makes carries a key
             return None
         credential = keys.credential(request.headers.get("Authorization", ""))
-        refused = auth.refusal(request.path, credential, token_is_api_key=keys.token_is_api_key)
+        refused = auth.refusal(request.path, credential, token_is_api_key=keys.token_is_api_key, routed=_routed())
         if refused is None:
             return None
         if refused.status == 403:  # a credential of the wrong kind: worth a line, unlike a stray 401
@@ -100,6 +104,16 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_st
     @app.errorhandler(413)
     async def too_large(_):
         return _refusal(413, f"body over the limit of {max_body_bytes} bytes")
+
+    @app.errorhandler(NotFound)
+    async def not_found(_):
+        return _refusal(404, f"no such endpoint: {request.method} {request.path}")
+
+    @app.errorhandler(MethodNotAllowed)
+    async def method_not_allowed(exc: MethodNotAllowed):
+        allowed = sorted(exc.valid_methods or ())
+        body, status = _refusal(405, f"{request.path} does not take {request.method}; it takes {', '.join(allowed)}")
+        return body, status, {"Allow": ", ".join(allowed)}
 
     @app.get("/health")
     async def health():
@@ -163,14 +177,41 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_st
     return app
 
 
-def shape_refusals(app: QuartTrio, paths: Iterable[str], shape: RefusalShape) -> None:
-    """The app's refusals on `paths` (401, 403, 413 and a route's Refused) get `shape`'s body rather than
-    {"error": message}: a surface added on top (the OpenAI API) registers its own shape with its routes."""
-    app.refusal_shapes.update(dict.fromkeys(paths, shape))
+def shape_refusals(app: QuartTrio, paths: Iterable[str], shape: RefusalShape, *, prefixes: Iterable[str] = (),
+                   unrouted: Iterable[str] = ()) -> None:
+    """The app's refusals on `paths` and on every path under `prefixes` (401, 403, 404, 405, 413 and a route's
+    Refused) get `shape`'s body rather than {"error": message}: a surface added on top (the OpenAI API)
+    registers its own shape with its routes. Under `unrouted` prefixes, a path that no route serves gets it too
+    (its 401 and 404), and so does a 405 (a route, but not of that method)."""
+    shapes = app.refusal_shapes
+    shapes.paths.update(dict.fromkeys(paths, shape))
+    shapes.prefixes += [(prefix, shape) for prefix in prefixes]
+    shapes.unrouted += [(prefix, shape) for prefix in unrouted]
+
+
+@attrs.define
+class _Shapes:
+    """Who shapes the refusals on which paths: shape_refusals fills it in."""
+
+    paths: dict[str, RefusalShape] = attrs.Factory(dict)
+    prefixes: list[tuple[str, RefusalShape]] = attrs.Factory(list)
+    unrouted: list[tuple[str, RefusalShape]] = attrs.Factory(list)
+
+    def of(self, path: str, *, unrouted: bool) -> RefusalShape | None:
+        """`unrouted`: no route serves the path, or none with this method (a 405)."""
+        if (shape := self.paths.get(path)) is not None:
+            return shape
+        under = [*self.prefixes, *self.unrouted] if unrouted else self.prefixes
+        return next((shape for prefix, shape in under if path.startswith(prefix)), None)
+
+
+def _routed() -> bool:
+    """Whether a route serves this request's path, with its method or (a 405 to come) with another."""
+    return not isinstance(request.routing_exception, NotFound)
 
 
 def _refusal(status: int, message: str):
-    shape = current_app.refusal_shapes.get(request.path)
+    shape = current_app.refusal_shapes.of(request.path, unrouted=status == 405 or not _routed())
     return (shape(status, message), status) if shape is not None else _error(status, message)
 
 

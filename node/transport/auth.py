@@ -12,7 +12,9 @@ address of their choosing with the token attached (ping-req). The cluster token 
 the operator says so (PP_TOKEN_IS_API_KEY=1), and a client key equal to the token is refused at boot.
 
 /health and the chat page (`/`) hold no secret and stay open. Every path not named here is the cluster's:
-a route added later is closed to clients until someone decides otherwise.
+a route added later is closed to clients until someone decides otherwise. A path no route serves at all is
+a 404 to a holder of either credential (it tells them nothing a route would) and a 401 to anyone else, so
+that an OpenAI client asking for an endpoint this server lacks hears so, as vLLM's and OpenAI's say.
 
 Decisions are pure (`refusal`); the app only asks them. A header is compared with every credential, each
 comparison hmac.compare_digest's, so the time taken does not tell which key matched, or how much of one.
@@ -26,6 +28,7 @@ import attrs
 
 OPEN_PATHS = frozenset({"/health", "/"})
 CLIENT_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/pipeline", "/metrics"})
+CLIENT_PREFIXES = ("/v1/models/",)  # every path under these is the client surface too: /v1/models/{id}
 
 
 class Credential(enum.Enum):
@@ -74,11 +77,19 @@ TOKEN_IS_NOT_KEY = ("the cluster token is not a client API key here: use a clien
                     "the nodes with PP_TOKEN_IS_API_KEY=1")
 
 
-def refusal(path: str, credential: Credential, *, token_is_api_key: bool = False) -> Refusal | None:
-    """Why a request for `path` carrying `credential` is refused, or None if it may go on."""
+def is_client_path(path: str) -> bool:
+    return path in CLIENT_PATHS or path.startswith(CLIENT_PREFIXES)
+
+
+def refusal(path: str, credential: Credential, *, token_is_api_key: bool = False,
+            routed: bool = True) -> Refusal | None:
+    """Why a request for `path` carrying `credential` is refused, or None if it may go on. `routed`: some
+    route serves `path` (with this method or another); a path none serves is a 404 to any credential."""
     if path in OPEN_PATHS:
         return None
-    if path in CLIENT_PATHS:
+    if not routed:
+        return None if credential is not Credential.NONE else Refusal(401, WANT_KEY)
+    if is_client_path(path):
         if credential is Credential.CLIENT or (credential is Credential.CLUSTER and token_is_api_key):
             return None
         return Refusal(403, TOKEN_IS_NOT_KEY) if credential is Credential.CLUSTER else Refusal(401, WANT_KEY)
