@@ -30,6 +30,7 @@ from worker.weights.rangefetch import fetch_stage_slice
 
 from node.api.chat_page import add_chat_page
 from node.api.openai_api import add_openai_routes
+from node.api.tokenize_api import add_tokenize_routes
 from node.compute import ComputeThread, open_compute_thread
 from node.config import NodeConfig, advertised_url
 from node.membership.gossip import Member, Meta, SwimConfig
@@ -153,8 +154,9 @@ async def _serve(config, swim_config, on_listening, compute, task_status) -> Non
                          prompt_rows=config.chunked_prefill_size, model_name=config.model_name)
         app = make_app(node, token=config.cluster_token, max_body_bytes=config.max_body_bytes, link_streams=True,
                        api_keys=config.api_keys, token_is_api_key=config.token_is_api_key)
-        if stage == 0:  # pp-entry serves the OpenAI API too, and a chat page that uses it
+        if stage == 0:  # pp-entry serves the OpenAI API too (and vLLM's /tokenize), and a chat page that uses it
             add_openai_routes(app, node, model_name=config.model_name)
+            add_tokenize_routes(app, node, config.model_name)
             add_chat_page(app, node, http=client.http, token=config.cluster_token, model_name=config.model_name)
         url = advertised_url(config, await nursery.start(serve_app, app, config.bind_host, config.port))
         if stage == 0 and not config.api_keys and not config.token_is_api_key:  # after listening: see ppnode.py

@@ -17,8 +17,9 @@ from node.transport.auth import Credential
 TOKEN_AUTH = {"Authorization": f"Bearer {TOKEN}"}
 KEY_AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CLIENT_SURFACE = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
-                  ("GET", "/v1/models/stub"), ("GET", "/v1/pipeline"), ("GET", "/metrics")]
-API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/stub")
+                  ("GET", "/v1/models/stub"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/pipeline"),
+                  ("GET", "/metrics")]
+API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/stub", "/tokenize", "/detokenize")
 # every endpoint a node serves to its peers and its runner (node/transport/app.py)
 INTERNAL = [("POST", "/swim/ping"), ("POST", "/swim/ping-req"), ("POST", "/swim/sync"), ("GET", "/v1/members"),
             ("POST", "/v1/inference"), ("POST", "/v1/cancel"), ("POST", "/v1/response"), ("POST", "/v1/next-token"),
@@ -45,6 +46,9 @@ INTERNAL = [("POST", "/swim/ping"), ("POST", "/swim/ping-req"), ("POST", "/swim/
     ("/v1/inference", Credential.CLIENT, False, 403),
     ("/v1/chat/completions/", Credential.CLIENT, False, 403),  # not the client surface: the cluster's by default
     ("/v1/added-later", Credential.CLIENT, False, 403),
+    ("/tokenize", Credential.CLIENT, False, None),
+    ("/detokenize", Credential.CLUSTER, False, 403),
+    ("/detokenize", Credential.NONE, False, 401),
     ("/v1/models/org/name", Credential.CLIENT, False, None),
     ("/v1/models/org/name", Credential.CLUSTER, False, 403),
     ("/v1/modelsx", Credential.CLIENT, False, 403),
@@ -154,7 +158,8 @@ async def test_the_cluster_token_is_refused_on_the_client_surface_and_a_client_k
     _, urls, client = cluster
     chat = json.dumps({"model": "stub", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
     completion = json.dumps({"model": "stub", "prompt": "hi", "max_tokens": 2}).encode()
-    bodies = {"/v1/chat/completions": chat, "/v1/completions": completion}
+    bodies = {"/v1/chat/completions": chat, "/v1/completions": completion, "/tokenize": b'{"prompt": "hi"}',
+              "/detokenize": b'{"tokens": [2, 3]}'}
     for method, path in CLIENT_SURFACE:
         r = await client.request(method, urls[0] + path, headers=TOKEN_AUTH, content=bodies.get(path))
         error = r.json()["error"]

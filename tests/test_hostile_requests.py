@@ -299,10 +299,10 @@ async def test_health_is_answered_while_a_prompt_is_tokenized(nursery, tmp_path,
     orch, urls, _ = await start_cluster(nursery, 2, tmp_path, max_seqs=4)
     real, tokenizing, answered, waited = StubTokenizer.encode_messages, threading.Event(), threading.Event(), []
 
-    def held_template(self, messages):
+    def held_template(self, messages, **kw):
         tokenizing.set()
         waited.append(answered.wait(timeout=10))  # False: /health could not answer while this ran
-        return real(self, messages)
+        return real(self, messages, **kw)
     monkeypatch.setattr(StubTokenizer, "encode_messages", held_template)
     async with httpx.AsyncClient(timeout=30) as client, httpx.AsyncClient(timeout=30, headers=AUTH) as api:
         async with trio.open_nursery() as n:

@@ -207,6 +207,7 @@ async def test_an_early_refusal_over_http1_closes_the_connection_instead_of_leav
     ("POST", "/v1/embeddings", {}, 401, "invalid_api_key"),
     ("GET", "/v1/chat/completions", KEY, 405, None),
     ("DELETE", "/v1/models/stub", KEY, 405, None),
+    ("GET", "/tokenize", KEY, 405, None),
     ("GET", "/v1/inference", AUTH, 405, None),  # the cluster's own route: the token opens it, not with GET
 ])
 async def test_404s_and_405s_under_v1_are_openai_json_not_html_pages(cluster, method, path, headers, status, code):
@@ -223,7 +224,7 @@ async def test_404s_and_405s_under_v1_are_openai_json_not_html_pages(cluster, me
 
 async def test_elsewhere_and_on_the_other_stages_a_404_is_json_too(cluster):
     _, urls, client = cluster
-    for url, path, headers in ((urls[0], "/nope", AUTH), (urls[1], "/v1/models", KEY)):
+    for url, path, headers in ((urls[0], "/nope", AUTH), (urls[1], "/v1/models", KEY), (urls[1], "/tokenize", KEY)):
         r = await client.get(url + path, headers=headers)
         assert r.status_code == 404 and r.json() == {"error": f"no such endpoint: GET {path}"}
 

@@ -52,6 +52,17 @@ def test_the_model_is_retrieved_by_its_id_and_another_id_is_not_found(served):
     assert (openai_error(info)["code"], openai_error(info)["param"]) == ("model_not_found", "model")
 
 
+def test_tokenize_counts_a_conversation_as_the_chat_template_does_and_detokenize_gives_its_text(served, tiny):
+    auth = {"Authorization": f"Bearer {served.api_key}"}
+    entry = served.base_url.removesuffix("/v1")
+    messages = [{"role": "user", "content": PROMPT}]
+    r = httpx.post(entry + "/tokenize", json={"model": "tiny", "messages": messages}, headers=auth)
+    ids = tiny.tokenizer().encode_messages(messages)
+    assert r.status_code == 200 and r.json() == {"count": len(ids), "max_model_len": 512, "tokens": ids}
+    r = httpx.post(entry + "/detokenize", json={"tokens": ids}, headers=auth)
+    assert r.status_code == 200 and r.json()["prompt"] == tiny.tokenizer().decode(ids)
+
+
 def test_a_chat_completion_is_the_single_process_greedy_answer_with_its_usage(served, tiny):
     r = served.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
                                                 max_tokens=12, temperature=0)

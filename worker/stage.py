@@ -88,9 +88,13 @@ class StageWorker:
         self._requests: dict[str, _Request] = {}
 
     # -- first stage -------------------------------------------------------------------------
-    def tokenize(self, prompt: str, *, chat: bool = True) -> list[int]:
+    def tokenize(self, prompt: str, *, chat: bool = True, add_special_tokens: bool = True) -> list[int]:
+        """One user turn through the chat template, or (not `chat`) a raw prompt: BOS first where the vocabulary
+        adds one, unless not `add_special_tokens` (vLLM's /tokenize flag)."""
         self._require(Role.FIRST, "tokenize")
-        return self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode_prompt(prompt)
+        if chat:
+            return self.tokenizer.encode_chat(prompt)
+        return self.tokenizer.encode_prompt(prompt) if add_special_tokens else self.tokenizer.encode(prompt)
 
     @functools.cached_property
     def longest_token_bytes(self) -> int:
@@ -99,10 +103,23 @@ class StageWorker:
         self._require(Role.FIRST, "longest_token_bytes")
         return max((len(self.tokenizer.decode_bytes([i])) for i in range(self.info.vocab_size)), default=1)
 
-    def tokenize_messages(self, messages: list[dict]) -> list[int]:
-        """A conversation (system, user and assistant turns) through the model's chat template."""
+    def tokenize_messages(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+        """A conversation (system, user and assistant turns) through the model's chat template, ending where the
+        assistant's reply starts unless not `add_generation_prompt`."""
         self._require(Role.FIRST, "tokenize_messages")
-        return self.tokenizer.encode_messages(messages)
+        return self.tokenizer.encode_messages(messages, add_generation_prompt=add_generation_prompt)
+
+    def token_strs(self, tokens: list[int]) -> list[str]:
+        """Each token as the vocabulary spells it ("Ġhello", "▁the", "<|im_start|>"): vLLM's token_strs."""
+        self._require(Role.FIRST, "token_strs")
+        self.check_tokens(tokens)
+        return self.tokenizer.token_strs(tokens)
+
+    def prompt_text(self, tokens: list[int]) -> str:
+        """The text `tokens` spell, control tokens included: what /tokenize made them from (vLLM's /detokenize)."""
+        self._require(Role.FIRST, "prompt_text")
+        self.check_tokens(tokens)
+        return self.tokenizer.decode(tokens, specials=True)
 
     def embed_and_forward(self, request_id: str, tokens: list[int], position: int = 0) -> bytes:
         """Prefill: embed `tokens` at `position` and run this stage's blocks."""

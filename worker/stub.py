@@ -35,8 +35,9 @@ class StubTokenizer:
     def encode_chat(self, prompt: str) -> list[int]:
         return [*self.encode(prompt, bos=True), self.eot_id]
 
-    def encode_messages(self, messages: list[dict]) -> list[int]:
-        """Each turn's role and text, then the end-of-turn id; no template engine for the stand-in."""
+    def encode_messages(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+        """Each turn's role and text, then the end-of-turn id; no template engine for the stand-in, and no
+        generation prompt to leave out."""
         ids = [self.bos_id]
         for m in messages:
             ids += [*self.encode(f"{m['role']}:{m['content']}"), self.eot_id]
@@ -47,6 +48,9 @@ class StubTokenizer:
 
     def decode_bytes(self, ids, *, specials: bool = True) -> bytes:
         return self.decode(ids).encode()
+
+    def token_strs(self, ids) -> list[str]:
+        return [_ALPHABET[i] for i in ids]
 
 
 class StubSlice:

@@ -1,6 +1,6 @@
-"""What the serving surface (the OpenAI API, the chat page, the pipeline view) needs of the entry stage, and
-all it may use of it: node/stage_node.py's StageNode has these members (structurally: nothing here imports
-it). The checks a request must pass are not here: the actor admits or refuses it (roles/first.py), and the
+"""What the serving surface (the OpenAI API, /tokenize, the chat page, the pipeline view) needs of the entry
+stage, and all it may use of it: node/stage_node.py's StageNode has these members (structurally: nothing here
+imports it). The checks a request must pass are not here: the actor admits or refuses it (roles/first.py), and the
 worker checks what it computes (worker/stage.py)."""
 from __future__ import annotations
 
@@ -35,9 +35,11 @@ class Vocabulary(Protocol):
     def info(self) -> ModelInfo: ...
     @property
     def longest_token_bytes(self) -> int: ...
-    def tokenize(self, prompt: str, *, chat: bool = True) -> list[int]: ...
-    def tokenize_messages(self, messages: list[dict]) -> list[int]: ...
+    def tokenize(self, prompt: str, *, chat: bool = True, add_special_tokens: bool = True) -> list[int]: ...
+    def tokenize_messages(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]: ...
     def token_bytes(self, tokens: list[int], *, specials: bool = False) -> bytes: ...
+    def token_strs(self, tokens: list[int]) -> list[str]: ...  # as the vocabulary spells each (/tokenize)
+    def prompt_text(self, tokens: list[int]) -> str: ...  # control tokens included (/detokenize)
 
 
 class Members(Protocol):

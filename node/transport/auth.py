@@ -6,7 +6,8 @@ tokens, ends), requests, cancels and responses, hop figures, membership. Holding
 never leaves the cluster: no client is given it, and no page asks for it.
 
 A client API key (PP_API_KEY, PP_API_KEY_FILE; vLLM's and llama-server's --api-key) opens the client surface
-only: the OpenAI API on the entry, the chat page's view of the pipeline, and /metrics on every node. With a
+only: the OpenAI API on the entry (with vLLM's /tokenize and /detokenize), the chat page's view of the
+pipeline, and /metrics on every node. With a
 client key nobody can steer the cluster: declare a stage dead, announce a member, or have a node dial an
 address of their choosing with the token attached (ping-req). The cluster token is not a client key unless
 the operator says so (PP_TOKEN_IS_API_KEY=1), and a client key equal to the token is refused at boot.
@@ -27,7 +28,8 @@ import hmac
 import attrs
 
 OPEN_PATHS = frozenset({"/health", "/"})
-CLIENT_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/pipeline", "/metrics"})
+CLIENT_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/pipeline", "/metrics",
+                          "/tokenize", "/detokenize"})
 CLIENT_PREFIXES = ("/v1/models/",)  # every path under these is the client surface too: /v1/models/{id}
 
 
@@ -71,8 +73,8 @@ def bearer(secret: str) -> bytes:
 CLUSTER_ONLY = "this endpoint is for the cluster's own nodes"
 WANT_TOKEN = f"missing or wrong cluster token (Authorization: Bearer <PP_CLUSTER_TOKEN>): {CLUSTER_ONLY}"
 WANT_KEY = "missing or wrong API key (Authorization: Bearer <a client API key: PP_API_KEY>)"
-KEY_IS_NOT_TOKEN = (f"a client API key opens only the OpenAI API, /v1/pipeline and /metrics; {CLUSTER_ONLY}, "
-                    "which authenticate with the cluster token")
+KEY_IS_NOT_TOKEN = (f"a client API key opens only the OpenAI API, /tokenize, /detokenize, /v1/pipeline and "
+                    f"/metrics; {CLUSTER_ONLY}, which authenticate with the cluster token")
 TOKEN_IS_NOT_KEY = ("the cluster token is not a client API key here: use a client API key (PP_API_KEY), or start "
                     "the nodes with PP_TOKEN_IS_API_KEY=1")
 

@@ -107,6 +107,11 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], *, specials: bool = True) -> str:
         return self.decode_bytes(ids, specials=specials).decode("utf-8", errors="replace")
 
+    def token_strs(self, ids: Iterable[int]) -> list[str]:
+        """Each id as the vocabulary spells it (transformers' convert_ids_to_tokens); an id the tokenizers
+        vocabulary lacks, as its bytes."""
+        return [self._tok.id_to_token(i) or self._bytes[i].decode(errors="replace") for i in ids]
+
 
 def tokenizer_from_gguf_metadata(kv: Mapping, path) -> Tokenizer:
     """A GGUF file's tokenizer (`tokenizer.ggml.*`, read as llama.cpp reads it): stop ids are eos, eot and
