@@ -11,6 +11,7 @@ VAST_API_KEY. A secret in argv is visible to every local user: prefer the variab
   python ppsmoke.py --seed -n 5                                  # 5 local node processes, SmolLM2-135M
   python ppsmoke.py --seed -n 5 --model llama3.2:1b --prompt "Say hello"
   python ppsmoke.py --seed -n 5 --serve --port 8000              # then use http://127.0.0.1:8000/v1
+  python ppsmoke.py --seed -n 5 --serve --host 0.0.0.0 --port 8000  # reachable from other machines too
   PP_API_KEY=... python ppsmoke.py --seed -n 5 --serve --port 8000  # the clients' key of your choosing
   VAST_API_KEY=... python ppsmoke.py --vastai -n 5 --image you/pp-node:1 --model llama3.2:1b
   VAST_API_KEY=... python ppsmoke.py --vastai --destroy-leftovers
@@ -29,7 +30,7 @@ import trio
 import attrs
 
 from node.transport.app import ListenError, check_listenable
-from node.config import ConfigError, check_keys, read_key_file, split_keys
+from node.config import LOOPBACK, ConfigError, check_keys, read_key_file, split_keys
 from roles import DEFAULT_MAX_QUEUE
 from roles.messages import MAX_TOKENS_LIMIT, is_http_url
 from runner.report import as_json, stats_line
@@ -78,7 +79,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "every weight widened at load (default auto)")
     p.add_argument("--serve", action="store_true",
                    help="keep the cluster up and serve the OpenAI API on stage 0 until Ctrl-C, instead of one prompt")
-    p.add_argument("--port", type=int, help="--seed: stage 0's port, so the API's URL stays the same (default: any)")
+    p.add_argument("--host", help="--seed: the interface stage 0 (the API) listens on, as vllm serve's --host: "
+                   "0.0.0.0 or :: for every one (default 127.0.0.1, this machine only; the other stages stay there)")
+    p.add_argument("--port", type=int, help="--seed: the port stage 0 (the API) listens on, so the API's URL stays "
+                   "the same (default: any free port)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of text")
     s = p.add_argument_group("secrets (on a command line every local user sees them: prefer the variables or files)")
     token = s.add_mutually_exclusive_group()
@@ -111,6 +115,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "`python -m worker --model ...`")
     if args.port is not None and (args.vastai or not 1 <= args.port <= 65535):
         p.error("--port is for --seed (vast.ai maps its own public ports), 1..65535")
+    if args.host is not None and args.vastai:
+        p.error("--host is for --seed: a rented node listens on every interface of its container, behind vast.ai's "
+                "port mapping")
+    if args.host is not None and not args.host.strip():
+        p.error("--host is empty: name an interface's address, such as 127.0.0.1 or 0.0.0.0")
+    args.host = args.host and args.host.strip()
     if args.serve and args.json:
         p.error("--json describes one answer; --serve answers many")
     if args.max_seqs < 1 or args.max_queue < 0:
@@ -239,11 +249,11 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:  # ModelFileError (a failed download included) or an unknown name
             print(f"ppsmoke: error: --model: {exc}", file=sys.stderr)
             return 2
-        try:
-            if args.port is not None:
-                check_listenable("127.0.0.1", args.port)
+        try:  # before any node exists: a taken port or an address not this machine's is one line
+            if args.host is not None or args.port is not None:
+                check_listenable(args.host or LOOPBACK, args.port or 0)
         except ListenError as exc:
-            print(f"ppsmoke: error: --port {args.port}: {exc}", file=sys.stderr)
+            print(f"ppsmoke: error: --host/--port: {exc}", file=sys.stderr)
             return 2
     try:
         if args.vastai:
@@ -280,7 +290,7 @@ def _seed_options(args, env) -> SeedOptions:
                        max_tokens=args.max_tokens, sampling=Sampling(args.temperature, args.top_p),
                        timeout_s=args.timeout, converge_timeout_s=args.converge_timeout,
                        base_env={**env, **serving_env(args)}, serve=args.serve, token=args.secrets.token,
-                       api_keys=args.secrets.api_keys, port=args.port, model_name=args.model)
+                       api_keys=args.secrets.api_keys, host=args.host, port=args.port, model_name=args.model)
 
 
 def _vast_options(args, env) -> VastOptions:

@@ -40,6 +40,7 @@ class SeedOptions:
     serve: bool = False  # keep the cluster up for the OpenAI API until stopped, instead of one prompt
     token: str | None = attrs.field(default=None, repr=False)  # the cluster token, the nodes' own; None: random
     api_keys: tuple[str, ...] = attrs.field(default=(), repr=False)  # the clients' keys; none: one random, printed
+    host: str | None = None  # the interface stage 0 (the API) listens on; None: 127.0.0.1, as the other stages
     port: int | None = None  # stage 0's port, so pp-entry's URL stays the same across runs; None: any
     model_name: str | None = None  # what the API calls the model (what the user named); None: `model`
 
@@ -117,13 +118,22 @@ async def _start_children(nursery, opts, token, seed_url, run_dir, children, pro
 
 async def _start_child(nursery, opts, token, seed_url, stage, peer, log_path) -> Child:
     """One node process. Serving, its exit is the keeper's to handle, not a failure of the run."""
+    env = node_env(opts, token, seed_url, stage, peer)
+    return await nursery.start(functools.partial(run_child, stage, env, log_path, grace_s=opts.grace_s,
+                                                 supervised=opts.serve))
+
+
+def node_env(opts: SeedOptions, token: str, seed_url: str, stage: int, peer: str | None) -> dict[str, str]:
+    """A stage's environment. Stage 0 listens where --host and --port say (the API's address); the others on
+    127.0.0.1 and any free port, which only the cluster dials."""
     env = child_env(opts.base_env, stage=stage, num_stages=opts.num_stages, token=token, model=opts.model,
                     seed=seed_url, peer=peer, api_keys=opts.api_keys)
     if stage == 0 and opts.port is not None:
         env["PP_PORT"] = str(opts.port)
+    if stage == 0 and opts.host is not None:
+        env["PP_BIND"] = opts.host  # a wildcard is advertised to the cluster as 127.0.0.1 (node/config.py)
     env["PP_MODEL_NAME"] = opts.model_name or opts.model
-    return await nursery.start(functools.partial(run_child, stage, env, log_path, grace_s=opts.grace_s,
-                                                 supervised=opts.serve))
+    return env
 
 
 async def _replace(nursery, opts, token, orch, run_dir, children, progress, stage, attempt) -> LocalHolder:

@@ -2,14 +2,18 @@
 it answers, how it refuses, and that a client walking away frees its slots on every stage."""
 import json
 import re
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
+import ppsmoke
+from runner.seed import node_env
 from served import serving
 from test_smoke_seed import ROOT, processes_marked
 from worker.models import tinygrad_model
@@ -218,3 +222,42 @@ def test_a_bad_schema_is_a_400_naming_response_format(served):
             model="tiny", messages=[{"role": "user", "content": "hi"}],
             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frog"}}})
     assert openai_error(info)["param"] == "response_format" and "frog" in openai_error(info)["message"]
+
+
+def test_ppsmoke_refuses_host_with_vastai_naming_why():
+    with pytest.raises(SystemExit):
+        ppsmoke.parse_args(["--vastai", "--image", "x", "--host", "0.0.0.0"])
+    done = subprocess.run([sys.executable, str(ROOT / "ppsmoke.py"), "--vastai", "--image", "x", "--host", "0.0.0.0"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 2 and "--host is for --seed" in done.stderr and "port mapping" in done.stderr
+
+
+def test_host_and_port_reach_stage_0_alone():
+    args = ppsmoke.parse_args(["--seed", "--serve", "--host", " 0.0.0.0 ", "--port", "8123", "--model", "tiny"])
+    args.model_path, args.secrets = "tiny", ppsmoke.Secrets(None, ("k",), None)
+    opts = ppsmoke._seed_options(args, {})
+    envs = [node_env(opts, "t", "http://127.0.0.1:1", stage, None) for stage in range(3)]
+    assert [(e["PP_BIND"], e["PP_PORT"]) for e in envs] == [("0.0.0.0", "8123"), ("127.0.0.1", "0"), ("127.0.0.1", "0")]
+    plain = ppsmoke.parse_args(["--seed", "--model", "tiny"])
+    plain.model_path, plain.secrets = args.model_path, args.secrets
+    assert node_env(ppsmoke._seed_options(plain, {}), "t", "http://127.0.0.1:1", 0, None)["PP_BIND"] == "127.0.0.1"
+
+
+def loopback_alias() -> tuple[str, int]:
+    """127.0.0.2 and a port free on it: Linux answers the whole of 127/8 on loopback."""
+    try:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.2", 0))
+            return "127.0.0.2", probe.getsockname()[1]
+    except OSError:
+        pytest.skip("this machine's loopback answers 127.0.0.1 alone")
+
+
+def test_the_api_listens_on_the_host_and_port_given_and_not_elsewhere():
+    host, port = loopback_alias()
+    with serving(["--model", "stub", "--host", host, "--port", str(port)], stages=2, ready_s=120) as s:
+        assert s.base_url == f"http://{host}:{port}/v1"
+        r = httpx.get(f"{s.base_url}/models", headers={"Authorization": f"Bearer {s.api_key}"})
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == "stub"
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{port}/health")
