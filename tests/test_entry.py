@@ -60,7 +60,7 @@ async def test_the_api_shapes_the_actors_refusals_of_a_prompt_of_ids(nursery, tm
             return r.status_code, r.json()["error"]
         status, error = await complete([1, 2, vocab])
         assert (status, error["code"], error["param"]) == (400, "invalid_value", "prompt")
-        assert "out of range" in error["message"]
+        assert "32 is not a token id" in error["message"]  # checked at parsing now, before the actor sees it
         status, error = await complete([1] * context)  # no more ids than the context: the actor's to refuse
         assert (status, error["code"], error["param"]) == (400, "context_length_exceeded", "prompt")
         assert f"maximum context length is {context} tokens" in error["message"]

@@ -103,6 +103,17 @@ async def test_detokenizing_what_tokenize_gave_is_the_text_the_template_wrote(en
     assert (await post(client, "/detokenize", {"tokens": []}))[1] == {"prompt": ""}
 
 
+async def test_tokenizer_info_names_the_special_tokens_and_the_chat_template(entry):
+    """What lm-eval's remote tokenizer reads before it sends a request (its probe needs eos_token)."""
+    node, client = entry
+    r = await client.get("/tokenizer_info")
+    tok = node.worker.tokenizer
+    assert r.status_code == 200 and r.json() == {
+        "tokenizer_class": "Tokenizer", "bos_token": tok.bos_token, "eos_token": tok.eos_token, "pad_token": None,
+        "chat_template": tok.chat_template, "model_max_length": CONTEXT}
+    assert (await client.get("/tokenizer_info", headers={"Authorization": "Bearer wrong"})).status_code == 401
+
+
 async def test_a_count_past_the_context_is_reported_not_refused(entry):
     _, client = entry
     status, body = await post(client, "/tokenize", {"prompt": "x" * (CONTEXT + 10)})

@@ -121,6 +121,15 @@ class StageWorker:
         self.check_tokens(tokens)
         return self.tokenizer.decode(tokens, specials=True)
 
+    def tokenizer_info(self) -> dict:
+        """The vocabulary's special tokens and chat template, as vLLM's GET /tokenizer_info answers (lm-eval's
+        remote tokenizer reads eos_token, bos_token, pad_token and chat_template)."""
+        self._require(Role.FIRST, "tokenizer_info")
+        tok = self.tokenizer
+        return {"tokenizer_class": type(tok).__name__, "bos_token": getattr(tok, "bos_token", None),
+                "eos_token": getattr(tok, "eos_token", None), "pad_token": None,
+                "chat_template": getattr(tok, "chat_template", None), "model_max_length": self.info.max_context}
+
     def embed_and_forward(self, request_id: str, tokens: list[int], position: int = 0) -> bytes:
         """Prefill: embed `tokens` at `position` and run this stage's blocks."""
         self._require(Role.FIRST, "embed_and_forward")

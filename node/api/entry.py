@@ -40,6 +40,7 @@ class Vocabulary(Protocol):
     def token_bytes(self, tokens: list[int], *, specials: bool = False) -> bytes: ...
     def token_strs(self, tokens: list[int]) -> list[str]: ...  # as the vocabulary spells each (/tokenize)
     def prompt_text(self, tokens: list[int]) -> str: ...  # control tokens included (/detokenize)
+    def tokenizer_info(self) -> dict: ...  # special tokens and chat template (/tokenizer_info)
 
 
 class Members(Protocol):

@@ -12,6 +12,8 @@ serving_tokenization.py).
   options (`continue_final_message`, `chat_template`, `tools`) are refused, not silently dropped.
 - /detokenize takes `tokens` and answers `prompt`, their text with control tokens included: detokenizing what
   /tokenize gave is the text the template wrote.
+- GET /tokenizer_info answers the special tokens and the chat template (vLLM's, which lm-eval's remote
+  tokenizer reads).
 - `model` may be left out; another model's name is a 404 `model_not_found`, as on /v1. Unknown fields are
   ignored, as there.
 
@@ -35,7 +37,7 @@ from node.api.openai_api import _read_body, _too_long, openai_shape
 from node.api.openai_wire import ApiError, _get, _messages, _text, body_limit, parse_body
 from node.transport.app import shape_refusals, still_loading
 
-TOKENIZE_PATHS = ("/tokenize", "/detokenize")
+TOKENIZE_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 # vLLM's chat options this server does not take, each with the values that ask for nothing
 UNSUPPORTED_CHAT = {"continue_final_message": (None, False), "chat_template": (None,),
                     "chat_template_kwargs": (None, {}), "tools": (None, [])}
@@ -63,6 +65,14 @@ def add_tokenize_routes(app: QuartTrio, node: Entry, model_name: str) -> None:
     @app.post("/detokenize")
     async def detokenize():
         return await _answered(lambda: _detokenize(node, model_name))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        async def info() -> dict:
+            if node.loading:
+                raise still_loading()
+            return node.worker.tokenizer_info()
+        return await _answered(info)
 
 
 async def _answered(work: Callable[[], Awaitable[dict]]):

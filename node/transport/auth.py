@@ -29,7 +29,7 @@ import attrs
 
 OPEN_PATHS = frozenset({"/health", "/"})
 CLIENT_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/pipeline", "/metrics",
-                          "/tokenize", "/detokenize"})
+                          "/tokenize", "/detokenize", "/tokenizer_info"})
 CLIENT_PREFIXES = ("/v1/models/",)  # every path under these is the client surface too: /v1/models/{id}
 
 
@@ -73,7 +73,7 @@ def bearer(secret: str) -> bytes:
 CLUSTER_ONLY = "this endpoint is for the cluster's own nodes"
 WANT_TOKEN = f"missing or wrong cluster token (Authorization: Bearer <PP_CLUSTER_TOKEN>): {CLUSTER_ONLY}"
 WANT_KEY = "missing or wrong API key (Authorization: Bearer <a client API key: PP_API_KEY>)"
-KEY_IS_NOT_TOKEN = (f"a client API key opens only the OpenAI API, /tokenize, /detokenize, /v1/pipeline and "
+KEY_IS_NOT_TOKEN = (f"a client API key opens only the OpenAI API, /tokenize, /detokenize, /tokenizer_info, /v1/pipeline and "
                     f"/metrics; {CLUSTER_ONLY}, which authenticate with the cluster token")
 TOKEN_IS_NOT_KEY = ("the cluster token is not a client API key here: use a client API key (PP_API_KEY), or start "
                     "the nodes with PP_TOKEN_IS_API_KEY=1")
