@@ -261,3 +261,13 @@ def test_the_api_listens_on_the_host_and_port_given_and_not_elsewhere():
         assert r.status_code == 200 and r.json()["data"][0]["id"] == "stub"
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"http://127.0.0.1:{port}/health")
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_control_tokens_reach_the_text_only_when_skip_special_tokens_is_false(served, tiny, skip):
+    header = tiny.tokenizer().special_ids["<|start_header_id|>"]
+    r = served.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0,
+                                           logit_bias={str(header): 100},
+                                           extra_body={"skip_special_tokens": skip, "return_token_ids": True})
+    assert r.choices[0].token_ids == [header, header]
+    assert r.choices[0].text == ("" if skip else "<|start_header_id|>" * 2)

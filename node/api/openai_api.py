@@ -245,13 +245,14 @@ def _admit(node: Entry, worker: Vocabulary, api: ApiRequest, choices: list[Choic
 
 def _engine_request(node: Entry, worker: Vocabulary, api: ApiRequest, c: Choice) -> InferenceRequest:
     context, prompt = worker.info.max_context, c.prompt_token_ids
-    room = context - len(prompt)
-    if api.max_tokens is not None and api.max_tokens > max(room, 0) and room > 0:
+    room = context - len(prompt)  # a prompt that leaves none is the actor's to refuse (PROMPT_TOO_LONG)
+    if room > 0 and api.max_tokens is not None and api.max_tokens > room:
         raise ApiError(400, f"This model's maximum context length is {context} tokens. However, you requested "
                             f"{api.max_tokens} output tokens and your prompt contains {len(prompt)} input tokens, "
                             f"for a total of {api.max_tokens + len(prompt)} tokens.", param="max_tokens",
                        code="context_length_exceeded")
-    max_tokens = min(max(api.max_tokens or room, 1), MAX_TOKENS_LIMIT) if room > 0 else 1
+    wanted = 1 if api.max_tokens == 0 else api.max_tokens or room  # echo alone still samples one token
+    max_tokens = min(max(wanted, 1), MAX_TOKENS_LIMIT)
     sampling = attrs.evolve(api.sampling, seed=(api.sampling.seed + c.index % api.n) % (MAX_SEED + 1))
     return InferenceRequest(c.request_id, "", max_tokens=max_tokens, sampling=sampling, reply_to=node.url,
                             prompt_token_ids=prompt)
