@@ -4,8 +4,10 @@ client API key opens it (node/transport/auth.py).
 
 A request is tokenized here (the chat template is the model's own), admitted into the engine like any
 other (a slot, or the queue, or 429), and followed: stage 0 sees every token come back on the feedback
-edge, and each becomes a chunk as soon as its text is whole. A stop string or the client going away ends
-the request at once, freeing its slots on every stage; a stage that fails it ends the stream with an error
+edge, and each becomes a chunk as soon as its text is whole. Each choice (a prompt of several, or one of
+`n`) is an engine request of its own; a request's choices are admitted together or not at all, and their
+events share one channel. A stop string or the client going away ends a choice at once, freeing its slots
+on every stage; a stage that fails it ends the stream with an error
 event and `data: [DONE]` rather than a hang. Streams carry no time limit of quart's (a long answer is not
 cut at 60 s), and every path out of the stream generator sends `[DONE]` (hypercorn would otherwise leave an
 HTTP/2 client waiting).
