@@ -253,7 +253,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.host is not None or args.port is not None:
                 check_listenable(args.host or LOOPBACK, args.port or 0)
         except ListenError as exc:
-            print(f"ppsmoke: error: --host/--port: {exc}", file=sys.stderr)
+            named = " ".join(f"{flag} {value}" for flag, value in (("--host", args.host), ("--port", args.port))
+                             if value is not None)
+            print(f"ppsmoke: error: {named}: {exc}", file=sys.stderr)
             return 2
     try:
         if args.vastai:

@@ -112,7 +112,7 @@ def test_a_stage_that_fails_at_boot_ends_the_run_in_seconds_naming_it():
 
 def test_a_node_killed_mid_generation_fails_the_run_long_before_the_timeout():
     mark = uuid.uuid4().hex
-    proc = start(["-n", "3", "--max-tokens", "2000", "--timeout", "600"], mark)
+    proc = start(["-n", "3", "--max-tokens", "400", "--timeout", "600"], mark)
     wait_for_line(proc.stderr, "converged in", 240)
     time.sleep(2)  # generating now
     victim = next(pid for pid in processes_marked(mark)
@@ -129,7 +129,7 @@ def test_a_node_killed_mid_generation_fails_the_run_long_before_the_timeout():
 @pytest.mark.slow  # suite time: test_serve's cluster ends by SIGINT and checks every process is gone
 def test_sigint_to_the_runner_stops_every_child():
     mark = uuid.uuid4().hex
-    proc = start(["-n", "3", "--max-tokens", "2000"], mark)
+    proc = start(["-n", "3", "--max-tokens", "400"], mark)
     wait_for_line(proc.stderr, "converged in", 240)
     cmdlines = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in processes_marked(mark)]
     # the runner and 3 nodes (tinygrad may add compiler workers of its own, which must go too)
@@ -142,7 +142,7 @@ def test_sigint_to_the_runner_stops_every_child():
 
 def test_sigkill_to_the_runner_still_stops_every_child():
     mark = uuid.uuid4().hex
-    proc = start(["-n", "2", "--max-tokens", "2000"], mark)
+    proc = start(["-n", "2", "--max-tokens", "400"], mark)
     wait_for_line(proc.stderr, "converged in", 240)
     proc.kill()  # no cleanup can run: the nodes notice their stdin lifeline close
     proc.communicate(timeout=30)

@@ -79,7 +79,7 @@ async def test_sigint_mid_run_still_destroys_every_instance(nursery, tmp_path):
     url = await with_standin(nursery)
     command = [sys.executable, str(ROOT / "ppsmoke.py"), "--vastai", "--vast-api-key", "k", "--vastai-url", url,
                "--image", "x", "--status-poll", "0.2", "--ledger", str(tmp_path / "live.json"), "-n", "3", "--model", "tiny",
-               "--max-tokens", "2000"]
+               "--max-tokens", "400"]
     proc = await trio.lowlevel.open_process(command, stderr=subprocess.PIPE, cwd=ROOT)
     seen = b""
     with trio.fail_after(120):
