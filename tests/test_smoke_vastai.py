@@ -143,11 +143,13 @@ async def test_serving_a_lost_instance_is_destroyed_and_replaced_and_no_request_
                "--image", "x", "--status-poll", "0.2", "--ledger", str(tmp_path / "live.json"), "-n", "3", "--model", "tiny",
                "--serve"]
     proc = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
-    err = bytearray()
+    err, replaced = bytearray(), trio.Event()
 
     async def drain():
         while chunk := await proc.stderr.receive_some():
             err.extend(chunk)
+            if b"stage 1 replaced in" in err:
+                replaced.set()
     nursery.start_soon(drain)
     out = b""
     with trio.fail_after(150):
@@ -170,6 +172,9 @@ async def test_serving_a_lost_instance_is_destroyed_and_replaced_and_no_request_
             [victim] = [i for i in (await live_instances(url)).values() if i["ordinal"] == 2]  # stage 1's
             os.kill(victim["pid"], signal.SIGKILL)
     assert texts == undisturbed
+    # the runner hears the replacement is ready by gossip, which may come after stage 0 has replayed through it
+    with trio.move_on_after(30):
+        await replaced.wait()
     log = err.decode()
     assert "stage 1 replaced in" in log and "replacement instance" in log, log[-3000:]
     assert len(await live_instances(url)) == 3  # the lost one was destroyed at once
