@@ -29,6 +29,7 @@ class _Progress:
     start: RequestStart
     tokens: list[int]
     stage_ms: list[float]  # compute per stage, summed over the request's steps
+    stops: frozenset[int]  # what ends it: the model's stop ids (unless ignore_eos) and its stop_token_ids
     first_token_at: float = 0.0  # clock() when the first token was sampled
     sampled_at: list[float] = attrs.field(factory=list)  # clock() at each token
     prompt_logprobs: list[TokenLogprob] = attrs.field(factory=list)  # asked for: sent with the first token
@@ -79,6 +80,7 @@ class LastActor(DownstreamActor):
                     self.queue.restart(s.request_id)
                 now = self.clock()
                 self.progress[s.request_id] = _Progress(s.start, list(s.start.replayed), [0.0] * self.num_stages,
+                                                        stop_set(self.stop_ids, s.start.sampling),
                                                         now, [now] * len(s.start.replayed))
             prefill = self.progress[s.request_id].start.prefill_len
             self.queue.add(Unit(s.request_id, s.position, s.seq_len, s.position >= prefill, hidden=hidden,
@@ -153,7 +155,7 @@ class LastActor(DownstreamActor):
         try:
             matcher = self._matcher(worker, prog)
             token = worker.sample(unit.request_id, logits, prompt_ids=s.prompt_token_ids,
-                                  output_ids=tuple(prog.tokens), stop_ids=self._stops(prog),
+                                  output_ids=tuple(prog.tokens), stop_ids=prog.stops,
                                   allowed=None if matcher is None else matcher.allowed())
             if matcher is not None:
                 matcher.accept(token)
@@ -174,7 +176,7 @@ class LastActor(DownstreamActor):
             prompt_lps, prog.prompt_logprobs = tuple(prog.prompt_logprobs), []
         position = unit.position + unit.rows
         done = generation_done(token_id, generated=len(prog.tokens), max_tokens=prog.start.max_tokens,
-                               next_position=position, max_context=self.max_context, stop_ids=self._stops(prog))
+                               next_position=position, max_context=self.max_context, stop_ids=prog.stops)
         return Token(unit.request_id, token_id, position, done, unit.generation, out.logprob, prompt_lps), done
 
     @staticmethod
@@ -188,10 +190,6 @@ class LastActor(DownstreamActor):
             for token in prog.tokens:
                 prog.matcher.accept(token)
         return prog.matcher
-
-    def _stops(self, prog: _Progress) -> frozenset[int]:
-        """The tokens that end this request: the model's (unless ignore_eos) and its stop_token_ids."""
-        return stop_set(self.stop_ids, prog.start.sampling)
 
     def _finish(self, request_id: str, prog: _Progress) -> Reply:
         text = self.detokenize([t for t in prog.tokens if t not in self.stop_ids])

@@ -31,7 +31,8 @@ import trio
 from cluster import API_KEY, slow_stub, start_cluster, stub_tokens
 from node.api import openai_api
 from node.api.openai_api import _prompts
-from node.api.openai_wire import MAX_STOP_CHARS, ApiError, body_limit, parse_request
+from node.api.openai_fields import ApiError, body_limit
+from node.api.openai_wire import MAX_STOP_CHARS, parse_request
 from node.api.text_stream import TextStream, _StopMatcher
 from roles import make_actor
 from roles.messages import EndReason, EndRequest, InferenceRequest
@@ -346,7 +347,7 @@ async def test_every_malformed_body_on_the_api_paths_is_an_openai_shaped_400(nur
 
 async def test_a_body_past_what_the_context_could_need_is_an_openai_shaped_413(nursery, tmp_path):
     """The API's bodies were allowed the 64 MiB an activation may need. Now the limit is what the context could
-    hold (openai_wire.body_limit), said by Content-Length or found while reading a chunked body; a body just
+    hold (openai_fields.body_limit), said by Content-Length or found while reading a chunked body; a body just
     under it is read and refused for its length in tokens instead."""
     orch, urls, _ = await start_cluster(nursery, 2, tmp_path)
     probe = open_worker(stub_model(), 0, 2)  # stage 0's vocabulary and context, as the cluster's

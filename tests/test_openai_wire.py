@@ -7,7 +7,9 @@ import pytest
 
 from chat_fixtures import OPENAI_TOOL_CONVERSATION, TOOL_CONVERSATION
 from node.api.openai_answer import Choice, Completion
-from node.api.openai_wire import MAX_ARGUMENTS_DEPTH, ApiError, ApiRequest, Limits, parse_request
+from node.api.openai_fields import ApiError
+from node.api.openai_messages import MAX_ARGUMENTS_DEPTH
+from node.api.openai_wire import ApiRequest, Limits, parse_request
 from node.api.text_stream import TextStream
 from worker.logprobs import TokenLogprob
 from worker.sampling import Sampling

@@ -12,7 +12,7 @@ import trio
 
 from cluster import API_KEY, TOKEN, start_cluster
 from node.api.openai_api import add_openai_routes
-from node.api.openai_wire import ApiError
+from node.api.openai_fields import ApiError
 from node.api.tokenize_api import add_tokenize_routes, parse_detokenize, parse_tokenize
 from node.transport.app import make_app, serve_app
 from worker.stage import StageWorker

@@ -134,14 +134,16 @@ def sample(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator, *, 
            allowed: np.ndarray | None = None) -> int:
     """The next token. `output_ids` are this request's tokens so far, `stop_ids` its stop_set, `allowed`
     the constrained-decoding mask of vocabulary size."""
-    x = process_logits(logits, sampling, prompt_ids=prompt_ids, output_ids=output_ids, stop_ids=stop_ids,
-                       allowed=allowed)
-    if np.isneginf(x).all():
-        raise WorkerError(f"no token left to sample: every logit of {x.size} is -inf after the allowed mask, "
-                          f"min_tokens ({sampling.min_tokens}) and logit_bias")
+    x = logits  # a decode step's usual case, every processor off: no copy of the row, nothing to check
+    if _processed(sampling, allowed, output_ids):
+        x = process_logits(logits, sampling, prompt_ids=prompt_ids, output_ids=output_ids, stop_ids=stop_ids,
+                           allowed=allowed)
+        if np.isneginf(x).all():
+            raise WorkerError(f"no token left to sample: every logit of {x.size} is -inf after the allowed mask, "
+                              f"min_tokens ({sampling.min_tokens}) and logit_bias")
     if sampling.greedy:
         return int(np.argmax(x))
-    z = x / sampling.temperature
+    z = np.asarray(x, dtype=np.float64) / sampling.temperature
     with np.errstate(invalid="ignore"):  # inf - inf: the check below names it
         probs = np.exp(z - z.max())
         probs /= probs.sum()
@@ -150,6 +152,13 @@ def sample(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator, *, 
                           f"(min {x.min()}, max {x.max()})")
     kept = _candidates(probs, sampling)
     return int(rng.choice(kept, p=probs[kept] / probs[kept].sum()))
+
+
+def _processed(sampling: Sampling, allowed: np.ndarray | None, output_ids: Sequence[int]) -> bool:
+    """Whether any processor of process_logits would change the logits."""
+    s = sampling
+    return (allowed is not None or len(output_ids) < s.min_tokens or bool(s.logit_bias)
+            or s.repetition_penalty != 1.0 or bool(s.frequency_penalty) or bool(s.presence_penalty))
 
 
 def _candidates(probs: np.ndarray, sampling: Sampling) -> np.ndarray:

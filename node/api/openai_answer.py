@@ -80,7 +80,7 @@ class Completion:
             choices.append(self._extended(choice, c, c.token_ids))
         body = {**self._head("chat.completion" if self.request.chat else "text_completion"), "choices": choices,
                 "usage": self.usage()}
-        return self._body_extended(body)
+        return self._body_extended(body, self.choices[0], prompt=True)
 
     def chunk(self, c: Choice, text: str, token_ids: list[int], entries: Entries, *, first: bool = False,
               finish: bool = False) -> dict:
@@ -97,12 +97,7 @@ class Completion:
         if self.request.include_usage:
             body["usage"] = None
         self._extended(choice, c, token_ids, prompt=first)
-        if self.request.return_token_ids:
-            if first:
-                body["prompt_token_ids"] = list(c.prompt_token_ids)
-            if c.timings is not None:
-                body["pp_timings"] = c.timings
-        return body
+        return self._body_extended(body, c, prompt=first)
 
     def usage_chunk(self) -> dict:
         head = self._head("chat.completion.chunk" if self.request.chat else "text_completion")
@@ -142,11 +137,12 @@ class Completion:
                 choice["prompt_token_ids"] = list(c.prompt_token_ids)
         return choice
 
-    def _body_extended(self, body: dict) -> dict:
-        """The first choice's prompt ids and timings on the body too, where pp's own tools read them."""
+    def _body_extended(self, body: dict, c: Choice, *, prompt: bool) -> dict:
+        """A choice's prompt ids and timings on the body too, where pp's own tools read them (the whole
+        answer's: the first choice's)."""
         if self.request.return_token_ids:
-            first = self.choices[0]
-            body["prompt_token_ids"] = list(first.prompt_token_ids)
-            if first.timings is not None:
-                body["pp_timings"] = first.timings
+            if prompt:
+                body["prompt_token_ids"] = list(c.prompt_token_ids)
+            if c.timings is not None:
+                body["pp_timings"] = c.timings
         return body

@@ -44,7 +44,8 @@ from worker.sampling import MAX_SEED, stop_set
 
 from node.api.entry import Entry, Vocabulary
 from node.api.openai_answer import Choice, Completion, Entries
-from node.api.openai_wire import ApiError, ApiRequest, Limits, body_limit, parse_body, parse_request
+from node.api.openai_fields import ApiError, body_limit, parse_body
+from node.api.openai_wire import ApiRequest, Limits, parse_request
 from node.api.text_stream import TextStream
 from node.transport.app import shape_refusals, still_loading
 
@@ -128,15 +129,25 @@ def _close_when_over(asgi_app):
     return app
 
 
-async def _complete(app: QuartTrio, node: Entry, model_name: str, *, chat: bool):
+async def read_json(node: Entry) -> tuple[Vocabulary, object]:
+    """The entry's worker and the request's JSON body, read within what the model's context could need."""
     worker = _ready(node)
     longest = await trio.to_thread.run_sync(lambda: worker.longest_token_bytes)  # made once, from the vocabulary
-    body = await _read_body(body_limit(worker.info.max_context, longest))
-    limits = Limits(vocab_size=worker.info.vocab_size, max_n=worker.info.max_seqs)
-    api = parse_request(parse_body(body), chat=chat, seed_if_unset=secrets.randbits(31), limits=limits)
-    if api.model != model_name:
-        raise ApiError(404, f"model {api.model!r} is not served here; this cluster serves {model_name!r}",
+    return worker, parse_body(await _read_body(body_limit(worker.info.max_context, longest)))
+
+
+def check_model(model: str | None, model_name: str) -> None:
+    """None (a route where `model` may be left out) or the served name; another is a 404 model_not_found."""
+    if model is not None and model != model_name:
+        raise ApiError(404, f"model {model!r} is not served here; this cluster serves {model_name!r}",
                        param="model", code="model_not_found")
+
+
+async def _complete(app: QuartTrio, node: Entry, model_name: str, *, chat: bool):
+    worker, body = await read_json(node)
+    limits = Limits(vocab_size=worker.info.vocab_size, max_n=worker.info.max_seqs)
+    api = parse_request(body, chat=chat, seed_if_unset=secrets.randbits(31), limits=limits)
+    check_model(api.model, model_name)
     prompts = await trio.to_thread.run_sync(_prompts, worker, api)
     request_id = uuid.uuid4().hex
     choices = [Choice(i * api.n + j, f"{request_id}-{i * api.n + j}", tuple(ids), text)
@@ -185,38 +196,41 @@ def too_large(limit: int) -> ApiError:
 def _prompts(worker: Vocabulary, api: ApiRequest) -> list[tuple[list[int], str]]:
     """In a worker thread: each prompt's ids and text (what `echo` shows), or the ApiError refusing one."""
     if api.chat:
-        return [(_prompt_ids(worker, api, None, "messages"), "")]
+        return [(tokenized(worker, "messages", messages=api.messages), "")]
     out = []
     for n, prompt in enumerate(api.prompts):
         param = "prompt" if len(api.prompts) == 1 else f"prompt[{n}]"
-        ids = _prompt_ids(worker, api, prompt, param)
-        text = prompt if isinstance(prompt, str) else worker.token_bytes(ids, specials=not api.skip_special_tokens
-                                                                          ).decode("utf-8", errors="replace")
+        if isinstance(prompt, tuple):  # more ids than the context holds are refused unchecked
+            if len(prompt) > worker.info.max_context:
+                raise too_long(worker.info.max_context, param, f"{len(prompt)} tokens")
+            ids, text = list(prompt), worker.token_bytes(list(prompt), specials=not api.skip_special_tokens
+                                                          ).decode("utf-8", errors="replace")
+        else:
+            ids, text = tokenized(worker, param, text=prompt), prompt
         out.append((ids, text))
     return out
 
 
-def _prompt_ids(worker: Vocabulary, api: ApiRequest, prompt: str | tuple[int, ...] | None, param: str) -> list[int]:
-    """A prompt's ids. A prompt bigger than the context could ever hold is refused before any work on it: a
-    text of more characters than the context's tokens could spell (each at most the longest token's bytes)
-    untokenized, an array of more ids than the context unchecked. Whether the ids leave room in the context
-    is checked when _admit hands the request to the actor (roles/first.py)."""
-    context = worker.info.max_context
-    if isinstance(prompt, tuple):
-        if len(prompt) > context:
-            raise _too_long(context, param, f"{len(prompt)} tokens")
-        return list(prompt)
-    chars = sum(len(m["content"] or "") for m in api.messages) if prompt is None else len(prompt)
-    if chars > context * worker.longest_token_bytes:
-        raise _too_long(context, param, f"{chars} characters, more than {context} tokens of at most "
-                                        f"{worker.longest_token_bytes} characters each can hold")
+def tokenized(worker: Vocabulary, param: str, *, text: str | None = None, messages: tuple[dict, ...] = (),
+              add_special_tokens: bool = True, add_generation_prompt: bool = True) -> list[int]:
+    """In a worker thread: a raw `text`'s ids, or (text None) the conversation's through the chat template,
+    or the ApiError refusing it. A text of more characters than the context's tokens could spell (each at
+    most the longest token's bytes) is refused untokenized. Whether the ids leave room in the context is the
+    actor's to say (roles/first.py), when the request is admitted."""
+    context, longest = worker.info.max_context, worker.longest_token_bytes
+    chars = sum(len(m["content"] or "") for m in messages) if text is None else len(text)
+    if chars > context * longest:
+        raise too_long(context, param, f"{chars} characters, more than {context} tokens of at most {longest} "
+                                        f"characters each can hold")
     try:
-        return worker.tokenize_messages(list(api.messages)) if prompt is None else worker.tokenize(prompt, chat=False)
+        if text is None:
+            return worker.tokenize_messages(list(messages), add_generation_prompt=add_generation_prompt)
+        return worker.tokenize(text, chat=False, add_special_tokens=add_special_tokens)
     except WorkerError as exc:
         raise ApiError(400, f"{param}: {exc}", param=param.split("[")[0], code="invalid_value") from None
 
 
-def _too_long(context: int, param: str, what: str) -> ApiError:
+def too_long(context: int, param: str, what: str) -> ApiError:
     return ApiError(400, f"This model's maximum context length is {context} tokens. However, your {param} "
                          f"resulted in {what}.", param=param.split("[")[0], code="context_length_exceeded")
 
@@ -263,7 +277,7 @@ def _engine_request(node: Entry, worker: Vocabulary, api: ApiRequest, c: Choice)
 def _refused(exc: Refused, api: ApiRequest, context: int, prompt_len: int) -> ApiError:
     param = "messages" if api.chat else "prompt"
     if exc.code == PROMPT_TOO_LONG:
-        return _too_long(context, param, f"{prompt_len} tokens")
+        return too_long(context, param, f"{prompt_len} tokens")
     if exc.code == PROMPT_INVALID:
         return ApiError(400, exc.message, param=param, code="invalid_value")
     return api_refusal(exc.status, exc.message, exc.retry_after_s)
@@ -305,7 +319,7 @@ class _Follow:
     def _piece(self, c: Choice, event: Progress) -> tuple[Choice, str, list[int], Entries]:
         api, token = self.completion.request, event.token_id
         text, entries = "", []
-        if not c.token_ids and c.finish_reason is None and api.echo:  # the first token: the prompt comes first
+        if not c.token_ids and api.echo:  # the first token: the prompt comes first
             c.prompt_logprobs = event.prompt_logprobs
             text, entries = c.prompt_text, c.prompt_entries()
         if api.max_tokens == 0:  # echo alone: the token sampled to get there is no part of the answer

@@ -1,5 +1,5 @@
 """OpenAI's wire format at pp-entry, requests: parsing `/v1/chat/completions` and `/v1/completions` bodies
-and the error body. The answers' shapes are node/api/openai_answer.py's.
+into an ApiRequest. The answers' shapes are node/api/openai_answer.py's.
 
 Unknown parameters are ignored, as OpenAI's server does; a known parameter of the wrong type or out of
 range is refused with 400 naming it, and so is one we cannot honour (`suffix`, `best_of` > 1, tools):
@@ -7,15 +7,14 @@ nothing known is silently dropped. vLLM's extensions are read as vLLM spells the
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens,
 include_stop_str_in_output, return_token_ids); README's table lists them all.
 
-Errors are `{"error": {"message", "type", "param", "code"}}` with OpenAI's string codes; a body that is not
-UTF-8 JSON (or is nested past what the parser recurses into) is one of them too, a 400.
+Errors are node/api/openai_fields.py's ApiError; chat messages, tool-call history included, are
+node/api/openai_messages.py's to parse.
 
 Work per request is bounded before it reaches the event loop's hot paths: at most MAX_STOPS stop strings of
 at most MAX_STOP_CHARS characters each, at most MAX_PROMPTS prompts, `n` at most the slots a stage has.
 """
 from __future__ import annotations
 
-import json
 import math
 
 import attrs
@@ -23,26 +22,14 @@ import attrs
 from worker.grammar import GrammarError, canonical_format
 from worker.sampling import MAX_LOGPROBS, MAX_SEED, Sampling
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+from node.api.openai_fields import ApiError, checked_text, field
+from node.api.openai_messages import messages
+
 MAX_STOPS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 1024  # per stop string; a longer one is refused (OpenAI states no limit; vLLM has none)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_PROMPTS = 256  # prompts in one /v1/completions request (each is a request of its own in the engine)
 MAX_STOP_TOKEN_IDS = 64
-BODY_SLACK_BYTES = 256 * 1024  # a body's JSON around its text: roles, parameters, stop strings, escaped
-
-
-class ApiError(Exception):
-    """A refusal in OpenAI's shape; `status` is the HTTP status."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, retry_after_s: int | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.retry_after_s = retry_after_s
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 @attrs.frozen
@@ -74,41 +61,20 @@ class ApiRequest:
     include_stop_str_in_output: bool = False
 
 
-def body_limit(max_context: int, longest_token_bytes: int) -> int:
-    """The most bytes a request body may have: its text can spell at most `max_context` tokens of at most
-    `longest_token_bytes` bytes each, JSON writes a byte in at most 6 (\\u0001) and a token id in at most 12
-    (digits and a comma), and the rest of the body is BODY_SLACK_BYTES."""
-    return BODY_SLACK_BYTES + max_context * max(6 * longest_token_bytes, 12)
-
-
-def parse_body(raw: bytes):
-    """A request body as JSON, or an ApiError 400 saying what is wrong with it: not UTF-8, not JSON, or
-    nested deeper than the parser recurses (its C scanner raises RecursionError there, long before the
-    stack is at risk)."""
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise ApiError(400, f"the body is not UTF-8: {exc.reason} at byte {exc.start}", code="invalid_json") from None
-    except RecursionError:
-        raise ApiError(400, "the body is nested too deeply to parse", code="invalid_json") from None
-    except ValueError as exc:  # JSONDecodeError, or an integer past Python's 4300-digit limit
-        raise ApiError(400, f"the body is not JSON: {exc}", code="invalid_json") from None
-
-
 def parse_request(body, *, chat: bool, seed_if_unset: int, limits: Limits = Limits()) -> ApiRequest:
     """Parse and check a request body; raises ApiError naming the parameter. `seed_if_unset` seeds the
     sampler when the client sets no seed (OpenAI does not promise determinism without one)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
-    model = _get(body, "model", str, required=True)
+    model = field(body, "model", str, required=True)
     _refuse_unsupported(body)
-    n = _get(body, "n", int, default=1)
+    n = field(body, "n", int, default=1)
     if not 1 <= n <= limits.max_n:
         raise ApiError(400, f"n: {n} is outside 1..{limits.max_n} (the sequences a stage decodes at once)",
                        param="n", code="invalid_value")
-    stream = bool(_get(body, "stream", bool, default=False))
+    stream = bool(field(body, "stream", bool, default=False))
     include_usage = _include_usage(body, stream)
-    echo = not chat and bool(_get(body, "echo", bool, default=False))
+    echo = not chat and bool(field(body, "echo", bool, default=False))
     logprobs = _logprobs(body, chat)
     max_tokens = _max_tokens(body, chat, echo)
     sampling = _sampling(body, seed_if_unset, limits.vocab_size)
@@ -119,30 +85,13 @@ def parse_request(body, *, chat: bool, seed_if_unset: int, limits: Limits = Limi
                             grammar=_response_format(body))
     request = ApiRequest(chat=chat, model=model, n=n, max_tokens=max_tokens, sampling=sampling, stop=_stop(body),
                          stream=stream, include_usage=include_usage, echo=echo, logprobs=logprobs,
-                         return_token_ids=bool(_get(body, "return_token_ids", bool, default=False)),
-                         skip_special_tokens=bool(_get(body, "skip_special_tokens", bool, default=True)),
-                         include_stop_str_in_output=bool(_get(body, "include_stop_str_in_output", bool,
+                         return_token_ids=bool(field(body, "return_token_ids", bool, default=False)),
+                         skip_special_tokens=bool(field(body, "skip_special_tokens", bool, default=True)),
+                         include_stop_str_in_output=bool(field(body, "include_stop_str_in_output", bool,
                                                               default=False)))
     if chat:
-        return attrs.evolve(request, messages=_messages(body))
+        return attrs.evolve(request, messages=messages(body))
     return attrs.evolve(request, prompts=_prompts(body, limits.vocab_size))
-
-
-def _get(body: dict, key: str, kind, *, default=None, required: bool = False, name: str | None = None):
-    name = name or key
-    if key not in body or body[key] is None:
-        if required:
-            raise ApiError(400, f"{name}: required", param=name, code="missing_required_parameter")
-        return default
-    value = body[key]
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    numeric = float in kinds and isinstance(value, int)
-    if isinstance(value, bool) and bool not in kinds or not (isinstance(value, kinds) or numeric):
-        want = " or ".join({int: "an integer", float: "a number", str: "a string", bool: "true or false",
-                            dict: "an object", list: "an array"}[k] for k in kinds)
-        raise ApiError(400, f"{name}: expected {want}, got {type(value).__name__} {value!r}", param=name,
-                       code="invalid_type")
-    return value
 
 
 def _refuse_unsupported(body: dict) -> None:
@@ -157,13 +106,13 @@ def _refuse_unsupported(body: dict) -> None:
 
 
 def _include_usage(body: dict, stream: bool) -> bool:
-    options = _get(body, "stream_options", dict, default=None)
+    options = field(body, "stream_options", dict, default=None)
     if options is None:
         return False
     if not stream:  # OpenAI's answer too: the options of a stream that is not one
         raise ApiError(400, "stream_options: only allowed when stream is true", param="stream_options",
                        code="invalid_value")
-    return bool(_get(options, "include_usage", bool, default=False, name="stream_options.include_usage"))
+    return bool(field(options, "include_usage", bool, default=False, name="stream_options.include_usage"))
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -172,7 +121,7 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     if not chat:
         return _ranged_int(body, "logprobs", 0, MAX_LOGPROBS)
     top = _ranged_int(body, "top_logprobs", 0, MAX_LOGPROBS)
-    if not _get(body, "logprobs", bool, default=False):
+    if not field(body, "logprobs", bool, default=False):
         if top is not None:
             raise ApiError(400, "top_logprobs: needs logprobs to be true", param="top_logprobs",
                            code="invalid_value")
@@ -181,7 +130,7 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 
 
 def _ranged_int(body: dict, key: str, lo: int, hi: int, default: int | None = None) -> int | None:
-    value = _get(body, key, int, default=default)
+    value = field(body, key, int, default=default)
     if value is not None and not lo <= value <= hi:
         raise ApiError(400, f"{key}: {value} is outside {lo}..{hi}", param=key, code="invalid_value")
     return value
@@ -189,7 +138,7 @@ def _ranged_int(body: dict, key: str, lo: int, hi: int, default: int | None = No
 
 def _max_tokens(body: dict, chat: bool, echo: bool) -> int | None:
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    value = _get(body, name, int, default=None)
+    value = field(body, name, int, default=None)
     if value is None:
         return None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
     if value < (0 if echo else 1):
@@ -199,7 +148,7 @@ def _max_tokens(body: dict, chat: bool, echo: bool) -> int | None:
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float, *, open_lo: bool = False) -> float:
-    value = float(_get(body, key, float, default=default))
+    value = float(field(body, key, float, default=default))
     inside = (lo < value if open_lo else lo <= value) and value <= hi  # NaN is outside every range
     if not (inside and math.isfinite(value)):
         raise ApiError(400, f"{key}: {value} is outside {'(' if open_lo else '['}{lo:g}, {hi:g}]", param=key,
@@ -208,10 +157,10 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float, *, open_
 
 
 def _sampling(body: dict, seed_if_unset: int, vocab_size: int | None) -> Sampling:
-    seed = _get(body, "seed", int, default=seed_if_unset)
+    seed = field(body, "seed", int, default=seed_if_unset)
     if not 0 <= seed <= MAX_SEED:
         raise ApiError(400, f"seed: {seed} is outside 0..{MAX_SEED}", param="seed", code="invalid_value")
-    top_k = _get(body, "top_k", int, default=0)
+    top_k = field(body, "top_k", int, default=0)
     if top_k < -1:
         raise ApiError(400, f"top_k: {top_k} is less than -1 (-1 or 0: every token)", param="top_k",
                        code="invalid_value")
@@ -223,7 +172,7 @@ def _sampling(body: dict, seed_if_unset: int, vocab_size: int | None) -> Samplin
                     frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
                     logit_bias=_logit_bias(body, vocab_size),
                     min_tokens=_ranged_int(body, "min_tokens", 0, MAX_SEED, default=0),
-                    ignore_eos=bool(_get(body, "ignore_eos", bool, default=False)),
+                    ignore_eos=bool(field(body, "ignore_eos", bool, default=False)),
                     stop_token_ids=_stop_token_ids(body, vocab_size))
 
 
@@ -237,7 +186,7 @@ def _token_id(value, name: str, vocab_size: int | None) -> int:
 
 def _logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
     """OpenAI's map of token id (as a JSON string) to a bias in -100..100, added to that token's logit."""
-    bias = _get(body, "logit_bias", dict, default={})
+    bias = field(body, "logit_bias", dict, default={})
     out = []
     for key, value in bias.items():
         token = _token_id(int(key) if key.isdecimal() else key, f"logit_bias[{key!r}]", vocab_size)
@@ -249,7 +198,7 @@ def _logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], 
 
 
 def _stop_token_ids(body: dict, vocab_size: int | None) -> tuple[int, ...]:
-    ids = _get(body, "stop_token_ids", list, default=[])
+    ids = field(body, "stop_token_ids", list, default=[])
     if len(ids) > MAX_STOP_TOKEN_IDS:
         raise ApiError(400, f"stop_token_ids: {len(ids)} ids, more than {MAX_STOP_TOKEN_IDS}",
                        param="stop_token_ids", code="invalid_value")
@@ -259,7 +208,7 @@ def _stop_token_ids(body: dict, vocab_size: int | None) -> tuple[int, ...]:
 def _response_format(body: dict) -> str:
     """Constrained decoding's grammar (worker/grammar.py), as the canonical text the last stage compiles;
     "" for plain text."""
-    fmt = _get(body, "response_format", dict, default=None)
+    fmt = field(body, "response_format", dict, default=None)
     if fmt is None:
         return ""
     try:
@@ -269,7 +218,7 @@ def _response_format(body: dict) -> str:
 
 
 def _stop(body: dict) -> tuple[str, ...]:
-    stop = _get(body, "stop", (str, list), default=())
+    stop = field(body, "stop", (str, list), default=())
     stops = (stop,) if isinstance(stop, str) else tuple(stop)
     if len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
         raise ApiError(400, f"stop: a string or up to {MAX_STOPS} non-empty strings", param="stop",
@@ -280,167 +229,11 @@ def _stop(body: dict) -> tuple[str, ...]:
     return stops
 
 
-MAX_ARGUMENTS_DEPTH = 64  # a tool call's arguments nest no deeper: a template's tojson recurses through them
-_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "true or false",
-               type(None): "null"}
-
-
-def _messages(body: dict) -> tuple[dict, ...]:
-    """The conversation in the shape Hugging Face chat templates take (transformers' convention), its tool-call
-    history checked as OpenAI checks it: each of an assistant turn's `tool_calls` is answered by a `tool`
-    message naming its id before any other turn comes."""
-    messages = _get(body, "messages", list, required=True)
-    if not messages:
-        raise ApiError(400, "messages: empty", param="messages", code="invalid_value")
-    out, unanswered = [], {}  # unanswered: tool call id -> where the last assistant turn made it
-    for n, m in enumerate(messages):
-        name = f"messages[{n}]"
-        if not isinstance(m, dict):
-            raise ApiError(400, f"{name}: expected an object", param=name, code="invalid_type")
-        role = _get(m, "role", str, required=True, name=f"{name}.role")
-        if role not in ROLES:
-            raise ApiError(400, f"{name}.role: {role!r} is not one of {', '.join(ROLES)}", param=f"{name}.role",
-                           code="invalid_value")
-        if role != "tool":
-            _all_answered(unanswered, before=name)
-        out.append(_message(m, name, ROLES[role], unanswered))
-    _all_answered(unanswered, before="the end of messages")
-    return tuple(out)
-
-
-def _message(m: dict, name: str, role: str, unanswered: dict[str, str]) -> dict:
-    """One turn: {"role", "content"}, with "tool_calls" (content may then be null: "") or "tool_call_id"."""
-    if m.get("tool_calls") is not None and role != "assistant":
-        raise ApiError(400, f"{name}.tool_calls: only assistant messages make tool calls", param=f"{name}.tool_calls",
-                       code="invalid_value")
-    message = {"role": role}
-    if role == "assistant" and m.get("tool_calls") is not None:
-        message["content"] = "" if m.get("content") is None else _content(m, name)
-        message["tool_calls"] = _tool_calls(m, name)
-        unanswered.update((c["id"], f"{name}.tool_calls[{k}]") for k, c in enumerate(message["tool_calls"]))
-    else:
-        message["content"] = _content(m, name)
-    if role == "tool":
-        message["tool_call_id"] = call_id = _get(m, "tool_call_id", str, required=True, name=f"{name}.tool_call_id")
-        if unanswered.pop(call_id, None) is None:
-            raise ApiError(400, f"{name}.tool_call_id: {call_id!r} is not an unanswered tool call of the assistant "
-                                f"message before it", param=f"{name}.tool_call_id", code="invalid_value")
-    if m.get("name") is not None:
-        message["name"] = _text(_get(m, "name", str, name=f"{name}.name"), f"{name}.name")
-    return message
-
-
-def _all_answered(unanswered: dict[str, str], *, before: str) -> None:
-    if unanswered:
-        call_id, where = next(iter(unanswered.items()))
-        raise ApiError(400, f"{where}.id: no tool message answers {call_id!r} before {before}", param=f"{where}.id",
-                       code="invalid_value")
-
-
-def _tool_calls(message: dict, name: str) -> list[dict]:
-    """An assistant turn's tool calls, as transformers' templates take them: each {"id", "type": "function",
-    "function": {"name", "arguments"}}, with the arguments' JSON text parsed into the object it spells."""
-    calls = _get(message, "tool_calls", list, name=f"{name}.tool_calls")
-    if not calls:
-        raise ApiError(400, f"{name}.tool_calls: empty; leave it out of a turn that calls no tool",
-                       param=f"{name}.tool_calls", code="invalid_value")
-    out, first = [], {}
-    for k, call in enumerate(calls):
-        where = f"{name}.tool_calls[{k}]"
-        out.append(_tool_call(call, where))
-        if (seen := first.setdefault(out[-1]["id"], k)) != k:
-            raise ApiError(400, f"{where}.id: {out[-1]['id']!r} is the id of tool_calls[{seen}] too",
-                           param=f"{where}.id", code="invalid_value")
-    return out
-
-
-def _tool_call(call, where: str) -> dict:
-    if not isinstance(call, dict):
-        raise ApiError(400, f"{where}: expected an object", param=where, code="invalid_type")
-    call_id = _name(call, "id", where)
-    if (kind := _get(call, "type", str, required=True, name=f"{where}.type")) != "function":
-        raise ApiError(400, f"{where}.type: {kind!r} is not 'function'", param=f"{where}.type", code="invalid_value")
-    function = _get(call, "function", dict, required=True, name=f"{where}.function")
-    return {"id": call_id, "type": "function",
-            "function": {"name": _name(function, "name", f"{where}.function"),
-                         "arguments": _arguments(function, f"{where}.function.arguments")}}
-
-
-def _name(obj: dict, key: str, where: str) -> str:
-    name = f"{where}.{key}"
-    if not (value := _text(_get(obj, key, str, required=True, name=name), name)):
-        raise ApiError(400, f"{name}: empty", param=name, code="invalid_value")
-    return value
-
-
-def _arguments(function: dict, name: str) -> dict:
-    """A tool call's arguments: OpenAI sends a JSON text, transformers' templates want the object (JSON's
-    NaN and Infinity, which JSON does not have, are refused, and so is a lone surrogate in any string)."""
-    text = _get(function, "arguments", str, required=True, name=name)
-    too_deep = ApiError(400, f"{name}: nested deeper than {MAX_ARGUMENTS_DEPTH} levels", param=name,
-                        code="invalid_value")
-    try:
-        value = json.loads(text, parse_constant=_not_json)
-    except RecursionError:  # nested past what the parser recurses into
-        raise too_deep from None
-    except ValueError as exc:
-        raise ApiError(400, f"{name}: not JSON: {exc}", param=name, code="invalid_value") from None
-    if not isinstance(value, dict):
-        raise ApiError(400, f"{name}: want a JSON object, not {_JSON_KINDS[type(value)]}", param=name,
-                       code="invalid_value")
-    if _json_depth(value, name) > MAX_ARGUMENTS_DEPTH:
-        raise too_deep
-    return value
-
-
-def _not_json(word: str):
-    raise ValueError(f"{word} is not JSON")
-
-
-def _json_depth(value, name: str) -> int:
-    """How many objects and arrays deep `value` (parsed JSON) nests; each string in it, keys too, must be
-    text (_text)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, str):
-            _text(value, name)
-        elif isinstance(value, (dict, list)):
-            deepest = max(deepest, depth)
-            stack += [(v, depth + 1) for v in ([*value, *value.values()] if isinstance(value, dict) else value)]
-    return deepest
-
-
-def _content(message: dict, name: str) -> str:
-    """Text content: a string, or an array of text parts (other parts are refused)."""
-    content = _get(message, "content", (str, list), required=True, name=f"{name}.content")
-    if isinstance(content, str):
-        return _text(content, f"{name}.content")
-    texts = []
-    for n, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise ApiError(400, f"{name}.content[{n}]: only text parts are supported", param=f"{name}.content",
-                           code="invalid_value")
-        texts.append(part["text"])
-    return _text("".join(texts), f"{name}.content")
-
-
-def _text(text: str, name: str) -> str:
-    """Text to tokenize: JSON's \\ud800-style escapes can make a lone surrogate, which is no character."""
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ApiError(400, f"{name}: a lone surrogate (\\u{ord(text[exc.start]):04x}) at character "
-                                f"{exc.start} is not text", param=name, code="invalid_value") from None
-    return text
-
-
 def _prompts(body: dict, vocab_size: int | None) -> tuple[str | tuple[int, ...], ...]:
     """OpenAI's four forms: a string, an array of token ids, or an array of either."""
-    prompt = _get(body, "prompt", (str, list), required=True)
+    prompt = field(body, "prompt", (str, list), required=True)
     if isinstance(prompt, str):
-        return (_text(prompt, "prompt"),)
+        return (checked_text(prompt, "prompt"),)
     if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return (_ids(prompt, "prompt", vocab_size),)
     if not prompt or len(prompt) > MAX_PROMPTS:
@@ -449,7 +242,7 @@ def _prompts(body: dict, vocab_size: int | None) -> tuple[str | tuple[int, ...],
     out = []
     for i, p in enumerate(prompt):
         if isinstance(p, str):
-            out.append(_text(p, f"prompt[{i}]"))
+            out.append(checked_text(p, f"prompt[{i}]"))
         elif isinstance(p, list) and p:
             out.append(_ids(p, f"prompt[{i}]", vocab_size))
         else:

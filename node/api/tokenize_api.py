@@ -24,6 +24,7 @@ any work on it, and tokenizing and detokenizing run in a worker thread, never on
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable
 
 import attrs
@@ -32,9 +33,10 @@ from quart_trio import QuartTrio
 
 from worker.errors import WorkerError
 
-from node.api.entry import Entry, Vocabulary
-from node.api.openai_api import _read_body, _too_long, openai_shape
-from node.api.openai_wire import ApiError, _get, _messages, _text, body_limit, parse_body
+from node.api.entry import Entry
+from node.api.openai_api import check_model, openai_shape, read_json, too_long, tokenized
+from node.api.openai_fields import ApiError, checked_text, field
+from node.api.openai_messages import messages
 from node.transport.app import shape_refusals, still_loading
 
 TOKENIZE_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
@@ -84,10 +86,13 @@ async def _answered(work: Callable[[], Awaitable[dict]]):
 
 
 async def _tokenize(node: Entry, model_name: str) -> dict:
-    worker, body = await _body(node)
+    worker, body = await read_json(node)
     req = parse_tokenize(body)
-    _check_model(req.model, model_name)
-    ids = await trio.to_thread.run_sync(_ids, worker, req)
+    check_model(req.model, model_name)
+    param = "prompt" if req.prompt is not None else "messages"
+    ids = await trio.to_thread.run_sync(functools.partial(
+        tokenized, worker, param, text=req.prompt, messages=req.messages, add_special_tokens=req.add_special_tokens,
+        add_generation_prompt=req.add_generation_prompt))
     answer = {"count": len(ids), "max_model_len": worker.info.max_context, "tokens": ids}
     if req.return_token_strs:
         answer["token_strs"] = await trio.to_thread.run_sync(worker.token_strs, ids)
@@ -95,81 +100,49 @@ async def _tokenize(node: Entry, model_name: str) -> dict:
 
 
 async def _detokenize(node: Entry, model_name: str) -> dict:
-    worker, body = await _body(node)
+    worker, body = await read_json(node)
     model, tokens = parse_detokenize(body)
-    _check_model(model, model_name)
+    check_model(model, model_name)
     context = worker.info.max_context
     if len(tokens) > context:
-        raise _too_long(context, "tokens", f"{len(tokens)} tokens")
+        raise too_long(context, "tokens", f"{len(tokens)} tokens")
     try:
         return {"prompt": await trio.to_thread.run_sync(worker.prompt_text, list(tokens))}
     except WorkerError as exc:  # an id out of the vocabulary
         raise ApiError(400, f"tokens: {exc}", param="tokens", code="invalid_value") from None
 
 
-async def _body(node: Entry) -> tuple[Vocabulary, object]:
-    """The entry's worker and the request's JSON, read within what the model's context could need."""
-    if node.loading:
-        raise still_loading()  # in OpenAI's shape, as every refusal on these paths
-    worker = node.worker
-    longest = await trio.to_thread.run_sync(lambda: worker.longest_token_bytes)  # made once, from the vocabulary
-    return worker, parse_body(await _read_body(body_limit(worker.info.max_context, longest)))
-
-
-def _check_model(model: str | None, model_name: str) -> None:
-    if model is not None and model != model_name:
-        raise ApiError(404, f"model {model!r} is not served here; this cluster serves {model_name!r}",
-                       param="model", code="model_not_found")
-
-
-def _ids(worker: Vocabulary, req: TokenizeRequest) -> list[int]:
-    """In a worker thread: the prompt's ids, or the ApiError refusing it. A text of more characters than the
-    context's tokens could spell is refused untokenized, as /v1/completions refuses it."""
-    param = "prompt" if req.prompt is not None else "messages"
-    context, longest = worker.info.max_context, worker.longest_token_bytes
-    chars = len(req.prompt) if req.prompt is not None else sum(len(m["content"]) for m in req.messages)
-    if chars > context * longest:
-        raise _too_long(context, param, f"{chars} characters, more than {context} tokens of at most {longest} "
-                                        f"characters each can hold")
-    try:
-        if req.prompt is not None:
-            return worker.tokenize(req.prompt, chat=False, add_special_tokens=req.add_special_tokens)
-        return worker.tokenize_messages(list(req.messages), add_generation_prompt=req.add_generation_prompt)
-    except WorkerError as exc:
-        raise ApiError(400, f"{param}: {exc}", param=param, code="invalid_value") from None
-
-
 def parse_tokenize(body) -> TokenizeRequest:
     """A /tokenize body, or the ApiError naming what is wrong with it."""
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
-    model = _get(body, "model", str)
-    strs = bool(_get(body, "return_token_strs", bool, default=False))
+    model = field(body, "model", str)
+    strs = bool(field(body, "return_token_strs", bool, default=False))
     has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
     if has_prompt == has_messages:
         raise ApiError(400, "prompt or messages: give one of them (a text, or a conversation)", param="prompt",
                        code="invalid_value" if has_prompt else "missing_required_parameter")
     if has_prompt:
-        return TokenizeRequest(model, prompt=_text(_get(body, "prompt", str), "prompt"),
-                               add_special_tokens=bool(_get(body, "add_special_tokens", bool, default=True)),
+        return TokenizeRequest(model, prompt=checked_text(field(body, "prompt", str), "prompt"),
+                               add_special_tokens=bool(field(body, "add_special_tokens", bool, default=True)),
                                return_token_strs=strs)
     for key, harmless in UNSUPPORTED_CHAT.items():
         if key in body and body[key] not in harmless:
             raise ApiError(400, f"{key}: not supported by this server", param=key, code="unsupported_parameter")
-    if _get(body, "add_special_tokens", bool, default=False):
+    if field(body, "add_special_tokens", bool, default=False):
         raise ApiError(400, "add_special_tokens: with messages, the chat template and the vocabulary add the "
                             "special tokens, as for /v1/chat/completions", param="add_special_tokens",
                        code="unsupported_parameter")
-    return TokenizeRequest(model, messages=_messages(body), return_token_strs=strs,
-                           add_generation_prompt=bool(_get(body, "add_generation_prompt", bool, default=True)))
+    return TokenizeRequest(model, messages=messages(body), return_token_strs=strs,
+                           add_generation_prompt=bool(field(body, "add_generation_prompt", bool, default=True)))
 
 
 def parse_detokenize(body) -> tuple[str | None, tuple[int, ...]]:
     """A /detokenize body as (model or None, token ids), or the ApiError naming what is wrong with it."""
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
-    model = _get(body, "model", str)
-    tokens = _get(body, "tokens", list, required=True)
+    model = field(body, "model", str)
+    tokens = field(body, "tokens", list, required=True)
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise ApiError(400, "tokens: expected an array of token ids (integers)", param="tokens", code="invalid_type")
     return model, tuple(tokens)
