@@ -13,17 +13,19 @@ DEFAULT_MAX_QUEUE = 64
 
 
 def make_actor(stage: int, num_stages: int, worker, *, capacity: int | None = None,
-               max_queue: int = DEFAULT_MAX_QUEUE, node_id: str = "", prompt_rows: int | None = None):
+               max_queue: int = DEFAULT_MAX_QUEUE, node_id: str = "", prompt_rows: int | None = None,
+               prefix_cache: bool = True):
     """The actor for a stage's role, sized by its worker. `capacity`: requests stage 0 lets hold slots at
     once (default: its own max_seqs; a node passes the smallest of the chain); `node_id`: stage 0 names
-    itself so in its requests (RequestStart.entry); `prompt_rows`: the chunked prefill size (roles/schedule.py)."""
+    itself so in its requests (RequestStart.entry); `prompt_rows`: the chunked prefill size (roles/schedule.py);
+    `prefix_cache`: stage 0 keeps finished requests' KV for later ones to start from (roles/prefix.py)."""
     info = worker.info
     role = role_of(stage, num_stages)
     if role is Role.FIRST:
         return FirstActor(stage, num_stages, tokenize=lambda prompt, chat: worker.tokenize(prompt, chat=chat),
                           max_context=info.max_context, max_rows=info.max_batch,
                           capacity=capacity or info.max_seqs, max_queue=max_queue, entry=node_id,
-                          check_tokens=worker.check_tokens, prompt_rows=prompt_rows)
+                          check_tokens=worker.check_tokens, prompt_rows=prompt_rows, prefix_cache=prefix_cache)
     if role is Role.MIDDLE:
         return MiddleActor(stage, num_stages, max_rows=info.max_batch, prompt_rows=prompt_rows)
     return LastActor(stage, num_stages, max_rows=info.max_batch, prompt_rows=prompt_rows, detokenize=worker.detokenize,

@@ -9,9 +9,10 @@ import attrs
 
 from worker.errors import WorkerError
 from worker.logprobs import TokenLogprob
+from worker.stage import FromCache
 
-from .messages import Activation, EndReason, EndRequest, InferenceResponse, NextTokens, SegmentMeta
-from .schedule import StageQueue, Step
+from .messages import Activation, EndReason, EndRequest, InferenceResponse, NextTokens, RequestStart, SegmentMeta
+from .schedule import StageQueue, Step, Unit
 
 
 class Refused(Exception):
@@ -163,11 +164,18 @@ class Entries:
         self.owner.pop(request_id, None)
 
 
+def from_cache(start: RequestStart | None) -> FromCache | None:
+    """What a request's first step tells the worker about its slot (the prefix cache); None: a free slot."""
+    if start is None or not (start.cache_entry or start.drop):
+        return None
+    return FromCache(start.cache_entry, start.take, start.drop)
+
+
 def compute(step: Step, worker, items: list) -> tuple[list, float]:
     """On the compute thread: free the slots of ended requests, then run the step's items as one batch.
     Returns the results and the step's wall time in ms."""
-    for rid in step.release:
-        worker.release(rid)
+    for rid, keep_as in step.release:
+        worker.release(rid, keep_as=keep_as)
     ms: list[float] = []
     with timed(ms):
         results = worker.run(items) if items else []
@@ -188,17 +196,18 @@ def step_failed(step: Step, queue: StageQueue, error: str, *, live: Callable[[st
 
 
 def pass_on(step: Step, outcome: tuple[list, float], *, dest: str, live: Callable[[str, int], bool],
-            fail: Callable[[str, str], list]) -> list:
+            refused: Callable[[Unit, WorkerError], list]) -> list:
     """First and middle stages: the step's rows go on to `dest` as one activation, each segment with this
-    stage's compute time appended; a refused item fails its request; rows of requests that ended while
-    the step computed, or were replayed meanwhile (`live(request_id, generation)` says), are dropped."""
+    stage's compute time appended; a refused item is its request's (`refused` says what follows); rows of
+    requests that ended while the step computed, or were replayed meanwhile (`live(request_id, generation)`
+    says), are dropped."""
     results, ms = outcome
     segments, actions = [], []
     for unit, out in zip(step.units, results):
         if not live(unit.request_id, unit.generation):
             continue
         if isinstance(out, WorkerError):
-            actions += fail(unit.request_id, str(out))
+            actions += refused(unit, out)
             continue
         meta = SegmentMeta(unit.request_id, unit.position, unit.rows, (*unit.stage_ms, ms), unit.start,
                            unit.generation)

@@ -2,13 +2,29 @@
 life (generation) of each request they hold, which a replay by stage 0 moves on."""
 from __future__ import annotations
 
-from .actions import is_live, step_failed
-from .schedule import Step
+from worker.errors import PrefixMissing, WorkerError
+
+from .actions import Send, is_live, lost, step_failed
+from .schedule import Step, Unit
+from .topology import stage_name
 
 
 class DownstreamActor:
     """Base of MiddleActor and LastActor: each sets `queue` (a StageQueue), `expected` (request id -> the
-    Held life it computes) and `_fail(request_id, error) -> actions`."""
+    Held life it computes), `missed` (an empty set) and `_fail(request_id, error) -> actions`."""
+
+    def _refused(self, unit: Unit, error: WorkerError) -> list:
+        """The worker refused a request's rows. Where the prefix-cache entry its life was to start from is not
+        held here, stage 0 hears it once as lost rows (it replays the request from its first token) and the
+        life's later rows, which find no request here, are dropped; any other refusal fails the request."""
+        life = (unit.request_id, unit.generation)
+        if isinstance(error, PrefixMissing):
+            self.missed.add(life)
+            return [Send(stage_name(0), lost(unit.request_id, self.stage, unit.generation, str(error)))]
+        return [] if life in self.missed else self._fail(unit.request_id, str(error))
+
+    def _forget_missed(self, request_id: str) -> None:
+        self.missed = {life for life in self.missed if life[0] != request_id}
 
     def plan(self) -> Step | None:
         return self.queue.next_step()

@@ -14,6 +14,13 @@ feeds back, runs a decode step (docs/design.md, Roles). It also owns every reque
   its next life — prompt and generated tokens prefilled through the new chain, decoding going on where it
   stopped. A request whose rows a stage reports lost is replayed the same way, at once if the chain
   stands (every stage alive), else once it does.
+- The prefix cache (roles/prefix.py): a finished request's slot is kept on every stage, its KV an entry
+  indexed by its tokens (EndRequest.keep_as). A new request whose tokens share whole blocks with an entry
+  starts after them, taking or copying that entry's KV (RequestStart.cached); entries and requests share
+  the slots, and an entry is evicted (RequestStart.drop) when a request needs its slot. A request holds
+  the entry it copies from until its first token, by which time every stage has copied it. Replays and
+  requests that ask for their prompt's logprobs compute every position; a stage that lacks an entry
+  reports the request lost, and it is replayed so.
 """
 from __future__ import annotations
 
@@ -23,13 +30,14 @@ from typing import Callable
 
 import attrs
 
-from worker.errors import WorkerError
+from worker.errors import PrefixMissing, WorkerError
 from worker.partition import Role
 from worker.stage import StepItem
 
-from .actions import (PROMPT_INVALID, PROMPT_TOO_LONG, Progress, Refused, Send, compute, error_reply, failure, pass_on,
-                      step_failed, wrong_role)
+from .actions import (PROMPT_INVALID, PROMPT_TOO_LONG, Progress, Refused, Send, compute, error_reply, failure,
+                      from_cache, pass_on, step_failed, wrong_role)
 from .messages import Activation, CancelRequest, EndReason, EndRequest, InferenceRequest, NextTokens, RequestStart
+from .prefix import DEFAULT_BLOCK_SIZE, PrefixIndex, Start, plan_start
 from .schedule import StageQueue, Step, Unit
 from .topology import stage_name
 
@@ -46,6 +54,8 @@ class _Live:
     generation: int = 0
     replays: int = 0
     lost: bool = False  # a stage lost its rows: replay once the chain stands
+    started_from: str = ""  # the prefix-cache entry this life started from
+    held: str = ""  # the entry it copies from, held until its first token
 
     @property
     def next_position(self) -> int:
@@ -59,7 +69,7 @@ class FirstActor:
     def __init__(self, stage: int, num_stages: int, *, tokenize: Callable[[str, bool], list[int]], max_context: int,
                  max_rows: int, capacity: int, max_queue: int, clock: Callable[[], float] = time.monotonic,
                  entry: str = "", check_tokens: Callable[[list[int]], None] = lambda ids: None,
-                 prompt_rows: int | None = None):
+                 prompt_rows: int | None = None, prefix_cache: bool = True, block_size: int = DEFAULT_BLOCK_SIZE):
         self.stage, self.num_stages = stage, num_stages
         self.next = stage_name(stage + 1)
         self._tokenize, self.max_context, self.clock = tokenize, max_context, clock
@@ -72,6 +82,10 @@ class FirstActor:
         self._standing = True  # every stage of the chain is alive: a lost request is replayed at once
         self.waiting: collections.OrderedDict[str, tuple[InferenceRequest, list[int], float]] = \
             collections.OrderedDict()
+        self.caching, self.prefix = prefix_cache, PrefixIndex(block_size)  # off: no entry is ever kept
+        self.cache_queries = self.cache_hits = 0  # prompt tokens looked up, and found cached (vLLM's counters)
+        self._dropped: list[str] = []  # entries forgotten here that stages may hold: dropped by the next start
+        self._entries_made = 0
 
     # -- event loop --------------------------------------------------------------------------
     def admit(self, msg) -> list:
@@ -92,7 +106,7 @@ class FirstActor:
         return None if self.paused else self.queue.next_step()
 
     def finish(self, step: Step, outcome) -> list:
-        return pass_on(step, outcome, dest=self.next, live=self.is_live, fail=self._fail)
+        return pass_on(step, outcome, dest=self.next, live=self.is_live, refused=self._refused)
 
     def step_failed(self, step: Step, error: str) -> list:
         """The step's compute raised: its requests fail (roles.actions.step_failed)."""
@@ -115,6 +129,8 @@ class FirstActor:
             return []
         replaced, self.paused = self.chain not in ((), chain), False
         self.chain = chain
+        if replaced:  # the new stage holds no entry
+            self._forget_entries(self.prefix.names())
         actions = []
         for rid, live in list(self.live.items()):
             if replaced or (live.lost and standing):
@@ -135,10 +151,14 @@ class FirstActor:
         return live is not None and live.generation == generation
 
     def end(self, end: EndRequest) -> list:
-        """End a live request everywhere; start waiting ones in the slots that frees."""
+        """End a live request everywhere, a finished one's KV kept as an entry of the prefix cache; start
+        waiting ones in the slots that frees."""
         live = self.live.pop(end.request_id)
-        self.queue.end(end.request_id)
-        actions = [Progress(end.request_id, end=end), Send(self.next, EndRequest(end.request_id, end.reason))]
+        self._release_entry(live)
+        keep = self._keep(live) if end.reason is EndReason.FINISHED else ""
+        self.queue.end(end.request_id, keep)
+        actions = [Progress(end.request_id, end=end),
+                   Send(self.next, EndRequest(end.request_id, end.reason, keep_as=keep))]
         if end.reason is EndReason.FAILED:
             actions.append(error_reply(live.request.reply_to, end))
         self._start_waiting()
@@ -147,11 +167,15 @@ class FirstActor:
     def health(self) -> dict:
         return {"slots": {"capacity": self.capacity, "active": len(self.live)},
                 "queue": {"waiting": len(self.waiting), "max": self.max_queue},
-                "admitting": not self.paused, "replays": sum(live.replays for live in self.live.values())}
+                "admitting": not self.paused, "replays": sum(live.replays for live in self.live.values()),
+                "prefix_cache": {"enabled": self.caching, "block_size": self.prefix.block_size,
+                                 "entries": len(self.prefix), "blocks": self.prefix.blocks,
+                                 "queries": self.cache_queries, "hits": self.cache_hits}}
 
     # -- compute thread ----------------------------------------------------------------------
     def run(self, step: Step, worker):
-        return compute(step, worker, [StepItem(u.request_id, u.position, tokens=u.tokens) for u in step.units])
+        return compute(step, worker, [StepItem(u.request_id, u.position, tokens=u.tokens,
+                                               from_cache=from_cache(u.start)) for u in step.units])
 
     # -- internals ---------------------------------------------------------------------------
     def _admit_request(self, req: InferenceRequest) -> list:
@@ -167,8 +191,8 @@ class FirstActor:
                 self._check_tokens(ids)  # the worker's check, at admission rather than in a step
         except WorkerError as exc:
             raise Refused(400, f"prompt: {exc}", code=PROMPT_INVALID) from None
-        if len(self.live) < self.capacity and not self.waiting and not self.paused:
-            self._start(req, ids, 0.0)
+        if not self.waiting and not self.paused and (plan := self._plan(req, ids)) is not None:
+            self._start(req, ids, 0.0, plan)
         elif len(self.waiting) < self.max_queue:
             self.waiting[rid] = (req, ids, self.clock())
         else:
@@ -176,16 +200,61 @@ class FirstActor:
                                f"waiting; retry later", retry_after_s=RETRY_AFTER_S)
         return []
 
-    def _start(self, req: InferenceRequest, ids: list[int], queued_ms: float) -> None:
-        live = self.live[req.request_id] = _Live(req, tuple(ids), round(queued_ms, 3))
-        self._send_prefill(req.request_id, live)
+    def _plan(self, req: InferenceRequest, ids: list[int]) -> Start | None:
+        """How the request would start now (roles/prefix.py), or None: no slot for it yet."""
+        if len(self.live) >= self.capacity:
+            return None
+        return plan_start(self.prefix, ids, free_slots=self.capacity - len(self.live) - len(self.prefix),
+                          use_cache=self._cacheable(req))
 
-    def _send_prefill(self, rid: str, live: _Live) -> None:
-        req = live.request
+    def _cacheable(self, req: InferenceRequest) -> bool:
+        return self.caching and req.sampling.prompt_logprobs is None  # those need every prompt row's logits
+
+    def _start(self, req: InferenceRequest, ids: list[int], queued_ms: float, plan: Start) -> None:
+        live = self.live[req.request_id] = _Live(req, tuple(ids), round(queued_ms, 3))
+        entry = plan.match.entry
+        self._forget_entries(plan.drop)
+        if entry is not None:
+            live.started_from = entry
+            if plan.take:
+                self.prefix.remove(entry)
+            else:
+                self.prefix.hold(entry)
+                live.held = entry
+        if self._cacheable(req):
+            self.cache_queries, self.cache_hits = self.cache_queries + len(ids), self.cache_hits + plan.match.tokens
+        self._send_prefill(req.request_id, live, plan)
+
+    def _send_prefill(self, rid: str, live: _Live, plan: Start = Start()) -> None:
+        req, cached = live.request, plan.match.tokens
+        drop, self._dropped = tuple(self._dropped), []
         start = RequestStart(req.max_tokens, req.sampling, live.prompt, req.reply_to, live.queued_ms,
-                             tuple(live.generated), self.entry)
+                             tuple(live.generated), self.entry, cached, plan.match.entry or "", plan.take, drop)
         ids = (*live.prompt, *live.generated)
-        self.queue.add(Unit(rid, 0, len(ids), decode=False, tokens=ids, start=start, generation=live.generation))
+        self.queue.add(Unit(rid, cached, len(ids) - cached, decode=False, tokens=ids[cached:], start=start,
+                            generation=live.generation))
+
+    def _keep(self, live: _Live) -> str:
+        """The name every stage keeps a finished request's KV under, indexed here by its tokens ("": not kept,
+        the cache being off or the request short of a whole block)."""
+        tokens = (*live.prompt, *live.generated)  # every position whose KV each stage has computed
+        if not self.caching or len(tokens) < self.prefix.block_size:
+            return ""
+        self._entries_made += 1
+        name = f"{self.entry}#{self._entries_made}"
+        self.prefix.add(name, tokens)
+        return name
+
+    def _release_entry(self, live: _Live) -> None:
+        if live.held:
+            self.prefix.release(live.held)
+            live.held = ""
+
+    def _forget_entries(self, names) -> None:
+        """Evict entries here; every stage forgets them with the next request that starts."""
+        for name in list(names):
+            self.prefix.remove(name)
+            self._dropped.append(name)
 
     def _replay(self, rid: str) -> list:
         """Start the request's next life: its prompt and generated tokens through the chain again."""
@@ -193,6 +262,10 @@ class FirstActor:
         if live.replays >= MAX_REPLAYS:
             return self.end(failure(rid, self.stage, f"its rows were lost {live.replays} times; giving up"))
         live.generation, live.replays, live.lost = live.generation + 1, live.replays + 1, False
+        self._release_entry(live)
+        if live.started_from in self.prefix.names():  # a stage may have lacked it: no request starts from it again
+            self._forget_entries([live.started_from])
+        live.started_from = ""
         self.queue.restart(rid)
         self._send_prefill(rid, live)
         return []
@@ -207,9 +280,12 @@ class FirstActor:
         return self._replay(rid)
 
     def _start_waiting(self) -> None:
-        while self.waiting and len(self.live) < self.capacity and not self.paused:
-            _, (req, ids, since) = self.waiting.popitem(last=False)
-            self._start(req, ids, (self.clock() - since) * 1000.0)
+        while self.waiting and not self.paused:
+            req, ids, since = next(iter(self.waiting.values()))
+            if (plan := self._plan(req, ids)) is None:
+                return
+            del self.waiting[req.request_id]
+            self._start(req, ids, (self.clock() - since) * 1000.0, plan)
 
     def _admit_tokens(self, msg: NextTokens) -> list:
         for t in msg.tokens:  # taken whole or refused whole
@@ -228,6 +304,9 @@ class FirstActor:
                 continue  # ended here, or replayed, while the token was on its way
             actions.append(Progress(t.request_id, t.token_id, t.done, logprob=t.logprob,
                                     prompt_logprobs=t.prompt_logprobs))
+            if live.held:  # every stage has computed its first rows, so copied the entry's
+                self._release_entry(live)
+                self._start_waiting()
             if t.done:
                 actions += self.end(EndRequest(t.request_id, EndReason.FINISHED))
             else:
@@ -235,6 +314,14 @@ class FirstActor:
                 self.queue.add(Unit(t.request_id, t.position, 1, decode=True, tokens=(t.token_id,),
                                     generation=live.generation))
         return actions
+
+    def _refused(self, unit: Unit, error: WorkerError) -> list:
+        """The worker refused a request's rows: a prefix-cache entry it lacks means a replay from the first
+        token; anything else fails the request."""
+        if isinstance(error, PrefixMissing):
+            self.live[unit.request_id].lost = True
+            return self._replay(unit.request_id)
+        return self._fail(unit.request_id, str(error))
 
     def _fail(self, request_id: str, error: str) -> list:
         """Computing the request failed here: it ends, never replayed."""

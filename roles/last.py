@@ -17,7 +17,7 @@ from worker.sampling import GREEDY, stop_set
 from worker.stage import StepItem
 from worker.stopping import generation_done
 
-from .actions import Entries, Held, Reply, Send, admit_segments, compute, error_reply, failure, wrong_role
+from .actions import Entries, Held, Reply, Send, admit_segments, compute, error_reply, failure, from_cache, wrong_role
 from .downstream import DownstreamActor
 from .messages import Activation, EndRequest, InferenceResponse, NextTokens, RequestStart, Token
 from .schedule import StageQueue, Step, Unit
@@ -62,12 +62,13 @@ class LastActor(DownstreamActor):
         self.expected: dict[str, Held] = {}
         self.progress: dict[str, _Progress] = {}
         self.failed_reply_to: dict[str, str | None] = {}  # until stage 0 has heard of the failure
+        self.missed: set[tuple[str, int]] = set()  # lives whose prefix-cache entry is not held here
         self.detokenize, self.stop_ids, self.max_context, self.clock = detokenize, stop_ids, max_context, clock
 
     # -- event loop --------------------------------------------------------------------------
     def admit(self, msg) -> list:
         if isinstance(msg, EndRequest):
-            self._end_here(msg.request_id)
+            self._end_here(msg.request_id, keep_as=msg.keep_as)
             self.failed_reply_to.pop(msg.request_id, None)
             return []
         if not isinstance(msg, Activation):
@@ -96,7 +97,7 @@ class LastActor(DownstreamActor):
             if prog is None or not self.is_live(unit.request_id, unit.generation):
                 continue  # ended, or replayed, while this step computed
             if isinstance(out, WorkerError):
-                actions += self._fail(unit.request_id, str(out))
+                actions += self._refused(unit, out)
                 continue
             for i, t in enumerate((*unit.stage_ms, ms)):
                 prog.stage_ms[i] += t
@@ -121,6 +122,8 @@ class LastActor(DownstreamActor):
                     end = failure(t.request_id, self.stage, f"could not deliver NextTokens to {send.dest}: {error}")
                     self._end_here(t.request_id)
                     actions.append(error_reply(prog.start.reply_to, end))
+                elif t.done:  # answered, but stage 0 will not end it: free its slot here
+                    self._end_here(t.request_id)
         elif isinstance(send.message, EndRequest) and send.message.request_id in self.failed_reply_to:
             actions.append(error_reply(self.failed_reply_to.pop(send.message.request_id), send.message))
         return actions
@@ -136,7 +139,7 @@ class LastActor(DownstreamActor):
                      for u, p in zip(step.units, progress)]
         results, ms = compute(step, worker, [StepItem(u.request_id, u.position, hidden=u.hidden, seq_len=u.rows,
                                                       sampling=u.start.sampling if u.start else GREEDY,
-                                                      all_logits=all_rows)
+                                                      all_logits=all_rows, from_cache=from_cache(u.start))
                                              for u, all_rows in zip(step.units, every_row)])
         return [r if isinstance(r, WorkerError) or p is None else self._pick(worker, u, p, r, all_rows)
                 for u, p, r, all_rows in zip(step.units, progress, results, every_row)], ms
@@ -193,7 +196,7 @@ class LastActor(DownstreamActor):
 
     def _finish(self, request_id: str, prog: _Progress) -> Reply:
         text = self.detokenize([t for t in prog.tokens if t not in self.stop_ids])
-        self._end_here(request_id)
+        self._done_here(request_id)
         s = prog.start
         return Reply(s.reply_to, InferenceResponse(
             request_id, text, tuple(prog.tokens), s.prompt_token_ids, tuple(round(ms, 3) for ms in prog.stage_ms),
@@ -208,9 +211,17 @@ class LastActor(DownstreamActor):
         self._end_here(request_id)
         return [Send(self.feedback, failure(request_id, self.stage, error, generation, poison=True))]
 
-    def _end_here(self, request_id: str) -> None:
+    def _done_here(self, request_id: str) -> None:
+        """Answered: nothing more is computed for it, but its slot waits for stage 0's EndRequest, which says
+        whether every stage keeps its KV (the prefix cache)."""
+        self.expected.pop(request_id, None)
+        self.progress.pop(request_id, None)
+        self._forget_missed(request_id)
+
+    def _end_here(self, request_id: str, *, keep_as: str = "") -> None:
         if not self.queue.ended(request_id):
-            self.queue.end(request_id)
+            self.queue.end(request_id, keep_as)
+        self._forget_missed(request_id)
         self.expected.pop(request_id, None)
         self.entries.drop(request_id)
         self.progress.pop(request_id, None)

@@ -79,12 +79,24 @@ class RequestStart:
     queued_ms: float = 0.0  # waited at the entry for a free slot
     replayed: tuple[int, ...] = ()  # a replay: the tokens generated before it, prefilled after the prompt
     entry: str = ""  # the node id of the stage 0 that owns the request (a replaced entry's requests are freed)
+    # The prefix cache (roles/prefix.py): the request's first `cached` positions are the KV every stage kept
+    # as `cache_entry`, so its first rows start at position `cached`. With `take` the entry's slot becomes
+    # the request's; else those rows are copied into a free slot. `drop`: kept entries to forget first.
+    cached: int = 0
+    cache_entry: str = ""
+    take: bool = False
+    drop: tuple[str, ...] = ()
 
     def __attrs_post_init__(self):
         if not self.prompt_token_ids:
             raise WireError("prompt_token_ids: empty")
         if len(self.replayed) >= self.max_tokens:
             raise WireError(f"replayed: {len(self.replayed)} tokens, no fewer than max_tokens {self.max_tokens}")
+        if not 0 <= self.cached < self.prefill_len or bool(self.cached) != bool(self.cache_entry):
+            raise WireError(f"cached: {self.cached} positions of entry {self.cache_entry!r}: need an entry exactly "
+                            f"when cached > 0, and cached below the {self.prefill_len} prefill tokens")
+        if self.take and not self.cache_entry:
+            raise WireError("take: no cache_entry to take")
 
     @property
     def prefill_len(self) -> int:
@@ -94,7 +106,8 @@ class RequestStart:
 
 @attrs.frozen
 class SegmentMeta:
-    """One request's rows in an activation: seq_len consecutive positions from `position` on."""
+    """One request's rows in an activation: seq_len consecutive positions from `position` on. A request's
+    first segment carries its RequestStart and starts at position 0, or where its cached prefix ends."""
 
     request_id: str
     position: int
@@ -108,9 +121,10 @@ class SegmentMeta:
             raise WireError(f"generation: {self.generation} is negative")
         if self.position < 0 or self.seq_len < 1:
             raise WireError(f"position {self.position} / seq_len {self.seq_len}: need position >= 0, seq_len >= 1")
-        if (self.position == 0) != (self.start is not None):
-            raise WireError(f"start: present exactly on a request's first segment (position 0), "
-                            f"request {self.request_id!r} at position {self.position}")
+        first = self.start.cached if self.start is not None else 0
+        if (self.position == first) != (self.start is not None):
+            raise WireError(f"start: present exactly on a request's first segment (position 0, or its cached "
+                            f"positions), request {self.request_id!r} at position {self.position}")
 
 
 @attrs.frozen
@@ -180,7 +194,8 @@ class EndRequest:
     """Stage 0 → down the chain: free this request's slot. Any stage → stage 0: this request failed here,
     or (LOST) the rows of its `generation` did not get past this stage. A `poison` failure is the request's
     own (computing it failed: its input, or an error of the compute itself), not the transport's: a replay
-    would compute it again, so it ends the request whatever life stage 0 has started since."""
+    would compute it again, so it ends the request whatever life stage 0 has started since. With `keep_as`,
+    stages keep the finished request's KV as an entry of the prefix cache rather than free its slot."""
 
     request_id: str
     reason: EndReason
@@ -188,6 +203,7 @@ class EndRequest:
     failed_stage: int | None = None
     generation: int = 0
     poison: bool = False
+    keep_as: str = ""  # a finished request: every stage keeps its slot's KV under this name (the prefix cache)
 
 
 @attrs.frozen

@@ -7,7 +7,8 @@ from __future__ import annotations
 from worker.partition import Role
 from worker.stage import StepItem
 
-from .actions import Entries, Held, Send, admit_segments, compute, error_reply, failure, lost, pass_on, wrong_role
+from .actions import (Entries, Held, Send, admit_segments, compute, error_reply, failure, from_cache, lost, pass_on,
+                      wrong_role)
 from .downstream import DownstreamActor
 from .messages import Activation, EndReason, EndRequest
 from .schedule import StageQueue, Step, Unit
@@ -25,11 +26,12 @@ class MiddleActor(DownstreamActor):
         self.expected: dict[str, Held] = {}  # live requests: their life and where their next rows start
         self.reply_to: dict[str, str | None] = {}
         self.prompt_len: dict[str, int] = {}
+        self.missed: set[tuple[str, int]] = set()  # lives whose prefix-cache entry is not held here
 
     # -- event loop --------------------------------------------------------------------------
     def admit(self, msg) -> list:
         if isinstance(msg, EndRequest):
-            return self._end_here(msg.request_id) + [Send(self.next, msg)]
+            return self._end_here(msg.request_id, keep_as=msg.keep_as) + [Send(self.next, msg)]
         if not isinstance(msg, Activation):
             raise wrong_role(self.stage, self.role, msg)
         if (msg := self.entries.admit(msg)) is None:
@@ -46,7 +48,7 @@ class MiddleActor(DownstreamActor):
         return []
 
     def finish(self, step: Step, outcome) -> list:
-        return pass_on(step, outcome, dest=self.next, live=self.is_live, fail=self._fail)
+        return pass_on(step, outcome, dest=self.next, live=self.is_live, refused=self._refused)
 
     def undeliverable(self, send: Send, error: str) -> list:
         """Rows that could not go on are reported lost to stage 0, which replays their requests (the slot
@@ -66,8 +68,8 @@ class MiddleActor(DownstreamActor):
 
     # -- compute thread ----------------------------------------------------------------------
     def run(self, step: Step, worker):
-        return compute(step, worker, [StepItem(u.request_id, u.position, hidden=u.hidden, seq_len=u.rows)
-                                      for u in step.units])
+        return compute(step, worker, [StepItem(u.request_id, u.position, hidden=u.hidden, seq_len=u.rows,
+                                               from_cache=from_cache(u.start)) for u in step.units])
 
     # -- internals ---------------------------------------------------------------------------
     def _fail(self, request_id: str, error: str) -> list:
@@ -78,9 +80,10 @@ class MiddleActor(DownstreamActor):
         self._end_here(request_id, keep_reply_to=True)
         return [Send(self.entry, end)]
 
-    def _end_here(self, request_id: str, *, keep_reply_to: bool = False) -> list:
+    def _end_here(self, request_id: str, *, keep_reply_to: bool = False, keep_as: str = "") -> list:
         if not self.queue.ended(request_id):
-            self.queue.end(request_id)
+            self.queue.end(request_id, keep_as)
+        self._forget_missed(request_id)
         self.expected.pop(request_id, None)
         self.entries.drop(request_id)
         self.prompt_len.pop(request_id, None)

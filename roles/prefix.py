@@ -10,6 +10,10 @@ stage kept (a finished request's slot, say), known by its id and its block keys.
 covers the whole prompt: the last prompt token must be computed, since its row gives the first token's
 logits. Entries are reference-counted while requests start from them, and `evictable` names the least
 recently used one that no request holds; evicting is the caller's (each stage frees the KV it kept).
+
+`plan_start` is stage 0's decision for a request that is to start: which entry it starts from, whether it
+takes that entry's slot or copies its rows into a free one, which entry to evict to make room, or that no
+slot can be had yet. Entries and requests share the sequence slots: an entry is a slot no request holds.
 """
 from __future__ import annotations
 
@@ -106,10 +110,55 @@ class PrefixIndex:
         if e is not None and e.holders:
             e.holders -= 1
 
-    def evictable(self) -> str | None:
-        """The least recently used entry no request holds, or None."""
-        return next((name for name, e in self._entries.items() if not e.holders), None)
+    def evictable(self, other_than: str | None = None) -> str | None:
+        """The least recently used entry no request holds (other than `other_than`), or None."""
+        return next((name for name, e in self._entries.items() if not e.holders and name != other_than), None)
+
+    def held(self, entry: str) -> bool:
+        return self._entries[entry].holders > 0
+
+    def tokens(self, entry: str) -> int:
+        """The tokens an entry's whole blocks cover: all a request starting from it could match."""
+        return len(self._entries[entry].keys) * self.block_size
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    @property
+    def blocks(self) -> int:
+        """Whole blocks cached, over every entry (a block two entries share counts once)."""
+        return len(self._by_key)
 
     def _next(self) -> int:
         self._tick += 1
         return self._tick
+
+
+@attrs.frozen
+class Start:
+    """How a request starts: from `match` (NO_MATCH: from position 0), taking the entry's slot (`take`) or
+    copying its rows into a free slot, once the entries in `drop` are evicted."""
+
+    match: Match = NO_MATCH
+    take: bool = False
+    drop: tuple[str, ...] = ()
+
+
+def plan_start(index: PrefixIndex, token_ids: Sequence[int], *, free_slots: int, use_cache: bool = True
+               ) -> Start | None:
+    """Stage 0's decision for a request about to start, `free_slots` being the slots neither a request nor an
+    entry holds; None: no slot can be had until a request ends or releases its entry.
+
+    - A matched entry the request covers whole (the next turn of its chat) is taken, slot and all: the
+      request's own entry will hold everything it did. So is one matched when no slot is free.
+    - Else a match is copied into a free slot, so the entry stays for others (a shared system prompt).
+    - Where no slot is free, the least recently used entry no request holds is evicted to make one.
+    - An entry that requests are copying from (held) is neither taken nor evicted.
+    """
+    m = index.match(token_ids) if use_cache else NO_MATCH
+    if m.entry is not None and not index.held(m.entry) and (free_slots <= 0 or m.tokens >= index.tokens(m.entry)):
+        return Start(m, take=True)
+    if free_slots > 0:
+        return Start(m)
+    victim = index.evictable(other_than=m.entry)
+    return None if victim is None else Start(m, drop=(victim,))

@@ -58,7 +58,8 @@ class Unit:
 @attrs.frozen
 class Step:
     units: tuple[Unit, ...]
-    release: tuple[str, ...]  # requests whose slots the worker frees before computing
+    # requests whose slots the worker frees before computing, each with the name to keep its KV under ("": none)
+    release: tuple[tuple[str, str], ...]
 
 
 def plan_rows(waiting: Sequence[Unit], max_rows: int, prompt_rows: int | None = None) -> list[int]:
@@ -96,7 +97,7 @@ class StageQueue:
         self.max_rows, self.prompt_rows = max_rows, prompt_rows
         self.waiting: list[Unit] = []
         self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._release: list[str] = []
+        self._release: list[tuple[str, str]] = []
 
     def add(self, unit: Unit) -> None:
         self.waiting.append(unit)
@@ -104,23 +105,24 @@ class StageQueue:
     def ended(self, request_id: str) -> bool:
         return request_id in self._ended
 
-    def end(self, request_id: str) -> None:
-        """Forget the request here: drop its waiting rows, free its slot before the next step."""
+    def end(self, request_id: str, keep_as: str = "") -> None:
+        """Forget the request here: drop its waiting rows, free its slot before the next step (or, `keep_as`,
+        keep its KV under that name: the prefix cache)."""
         self.waiting = [u for u in self.waiting if u.request_id != request_id]
         self._ended[request_id] = None
         while len(self._ended) > ENDED_REMEMBERED:
             self._ended.popitem(last=False)
-        self._release.append(request_id)
+        self._release.append((request_id, keep_as))
 
     def restart(self, request_id: str) -> None:
         """The request begins a new life (a replay): drop its waiting rows and free its slot before the next
         step, which may hold its new first rows."""
         self.waiting = [u for u in self.waiting if u.request_id != request_id]
-        self._release.append(request_id)
+        self._release.append((request_id, ""))
 
-    def release_again(self, request_ids) -> None:
+    def release_again(self, releases) -> None:
         """Free these slots before the next step: those of a step whose compute failed before freeing them."""
-        self._release.extend(request_ids)
+        self._release.extend(releases)
 
     def next_step(self) -> Step | None:
         """Take the next step's rows off the queue, or None when there is nothing to do."""

@@ -2,7 +2,7 @@
 the prompt's last token, recency among equals, and eviction that never takes an entry in use."""
 import pytest
 
-from roles.prefix import NO_MATCH, Match, PrefixIndex, block_keys
+from roles.prefix import NO_MATCH, Match, PrefixIndex, Start, block_keys, plan_start
 
 B = 4  # tokens a block
 
@@ -66,3 +66,41 @@ def test_a_removed_entry_matches_nothing_and_re_adding_replaces_its_blocks():
 def test_a_block_size_below_one_is_refused():
     with pytest.raises(ValueError, match="block_size"):
         block_keys([1, 2], 0)
+
+
+def index_of(entries, held=()):
+    index = PrefixIndex(B)
+    for name, tokens in entries:
+        index.add(name, tokens)
+    for name in held:
+        index.hold(name)
+    return index
+
+
+@pytest.mark.parametrize("entries, held, prompt, free, want", [
+    # the next turn of a chat covers its entry whole: it takes the slot, no copy
+    ([("x", ids("a", "b"))], (), ids("a", "b", "c"), 2, Start(Match("x", 2 * B), take=True)),
+    # a shared prefix only: copied into a free slot, so the entry stays for the next request
+    ([("x", ids("a", "b", "c"))], (), ids("a", "b", "d"), 1, Start(Match("x", 2 * B))),
+    # ... unless no slot is free: then it is taken
+    ([("x", ids("a", "b", "c"))], (), ids("a", "b", "d"), 0, Start(Match("x", 2 * B), take=True)),
+    # an entry others copy from is never taken: with a slot free it is copied
+    ([("x", ids("a", "b"))], ("x",), ids("a", "b", "c"), 1, Start(Match("x", 2 * B))),
+    # ... and with none free, the least recently used other entry makes room
+    ([("y", ids("e")), ("z", ids("f")), ("x", ids("a", "b"))], ("x",), ids("a", "b", "c"), 0,
+     Start(Match("x", 2 * B), drop=("y",))),
+    # ... or, where every other entry is held too, the request waits
+    ([("y", ids("e")), ("x", ids("a", "b"))], ("x", "y"), ids("a", "b", "c"), 0, None),
+    # no match: a free slot, else the least recently used entry no request holds is evicted
+    ([("y", ids("e"))], (), ids("a", "b"), 1, Start()),
+    ([("y", ids("e")), ("z", ids("f"))], ("y",), ids("a", "b"), 0, Start(drop=("z",))),
+    ([], (), ids("a", "b"), 0, None),
+])
+def test_plan_start_takes_copies_evicts_or_waits(entries, held, prompt, free, want):
+    assert plan_start(index_of(entries, held), prompt, free_slots=free) == want
+
+
+def test_with_the_cache_off_for_a_request_nothing_matches_but_entries_still_make_room():
+    index = index_of([("x", ids("a", "b"))])
+    assert plan_start(index, ids("a", "b", "c"), free_slots=1, use_cache=False) == Start()
+    assert plan_start(index, ids("a", "b", "c"), free_slots=0, use_cache=False) == Start(drop=("x",))

@@ -70,6 +70,6 @@ def test_an_ended_request_loses_its_waiting_rows_and_frees_its_slot_in_the_next_
     queue.end("a")
     assert queue.ended("a") and not queue.ended("b")
     step = queue.next_step()
-    assert [u.request_id for u in step.units] == ["b"] and step.release == ("a",)
-    queue.end("b")
-    assert queue.next_step().release == ("b",) and queue.next_step() is None
+    assert [u.request_id for u in step.units] == ["b"] and step.release == (("a", ""),)
+    queue.end("b", keep_as="kept-b")
+    assert queue.next_step().release == (("b", "kept-b"),) and queue.next_step() is None

@@ -16,3 +16,8 @@ class WorkerError(ValueError):
 
 class ModelNameError(ValueError):
     """A model argument that is neither a built-in model, a path that exists nor a known name."""
+
+
+class PrefixMissing(WorkerError):
+    """A request was to start from a prefix-cache entry this stage does not hold (evicted here, or the stage
+    was replaced): stage 0 computes that request again from its first token."""

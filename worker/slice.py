@@ -30,5 +30,8 @@ class Slice(Protocol):
 
     def forward(self, hidden: np.ndarray, position: int) -> np.ndarray: ...  # one sequence in slot 0
 
+    # the KV of positions 0 .. rows - 1 of slot src, in every block, into slot dst (the prefix cache)
+    def copy_rows(self, src: int, dst: int, rows: int) -> None: ...
+
     # compile what the first request would, before it arrives; beam > 0: tinygrad's kernel search first
     def warm_up(self, beam: int = 0) -> None: ...

@@ -4,20 +4,26 @@ Hidden states cross stage boundaries as float32 bytes of shape (seq_len, hidden_
 flip near-ties between the pipeline and single-process generation.
 
 Many requests at once: each holds one of the slice's `max_seqs` sequence slots (its KV caches) from its
-first step, at position 0, until `release`. `run` computes the steps of several requests as one batch;
+first step, at position 0, until `release`.
+
+The prefix cache (roles/prefix.py decides, stage 0 tells): `release(keep_as=)` keeps a finished request's
+slot, its KV, as a named entry; a request whose first step names an entry (StepItem.from_cache) starts at
+the entry's position, in that very slot (`take`) or in a free slot its rows are copied into. Entries are
+forgotten when stage 0 says (`drop`), or here when a slot is needed and only entries hold them. `run` computes the steps of several requests as one batch;
 the single-request ops (embed_and_forward, decode_step, forward_range, forward_and_sample) are a batch of
 one. A step that is refused (unknown request, wrong position, bad input) fails alone; a batch whose
 compute raises forgets every request in it, since their KV caches may be half-written.
 """
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Sequence
 
 import attrs
 import numpy as np
 
-from .errors import WorkerError
+from .errors import PrefixMissing, WorkerError
 from .batching import Segment
 from .grammar import GrammarCompiler, GrammarError, Matcher
 from .partition import Role, layer_range, role_of
@@ -51,6 +57,16 @@ class Sampled:
 
 
 @attrs.frozen
+class FromCache:
+    """How a request's first step starts: forget the kept entries in `drop`, then start from `entry`'s KV
+    (its first `position` rows), taking its slot (`take`) or copying them into a free one."""
+
+    entry: str = ""
+    take: bool = False
+    drop: tuple[str, ...] = ()
+
+
+@attrs.frozen
 class StepItem:
     """One request's part of a batched step: `tokens` on the first stage, `hidden` bytes elsewhere."""
 
@@ -61,6 +77,7 @@ class StepItem:
     seq_len: int = 0  # rows of `hidden`; the first stage takes len(tokens)
     sampling: Sampling = GREEDY  # kept when the request starts (position 0), for the last stage's sampler
     all_logits: bool = False  # last stage: the logits of every row (a prompt's logprobs), not only the last
+    from_cache: FromCache | None = None  # on a request's first step: where its slot comes from (prefix cache)
 
     @property
     def rows(self) -> int:
@@ -75,6 +92,12 @@ class _Request:
     rng: np.random.Generator
 
 
+@attrs.frozen
+class _Kept:
+    slot: int
+    length: int  # positions whose KV the slot holds
+
+
 class StageWorker:
     def __init__(self, compute: Slice, tokenizer, *, stage: int, num_stages: int, total_blocks: int):
         self.role = role_of(stage, num_stages)
@@ -86,6 +109,7 @@ class StageWorker:
             stop_ids=frozenset(tokenizer.stop_ids), weight_bytes=compute.weight_bytes, kv_bytes=compute.kv_bytes,
             max_seqs=compute.max_seqs, max_batch=compute.max_batch)
         self._requests: dict[str, _Request] = {}
+        self._kept: collections.OrderedDict[str, _Kept] = collections.OrderedDict()  # least recently used first
 
     # -- first stage -------------------------------------------------------------------------
     def tokenize(self, prompt: str, *, chat: bool = True, add_special_tokens: bool = True) -> list[int]:
@@ -227,9 +251,18 @@ class StageWorker:
         for faster kernels first (tinygrad's BEAM; what it finds is cached on disk for the next boot)."""
         self.compute.warm_up(beam)
 
-    def release(self, request_id: str) -> None:
-        """Free a request's slot; releasing an unknown one is a no-op so teardown can be repeated."""
-        self._requests.pop(request_id, None)
+    def release(self, request_id: str, *, keep_as: str = "") -> None:
+        """Free a request's slot, or (`keep_as`) keep its KV as the prefix-cache entry of that name, replacing
+        any entry of the name; releasing an unknown request is a no-op so teardown can be repeated."""
+        req = self._requests.pop(request_id, None)
+        if req is not None and keep_as:
+            self._kept.pop(keep_as, None)
+            self._kept[keep_as] = _Kept(req.slot, req.next_position)
+
+    @property
+    def kept(self) -> dict[str, int]:
+        """The prefix-cache entries held here and the positions each holds (compute thread)."""
+        return {name: k.length for name, k in self._kept.items()}
 
     @property
     def active(self) -> frozenset[str]:
@@ -257,7 +290,7 @@ class StageWorker:
                               f"context of {self.compute.max_context}")
         req = self._requests.get(rid) or starting.get(rid)
         if req is None:
-            if position != 0:
+            if position != 0 and not (item.from_cache and item.from_cache.entry):
                 raise WorkerError(f"unknown request {rid!r} (never started here, or released)")
             req = starting[rid] = self._new_request(item, starting)
         expected = planned.get(rid, req.next_position)
@@ -267,12 +300,38 @@ class StageWorker:
         return req
 
     def _new_request(self, item: StepItem, starting: dict[str, _Request]) -> _Request:
-        taken = {r.slot for r in (*self._requests.values(), *starting.values())}
+        """A request's slot: a free one, or its cached prefix's (taken, or copied into a free one)."""
+        rng = rng_for(item.sampling)  # a bad seed fails this request alone, before any slot changes
+        start = item.from_cache or FromCache()
+        for name in start.drop:
+            self._kept.pop(name, None)
+        if not start.entry:
+            return _Request(self._free_slot(item, starting), 0, item.sampling, rng)
+        kept = self._kept.get(start.entry)
+        if kept is None or kept.length < item.position:
+            held = "not held" if kept is None else f"holds {kept.length} positions, not {item.position}"
+            raise PrefixMissing(f"request {item.request_id!r}: prefix-cache entry {start.entry!r} is {held} "
+                                f"at stage {self.info.stage}")
+        if start.take:
+            del self._kept[start.entry]
+            return _Request(kept.slot, item.position, item.sampling, rng)
+        self._kept.move_to_end(start.entry)
+        slot = self._free_slot(item, starting, keep=start.entry)
+        self.compute.copy_rows(kept.slot, slot, item.position)
+        return _Request(slot, item.position, item.sampling, rng)
+
+    def _free_slot(self, item: StepItem, starting: dict[str, _Request], keep: str = "") -> int:
+        """A slot no request or entry holds; failing that, the least recently used entry's other than `keep`
+        (entries stage 0 no longer counts, such as those of a chain before a stage was replaced)."""
+        taken = {r.slot for r in (*self._requests.values(), *starting.values())} | {k.slot for k in self._kept.values()}
         free = next((s for s in range(self.compute.max_seqs) if s not in taken), None)
-        if free is None:
+        if free is not None:
+            return free
+        victim = next((name for name in self._kept if name != keep), None)
+        if victim is None:
             raise WorkerError(f"request {item.request_id!r}: all {self.compute.max_seqs} sequence slots of stage "
                               f"{self.info.stage} are taken")
-        return _Request(free, 0, item.sampling, rng_for(item.sampling))  # a bad seed fails this request alone
+        return self._kept.pop(victim).slot
 
     def _compute(self, accepted: list[tuple[int, StepItem, _Request]], starting: dict[str, _Request],
                  results: list) -> None:

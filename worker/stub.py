@@ -84,6 +84,10 @@ class StubSlice:
         rows = np.cumsum([s.length for s in segments]) - 1 if logit_rows is None else logit_rows
         return np.stack([self._logits(out[r]) for r in rows])
 
+    def copy_rows(self, src: int, dst: int, rows: int) -> None:
+        for i in self.layers:
+            self._cache[(dst, i)][:rows] = self._cache[(src, i)][:rows]
+
     def forward(self, hidden: np.ndarray, position: int) -> np.ndarray:
         h = self._forward(hidden, position, 0)
         return self._logits(h[-1]) if self._head else h.astype(np.float32)

@@ -306,6 +306,22 @@ class StageModel:
         out = self.forward_batch(hidden, [Segment(0, start_pos, hidden.shape[0])])
         return out[0] if self.head is not None else out
 
+    def copy_rows(self, src: int, dst: int, rows: int) -> None:
+        """The KV of slot src's first `rows` positions into slot dst, every block (the prefix cache). On the
+        CPU a copy in host memory; elsewhere a slice assign, which tinygrad compiles once per row count."""
+        for s in (src, dst):
+            if not 0 <= s < self.max_seqs:
+                raise ValueError(f"slot {s}: need 0..{self.max_seqs - 1}")
+        ctx = self.config.max_context
+        for block in self.blocks:
+            buffer = block.cache.uop.buffer
+            if _zero_copy(buffer):
+                view = np.frombuffer(buffer.as_memoryview(force_zero_copy=True), dtype=np.float32)
+                view = view.reshape(block.cache.shape)
+                view[dst * ctx:dst * ctx + rows] = view[src * ctx:src * ctx + rows]
+            else:
+                block.cache[dst * ctx:dst * ctx + rows].assign(block.cache[src * ctx:src * ctx + rows]).realize()
+
     def _check(self, hidden: np.ndarray, segments: list[Segment]) -> None:
         rows = sum(s.length for s in segments)
         if not segments or hidden.shape != (rows, self.config.dim):

@@ -80,5 +80,8 @@ class TinygradSlice:
     def forward(self, hidden: np.ndarray, position: int) -> np.ndarray:
         return self.model.forward(hidden, position)
 
+    def copy_rows(self, src: int, dst: int, rows: int) -> None:
+        self.model.copy_rows(src, dst, rows)
+
     def warm_up(self, beam: int = 0) -> None:
         self.model.warm_up(beam)

@@ -1,0 +1,186 @@
+"""The prefix cache across the pipeline, in-process: a finished request's KV stays on every stage, later
+requests start after the blocks they share with it (taking its slot or copying its rows), and the answers
+are the ones computed without it — at N = 2, 3 and 5, with 8 requests at once, across evictions, and when
+a stage lacks the entry (it reports the request lost and stage 0 replays it in full)."""
+import numpy as np
+import pytest
+
+from roles import make_actor
+from roles.actions import Progress, Reply, Send
+from roles.messages import Activation, InferenceRequest
+from worker.errors import PrefixMissing
+from worker.models import open_worker, stub_model, tinygrad_model
+from worker.reference import generate_full
+from worker.stage import FromCache, StepItem
+from worker.weights.tiny import TinySource
+
+MAX_TOKENS = 6
+SYSTEM = "You are a terse assistant who answers in one line. "  # 51 stub tokens: three whole blocks
+
+
+class Chain:
+    """N actors with their workers in one process; `ask` admits requests at once and runs until all answer."""
+
+    def __init__(self, n: int, *, max_seqs: int = 4, prefix_cache: bool = True, model=None):
+        self.n, self.model, self.max_seqs, self.cache = n, model or stub_model(), max_seqs, prefix_cache
+        self.workers = [open_worker(self.model, s, n, max_seqs=max_seqs) for s in range(n)]
+        self.actors = [make_actor(s, n, w, prefix_cache=prefix_cache) for s, w in enumerate(self.workers)]
+        self.actors[0].set_chain(tuple(f"m{s}" for s in range(1, n)), standing=True)
+        self.inbox: dict[int, list] = {s: [] for s in range(n)}
+        self.replies: dict[str, object] = {}
+        self.starts: dict[str, int] = {}  # the position each request's first rows left stage 0 at
+        self.lives: dict[str, list[int]] = {}  # ... for each of its lives (a replay starts another)
+
+    def ask(self, prompts: dict[str, list[int]], max_tokens: int = MAX_TOKENS) -> dict[str, list[int]]:
+        for rid, ids in prompts.items():
+            self.inbox[0].append(InferenceRequest(rid, "", max_tokens=max_tokens, reply_to="http://runner",
+                                                  prompt_token_ids=tuple(ids)))
+        while any(self.inbox.values()) or any(a.queue.waiting for a in self.actors):
+            for s, actor in enumerate(self.actors):
+                messages, self.inbox[s] = self.inbox[s], []
+                for m in messages:
+                    self._act(s, actor.admit(m))
+                if (step := actor.plan()) is not None:
+                    self._act(s, actor.finish(step, actor.run(step, self.workers[s])))
+        return {rid: list(self.replies[rid].token_ids) for rid in prompts}
+
+    def _act(self, stage: int, actions) -> None:
+        for a in actions:
+            if isinstance(a, Reply):
+                self.replies[a.response.request_id] = a.response
+            elif isinstance(a, Send):
+                if stage == 0 and isinstance(a.message, Activation):
+                    for seg in a.message.meta.segments:
+                        if seg.start is not None:
+                            self.starts[seg.request_id] = seg.position
+                            self.lives.setdefault(seg.request_id, []).append(seg.position)
+                self.inbox[int(a.dest.rsplit("-", 1)[1])].append(a.message)
+            else:
+                assert isinstance(a, Progress)
+
+    def tokens(self, text: str) -> list[int]:
+        return self.workers[0].tokenize(text, chat=False)
+
+    def reference(self, ids: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+        return generate_full(self.model, ids, max_tokens).token_ids
+
+    def assert_clean(self) -> None:
+        """No request holds a slot anywhere, and every stage keeps the same entries stage 0 indexes."""
+        assert all(w.active == frozenset() for w in self.workers)
+        names = set(self.actors[0].prefix.names())
+        assert all(names <= set(w.kept) for w in self.workers)
+        assert all(len(w.kept) <= self.max_seqs for w in self.workers)
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_a_follow_up_starts_after_its_cached_prefix_and_answers_as_without_the_cache(n):
+    chain = Chain(n)
+    first = chain.tokens(SYSTEM + "Say hello.")
+    [answer] = chain.ask({"turn1": first}).values()
+    follow_up = [*first, *answer[:-1], *chain.tokens(" And now say goodbye, kindly.")]
+    got = chain.ask({"turn2": follow_up})["turn2"]
+    assert got == chain.reference(follow_up)
+    assert chain.starts == {"turn1": 0, "turn2": (len(first) + len(answer) - 1) // 16 * 16}
+    health = chain.actors[0].health()["prefix_cache"]
+    assert (health["queries"], health["hits"]) == (len(first) + len(follow_up), chain.starts["turn2"])
+    chain.assert_clean()
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_eight_requests_at_once_sharing_prefixes_answer_as_without_the_cache_across_evictions(n):
+    chain = Chain(n, max_seqs=3)
+    chain.ask({"warm": chain.tokens(SYSTEM + "Hi.")})
+    questions = ["Say hello.", "Name a river.", "Why is the sky blue?", "Count to three.", "Hi.",
+                 "What is two and two?", "Spell cat.", "Say hello again."]
+    prompts = {f"q{i}": chain.tokens((SYSTEM if i % 2 == 0 else "Another preamble entirely, longer. ") + q)
+               for i, q in enumerate(questions)}
+    got = chain.ask(prompts)  # more requests than slots: they wait, copy, take and evict as slots turn over
+    assert got == {rid: chain.reference(ids) for rid, ids in prompts.items()}
+    assert any(position > 0 for position in chain.starts.values())
+    chain.assert_clean()
+    again = chain.ask({f"again-{rid}": ids for rid, ids in prompts.items()})
+    assert again == {f"again-{rid}": want for rid, want in got.items()}
+    chain.assert_clean()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_requests_at_once_that_share_part_of_an_entry_copy_its_rows_and_leave_it_for_the_next(n):
+    chain = Chain(n, max_seqs=4)
+    chain.ask({"long": chain.tokens(SYSTEM + "Tell me about the rivers of Europe, at some length.")})
+    [entry] = chain.actors[0].prefix.names()
+    prompts = {f"q{i}": chain.tokens(SYSTEM + q) for i, q in enumerate(["Say hello.", "Name a colour."])}
+    assert chain.ask(prompts) == {rid: chain.reference(ids) for rid, ids in prompts.items()}
+    assert chain.starts["q0"] == chain.starts["q1"] == 48  # SYSTEM's three whole blocks
+    assert entry in chain.actors[0].prefix.names()  # copied, not taken
+    chain.assert_clean()
+
+
+def test_with_the_cache_off_every_request_starts_at_position_0_and_nothing_is_kept():
+    chain = Chain(3, prefix_cache=False)
+    ids = chain.tokens(SYSTEM + "Say hello.")
+    assert chain.ask({"a": ids})["a"] == chain.ask({"b": ids})["b"] == chain.reference(ids)
+    assert chain.starts == {"a": 0, "b": 0}
+    assert all(w.kept == {} for w in chain.workers)
+    assert chain.actors[0].health()["prefix_cache"] | {"block_size": 16} == {
+        "enabled": False, "block_size": 16, "entries": 0, "blocks": 0, "queries": 0, "hits": 0}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_stage_that_lacks_the_entry_reports_it_and_the_request_is_replayed_in_full(stage):
+    """A stage restarted without stage 0 hearing of it (its worker is fresh): the request that starts from
+    an entry it no longer holds is replayed from position 0, and its answer is still exact."""
+    chain = Chain(3)
+    first = chain.tokens(SYSTEM + "Say hello.")
+    chain.ask({"a": first})
+    chain.workers[stage] = open_worker(chain.model, stage, 3, max_seqs=chain.max_seqs)
+    follow_up = [*first, *chain.tokens(" Then say goodbye.")]
+    assert chain.ask({"b": follow_up})["b"] == chain.reference(follow_up)
+    # from the entry, then again from the first token (stage 0 itself replays it before any row leaves)
+    assert chain.lives["b"] == ([0] if stage == 0 else [48, 0])
+    assert chain.actors[0].live == {} and all(w.active == frozenset() for w in chain.workers)
+    assert "#1" not in chain.actors[0].prefix.names()  # the entry a stage lacked is forgotten
+
+
+def test_a_kept_entry_taken_or_copied_continues_as_the_original_request_on_tinygrad():
+    """The worker contract on the real backend, both ends of a 2-stage chain: a slot kept as an entry, then
+    one request copies its first rows into another slot and a second takes the slot itself; both compute
+    the logits the whole prompt gives."""
+    model = tinygrad_model(TinySource())
+    w0, w1 = (open_worker(model, s, 2, max_seqs=3) for s in (0, 1))
+    ids = w0.tokenize("Name three rivers of Europe, briefly, and say why they matter.", chat=False)
+
+    def run(rid, position, start=None):
+        [hidden] = w0.run([StepItem(rid, position, tokens=tuple(ids[position:]), from_cache=start)])
+        [logits] = w1.run([StepItem(rid, position, hidden=hidden, seq_len=len(ids) - position, from_cache=start)])
+        return logits
+    whole = run("whole", 0)
+    for w in (w0, w1):
+        w.release("whole", keep_as="e")
+    k = len(ids) // 2
+    copied = run("c", k, FromCache("e"))
+    taken = run("t", k, FromCache("e", take=True))
+    np.testing.assert_array_equal(copied, whole)
+    np.testing.assert_array_equal(taken, whole)
+    assert all(w.kept == {} and w.active == {"c", "t"} for w in (w0, w1))
+
+
+def test_a_request_naming_an_entry_the_worker_lacks_is_refused_as_a_missing_prefix():
+    w = open_worker(stub_model(), 0, 2, max_seqs=2)
+    [out] = w.run([StepItem("r", 16, tokens=(3,) * 4, from_cache=FromCache("gone"))])
+    assert isinstance(out, PrefixMissing) and "'gone' is not held at stage 0" in str(out)
+    w.run([StepItem("a", 0, tokens=(3,) * 20)])
+    w.release("a", keep_as="e")
+    [short] = w.run([StepItem("r", 32, tokens=(3,) * 4, from_cache=FromCache("e"))])
+    assert isinstance(short, PrefixMissing) and "holds 20 positions, not 32" in str(short)
+
+
+def test_entries_are_dropped_when_stage_0_says_and_make_room_when_only_they_hold_slots():
+    w = open_worker(stub_model(), 0, 2, max_seqs=2)
+    for rid in ("a", "b"):
+        w.run([StepItem(rid, 0, tokens=(3,) * 20)])
+        w.release(rid, keep_as=f"e-{rid}")
+    assert w.kept == {"e-a": 20, "e-b": 20}
+    w.run([StepItem("c", 0, tokens=(4,) * 5)])  # no slot free: the least recently used entry gives its own
+    assert w.kept == {"e-b": 20}
+    w.run([StepItem("d", 0, tokens=(4,) * 5, from_cache=FromCache(drop=("e-b",)))])
+    assert w.kept == {} and w.active == {"c", "d"}
