@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help=f"requests waiting at the entry for a free slot before it answers 429 "
                         f"(default {DEFAULT_MAX_QUEUE})")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="turn the prefix cache off: every request computes its whole prompt, even where an earlier "
+                        "one shared its start (multi-turn chat, a system prompt); default on")
     p.add_argument("--beam", type=int, default=0,
                    help="kernel search at each node's boot (tinygrad's BEAM width, e.g. 2): minutes the first time, "
                         "cached on disk after; faster steps on larger models (default 0 = off)")
@@ -309,9 +312,10 @@ def _vast_options(args, env) -> VastOptions:
 
 def serving_env(args) -> dict[str, str]:
     """The settings every node gets the same: how many requests it serves at once and with what context,
-    kernel search, precision."""
+    kernel search, precision, the prefix cache."""
     return {"PP_MAX_SEQS": str(args.max_seqs), "PP_MAX_QUEUE": str(args.max_queue), "PP_CTX": str(args.ctx),
-            "PP_BEAM": str(args.beam), "PP_PRECISION": args.precision}
+            "PP_BEAM": str(args.beam), "PP_PRECISION": args.precision,
+            **({"PP_NO_PREFIX_CACHE": "1"} if args.no_prefix_cache else {})}
 
 
 def _vast_url(args, env) -> str:

@@ -66,6 +66,7 @@ class NodeConfig:
     max_seqs: int = DEFAULT_MAX_SEQS    # requests whose KV caches a stage holds at once (its sequence slots)
     max_queue: int = DEFAULT_MAX_QUEUE  # stage 0: requests waiting for a slot before the entry answers 429
     chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL  # prompt rows a step takes at most (roles/schedule.py)
+    prefix_cache: bool = True           # stage 0 keeps finished requests' KV for later ones (roles/prefix.py)
     ctx: int = DEFAULT_CONTEXT          # PP_CTX: positions a slot's KV holds (prompt + answer), at most the model's
     beam: int = 0                       # PP_BEAM: tinygrad's kernel search width at boot (0 = off); cached on disk
     precision: str = "auto"             # PP_PRECISION: which matrices keep the file's precision (worker.weights.contract.narrow_kinds)
@@ -147,6 +148,8 @@ ENV_TABLE = (
                         f"at boot, so it sets the node's memory; at most the model's own ({DEFAULT_CONTEXT})"),
     ("PP_CHUNKED_PREFILL_SIZE", "--chunked-prefill-size", "prompt rows one step takes at most, beside the decode "
      f"rows: smaller keeps streams decoding while a long prompt is read, larger reads it sooner ({DEFAULT_CHUNKED_PREFILL})"),
+    ("PP_NO_PREFIX_CACHE", "--no-prefix-cache", "1: stage 0 keeps no finished request's KV, so every request computes "
+     "its whole prompt (the prefix cache is on by default)"),
     ("PP_MAX_QUEUE", "--max-queue", f"stage 0: requests waiting for a free slot; past it, 429 ({DEFAULT_MAX_QUEUE})"),
     ("PP_BEAM", "--beam", "kernel search at boot: tinygrad's BEAM width, e.g. 2; minutes once, cached on disk for the next boot (0 = off)"),
     ("PP_PRECISION", "--precision", "auto: Q8_0 weights stay as the file holds them, F16/BF16 too with --beam; file: all of them always; f32: every weight widened at load (auto)"),
@@ -198,6 +201,8 @@ def build_parser(prog: str = "python ppnode.py") -> argparse.ArgumentParser:
                    help=f"context per request, prompt and answer (PP_CTX, default {DEFAULT_CONTEXT})")
     p.add_argument("--chunked-prefill-size", metavar="ROWS",
                    help=f"prompt rows per step at most (PP_CHUNKED_PREFILL_SIZE, default {DEFAULT_CHUNKED_PREFILL})")
+    p.add_argument("--no-prefix-cache", action="store_const", const="1",
+                   help="turn the prefix cache off: no request starts from another's KV (PP_NO_PREFIX_CACHE=1)")
     p.add_argument("--max-queue", metavar="Q", help=f"requests waiting at stage 0 (PP_MAX_QUEUE, default {DEFAULT_MAX_QUEUE})")
     p.add_argument("--beam", metavar="W", help="kernel search width at boot, 0 = off (PP_BEAM, default 0)")
     p.add_argument("--precision", metavar="P", help="auto, file or f32: which weights stay as the file holds them (PP_PRECISION, default auto)")
@@ -260,6 +265,7 @@ def _config_from(src: _Sources, *, home: Path, rng: random.Random | None) -> Nod
         max_seqs=_count(src, "--max-seqs", DEFAULT_MAX_SEQS, lowest=1),
         max_queue=_count(src, "--max-queue", DEFAULT_MAX_QUEUE, lowest=0),
         chunked_prefill_size=_count(src, "--chunked-prefill-size", DEFAULT_CHUNKED_PREFILL, lowest=1),
+        prefix_cache=not _flag_of(src, "--no-prefix-cache"),
         ctx=_count(src, "--ctx", DEFAULT_CONTEXT, lowest=16),
         beam=_count(src, "--beam", 0, lowest=0), precision=_precision(src), link_streams=_links(src), exit_on_stdin_eof=_flag(env, "PP_STDIN_LIFELINE"),
         faults=_faults(env))

@@ -151,7 +151,8 @@ async def _serve(config, swim_config, on_listening, compute, task_status) -> Non
             trio.open_nursery() as nursery:
         node = StageNode(stage, n, client, node_id=config.node_id, max_queue=config.max_queue,
                          link_streams=config.link_streams, faults=config.faults,
-                         prompt_rows=config.chunked_prefill_size, model_name=config.model_name)
+                         prompt_rows=config.chunked_prefill_size, model_name=config.model_name,
+                         prefix_cache=config.prefix_cache)
         app = make_app(node, token=config.cluster_token, max_body_bytes=config.max_body_bytes, link_streams=True,
                        api_keys=config.api_keys, token_is_api_key=config.token_is_api_key)
         if stage == 0:  # pp-entry serves the OpenAI API too (and vLLM's /tokenize), and a chat page that uses it

@@ -49,9 +49,10 @@ def _clocked(fn, *args):
 class StageNode:
     def __init__(self, stage: int, num_stages: int, client: PeerClient, *, node_id: str,
                  max_queue: int = DEFAULT_MAX_QUEUE, link_streams: bool = True, faults: Faults = NO_FAULTS,
-                 prompt_rows: int | None = None, model_name: str):
+                 prompt_rows: int | None = None, model_name: str, prefix_cache: bool = True):
         self.stage, self.num_stages, self.node_id = stage, num_stages, node_id
         self.prompt_rows = prompt_rows  # the chunked prefill size (roles/schedule.py)
+        self.prefix_cache = prefix_cache  # stage 0 (roles/prefix.py)
         self.client, self.max_queue, self.link_streams, self.faults = client, max_queue, link_streams, faults
         self.name = stage_name(stage)
         self.metrics = NodeMetrics(self._metrics_snapshot, model_name=model_name)  # the API's name for the model
@@ -97,7 +98,7 @@ class StageNode:
     def attach(self, worker, *, capacity: int | None = None) -> None:
         """The worker is loaded: from now on messages are admitted. `capacity`: see roles.make_actor."""
         self.actor = make_actor(self.stage, self.num_stages, worker, capacity=capacity, max_queue=self.max_queue,
-                                node_id=self.node_id, prompt_rows=self.prompt_rows)
+                                node_id=self.node_id, prompt_rows=self.prompt_rows, prefix_cache=self.prefix_cache)
         self.worker = worker
 
     def deliver(self, message, *, source: str | None = None, sent_at: float | None = None) -> None:
@@ -132,7 +133,8 @@ class StageNode:
         view = self.swim.members().values() if self.swim is not None else ()
         health = self.actor.health() if self.actor is not None else {}
         return {"running": health.get("slots", {}).get("active") if self.stage == 0 else None,
-                "queued": health.get("queue", {}).get("waiting"), **self._memory(),
+                "queued": health.get("queue", {}).get("waiting"), "prefix_cache": health.get("prefix_cache"),
+                **self._memory(),
                 "members": collections.Counter(m.state.value for m in view)}
 
     def _memory(self) -> dict:

@@ -65,3 +65,22 @@ async def test_every_series_of_every_node_is_labelled_with_the_served_model_name
         assert {dict(labels).get("model_name") for _, labels in samples} == {MODEL_NAME}
     nursery.cancel_scope.cancel()
 
+
+
+async def test_the_prefix_cache_counts_tokens_looked_up_and_found_and_health_shows_its_blocks(nursery, tmp_path):
+    _, urls, _ = await start_cluster(nursery, 2, tmp_path, model_name=MODEL_NAME)
+    messages = [{"role": "system", "content": "You answer in one short line, always politely."},
+                {"role": "user", "content": "Say hello"}]
+    prompt = len(stub_model().tokenizer().encode_messages(messages))
+    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=30) as client:
+        for _ in range(2):  # the second starts after the whole blocks of the first's prompt
+            with trio.fail_after(30):
+                assert (await client.post(urls[0] + "/v1/chat/completions", headers=AUTH, json=body)).status_code == 200
+        samples = await scrape(client, urls[0])
+        health = (await client.get(urls[0] + "/health")).json()["prefix_cache"]
+    assert value(samples, "pp_prefix_cache_queries_total") == 2 * prompt
+    assert value(samples, "pp_prefix_cache_hits_total") == (prompt - 1) // 16 * 16 > 0
+    assert value(samples, "pp_prefix_cache_blocks") == health["blocks"] == (prompt + 4) // 16
+    assert (health["enabled"], health["entries"], health["block_size"]) == (True, 1, 16)
+    nursery.cancel_scope.cancel()

@@ -83,11 +83,12 @@ def test_the_cluster_token_loses_surrounding_whitespace():
     (["--ctx", "4096"], "ctx", 4096),
     (["--max-model-len", "512"], "ctx", 512),  # vLLM's name for it
     (["--chunked-prefill-size", "4"], "chunked_prefill_size", 4),  # SGLang's name
+    (["--no-prefix-cache"], "prefix_cache", False),
 ])
 def test_a_flag_wins_over_its_variable(argv, field, expected):
     env = {"NUM_STAGES": "6", "SEED_ADDR": "s:1", "PEER_DIRECT": "p:1", "MODEL": "tiny", "PP_PORT": "8100",
            "PP_BIND": "10.0.0.1", "PP_ADVERTISE_ADDR": "x:1", "PP_NODE_ID": "alpha", "PP_LOG_LEVEL": "ERROR",
-           "PP_PRECISION": "file", "PP_CTX": "1024", "PP_CHUNKED_PREFILL_SIZE": "12"}
+           "PP_PRECISION": "file", "PP_CTX": "1024", "PP_CHUNKED_PREFILL_SIZE": "12", "PP_NO_PREFIX_CACHE": "0"}
     assert getattr(parse(env, argv), field) == expected
 
 

@@ -2,8 +2,12 @@
 requests start after the blocks they share with it (taking its slot or copying its rows), and the answers
 are the ones computed without it — at N = 2, 3 and 5, with 8 requests at once, across evictions, and when
 a stage lacks the entry (it reports the request lost and stage 0 replays it in full)."""
+import httpx
 import numpy as np
 import pytest
+import trio
+
+from cluster import API_KEY, start_cluster
 
 from roles import make_actor
 from roles.actions import Progress, Reply, Send
@@ -184,3 +188,43 @@ def test_entries_are_dropped_when_stage_0_says_and_make_room_when_only_they_hold
     assert w.kept == {"e-b": 20}
     w.run([StepItem("d", 0, tokens=(4,) * 5, from_cache=FromCache(drop=("e-b",)))])
     assert w.kept == {} and w.active == {"c", "d"}
+
+
+async def chat_twice(url: str, system: str, questions: list[str]) -> list[str]:
+    """Every question at once, each sharing `system`; then each conversation's second turn at once: the
+    greedy answer texts in order."""
+    async with httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+        async def ask(messages, into, i):
+            r = await client.post(url + "/v1/chat/completions", json={
+                "model": "stub", "messages": messages, "max_tokens": 8, "temperature": 0})
+            assert r.status_code == 200, r.text
+            into[i] = r.json()["choices"][0]["message"]["content"]
+        turns = [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in questions]
+        first, second = [None] * len(turns), [None] * len(turns)
+        async with trio.open_nursery() as nursery:
+            for i, messages in enumerate(turns):
+                nursery.start_soon(ask, messages, first, i)
+        async with trio.open_nursery() as nursery:
+            for i, messages in enumerate(turns):
+                follow = [*messages, {"role": "assistant", "content": first[i]}, {"role": "user", "content": "More?"}]
+                nursery.start_soon(ask, follow, second, i)
+    return first + second
+
+
+async def test_a_live_cluster_answers_the_same_with_and_without_the_prefix_cache(tmp_path):
+    """Three in-process nodes over HTTP, 8 chats at once sharing a system prompt, then their second turns:
+    the texts equal a cluster's with --no-prefix-cache, and the cache was used."""
+    system = "You are a helpful assistant. Answer every question briefly and plainly, in one sentence."
+    questions = [f"Question {i}: what is {i} plus {i}?" for i in range(8)]
+    answers, hits = {}, {}
+    for cache in (True, False):
+        async with trio.open_nursery() as nursery:
+            _, urls, _ = await start_cluster(nursery, 3, tmp_path / str(cache), max_seqs=4,
+                                             prefix_cache=cache)
+            with trio.fail_after(300):
+                answers[cache] = await chat_twice(urls[0], system, questions)
+            async with httpx.AsyncClient(timeout=30) as client:
+                hits[cache] = (await client.get(urls[0] + "/health")).json()["prefix_cache"]["hits"]
+            nursery.cancel_scope.cancel()
+    assert answers[True] == answers[False] and len(set(answers[True])) > 1  # and the questions were told apart
+    assert hits[True] > 0 and hits[False] == 0

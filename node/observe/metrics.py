@@ -10,6 +10,8 @@ moved by the node as things happen; the gauges are read from the node when a scr
     pp_step_compute_seconds                          one batched step on the compute thread (histogram)
     pp_hop_seconds{hop,part}                         where a hop's time goes (node/observe/hops.py), per hop and part
     pp_gossip_members{state}                         members of this node's gossip view by state
+    pp_prefix_cache_queries_total, _hits_total       stage 0: prompt tokens looked up in the prefix cache / found
+    pp_prefix_cache_blocks                           stage 0: whole blocks the prefix cache holds
     pp_weight_bytes, pp_kv_bytes, pp_peak_rss_bytes  memory
 
 Every series carries `model_name`, the name the OpenAI API serves the model by, as vLLM's do: a dashboard
@@ -20,7 +22,7 @@ from __future__ import annotations
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from node.membership.gossip import State
 
@@ -86,8 +88,25 @@ class _Snapshot:
                 gauge = GaugeMetricFamily(name, help_text, labels=["model_name"])
                 gauge.add_metric(name_label, value)
                 yield gauge
+        yield from self._prefix_cache(s.get("prefix_cache"), name_label)
         members = GaugeMetricFamily("pp_gossip_members", "Members of this node's gossip view, by state",
                                     labels=["model_name", "state"])
         for state in State:
             members.add_metric([*name_label, state.value], s.get("members", {}).get(state.value, 0))
         yield members
+
+    @staticmethod
+    def _prefix_cache(figures: dict | None, name_label: list[str]):
+        """Stage 0's prefix-cache figures, in tokens as vLLM's prefix_cache_queries / prefix_cache_hits."""
+        if not figures:
+            return
+        for name, help_text, key in (
+                ("pp_prefix_cache_queries", "Stage 0: prompt tokens looked up in the prefix cache", "queries"),
+                ("pp_prefix_cache_hits", "Stage 0: prompt tokens found in the prefix cache", "hits")):
+            counter = CounterMetricFamily(name, help_text, labels=["model_name"])
+            counter.add_metric(name_label, figures[key])
+            yield counter
+        blocks = GaugeMetricFamily("pp_prefix_cache_blocks", "Stage 0: whole blocks the prefix cache holds",
+                                   labels=["model_name"])
+        blocks.add_metric(name_label, figures["blocks"])
+        yield blocks
