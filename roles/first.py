@@ -205,7 +205,7 @@ class FirstActor:
         if len(self.live) >= self.capacity:
             return None
         return plan_start(self.prefix, ids, free_slots=self.capacity - len(self.live) - len(self.prefix),
-                          use_cache=self._cacheable(req))
+                          use_cache=self._cacheable(req), salt=req.cache_salt)
 
     def _cacheable(self, req: InferenceRequest) -> bool:
         return self.caching and req.sampling.prompt_logprobs is None  # those need every prompt row's logits
@@ -242,7 +242,7 @@ class FirstActor:
             return ""
         self._entries_made += 1
         name = f"{self.entry}#{self._entries_made}"
-        self.prefix.add(name, tokens)
+        self.prefix.add(name, tokens, live.request.cache_salt)
         return name
 
     def _release_entry(self, live: _Live) -> None:

@@ -49,6 +49,7 @@ class InferenceRequest:
     chat: bool = True
     reply_to: str | None = None  # base URL to POST the response to; None: the node that has it keeps it
     prompt_token_ids: tuple[int, ...] = ()  # already tokenized (the entry's OpenAI API); then prompt is ""
+    cache_salt: str = ""  # vLLM's: only requests with the same salt share prefix-cache entries
 
     def __attrs_post_init__(self):
         if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:

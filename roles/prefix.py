@@ -26,11 +26,13 @@ import attrs
 DEFAULT_BLOCK_SIZE = 16
 
 
-def block_keys(token_ids: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE) -> list[bytes]:
-    """The hash-chain key of each whole block of `token_ids` (a trailing partial block has none)."""
+def block_keys(token_ids: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE, salt: str = "") -> list[bytes]:
+    """The hash-chain key of each whole block of `token_ids` (a trailing partial block has none). A `salt`
+    (vLLM's cache_salt) starts the chain elsewhere: only requests with the same salt share blocks."""
     if block_size < 1:
         raise ValueError(f"block_size: {block_size} is less than 1")
-    keys, parent = [], b""
+    keys = []
+    parent = hashlib.blake2b(b"salt:" + salt.encode(), digest_size=16).digest() if salt else b""
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         block = token_ids[start:start + block_size]
         digest = hashlib.blake2b(parent, digest_size=16)
@@ -68,10 +70,10 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def add(self, entry: str, token_ids: Sequence[int]) -> None:
+    def add(self, entry: str, token_ids: Sequence[int], salt: str = "") -> None:
         """Index a sequence whose KV is kept for its whole blocks; re-adding an entry replaces it."""
         self.remove(entry)
-        keys = tuple(block_keys(token_ids, self.block_size))
+        keys = tuple(block_keys(token_ids, self.block_size, salt))
         self._entries[entry] = _Entry(keys, self._next())
         for key in keys:
             self._by_key.setdefault(key, set()).add(entry)
@@ -85,10 +87,10 @@ class PrefixIndex:
             if not holders:
                 del self._by_key[key]
 
-    def match(self, token_ids: Sequence[int]) -> Match:
-        """The entry sharing the most whole blocks with `token_ids`, short of their last token; among equals
-        the most recently used. A match is used: it becomes the most recent."""
-        usable = block_keys(token_ids[:max(len(token_ids) - 1, 0)], self.block_size)
+    def match(self, token_ids: Sequence[int], salt: str = "") -> Match:
+        """The entry sharing the most whole blocks with `token_ids` (under the same salt), short of their last
+        token; among equals the most recently used. A match is used: it becomes the most recent."""
+        usable = block_keys(token_ids[:max(len(token_ids) - 1, 0)], self.block_size, salt)
         best, blocks = None, 0
         for n, key in enumerate(usable, start=1):
             holders = self._by_key.get(key)
@@ -144,8 +146,8 @@ class Start:
     drop: tuple[str, ...] = ()
 
 
-def plan_start(index: PrefixIndex, token_ids: Sequence[int], *, free_slots: int, use_cache: bool = True
-               ) -> Start | None:
+def plan_start(index: PrefixIndex, token_ids: Sequence[int], *, free_slots: int, use_cache: bool = True,
+               salt: str = "") -> Start | None:
     """Stage 0's decision for a request about to start, `free_slots` being the slots neither a request nor an
     entry holds; None: no slot can be had until a request ends or releases its entry.
 
@@ -155,7 +157,7 @@ def plan_start(index: PrefixIndex, token_ids: Sequence[int], *, free_slots: int,
     - Where no slot is free, the least recently used entry no request holds is evicted to make one.
     - An entry that requests are copying from (held) is neither taken nor evicted.
     """
-    m = index.match(token_ids) if use_cache else NO_MATCH
+    m = index.match(token_ids, salt) if use_cache else NO_MATCH
     if m.entry is not None and not index.held(m.entry) and (free_slots <= 0 or m.tokens >= index.tokens(m.entry)):
         return Start(m, take=True)
     if free_slots > 0:

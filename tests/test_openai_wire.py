@@ -212,6 +212,14 @@ def test_the_special_token_and_stop_string_switches_are_read():
     assert (r.skip_special_tokens, r.include_stop_str_in_output, r.n) == (False, True, 3)
 
 
+def test_a_cache_salt_is_read_and_an_empty_or_huge_one_refused():
+    assert (parse(CHAT).cache_salt, parse({**CHAT, "cache_salt": "tenant-7"}).cache_salt) == ("", "tenant-7")
+    for salt in ("", "x" * 257):
+        with pytest.raises(ApiError) as e:
+            parse({**CHAT, "cache_salt": salt})
+        assert e.value.param == "cache_salt"
+
+
 def test_a_character_split_across_tokens_is_sent_whole():
     stream = TextStream()
     data = "Grüß 🙂".encode()

@@ -68,6 +68,15 @@ def test_a_block_size_below_one_is_refused():
         block_keys([1, 2], 0)
 
 
+def test_a_salted_prompt_matches_only_entries_of_the_same_salt():
+    index = PrefixIndex(B)
+    index.add("plain", ids("a", "b"))
+    index.add("salted", ids("a", "b"), salt="tenant-1")
+    assert index.match(ids("a", "b", "c")) == Match("plain", 2 * B)
+    assert index.match(ids("a", "b", "c"), salt="tenant-1") == Match("salted", 2 * B)
+    assert index.match(ids("a", "b", "c"), salt="tenant-2") == NO_MATCH
+
+
 def index_of(entries, held=()):
     index = PrefixIndex(B)
     for name, tokens in entries:

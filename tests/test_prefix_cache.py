@@ -35,10 +35,10 @@ class Chain:
         self.starts: dict[str, int] = {}  # the position each request's first rows left stage 0 at
         self.lives: dict[str, list[int]] = {}  # ... for each of its lives (a replay starts another)
 
-    def ask(self, prompts: dict[str, list[int]], max_tokens: int = MAX_TOKENS) -> dict[str, list[int]]:
+    def ask(self, prompts: dict[str, list[int]], max_tokens: int = MAX_TOKENS, salt: str = "") -> dict[str, list[int]]:
         for rid, ids in prompts.items():
             self.inbox[0].append(InferenceRequest(rid, "", max_tokens=max_tokens, reply_to="http://runner",
-                                                  prompt_token_ids=tuple(ids)))
+                                                  prompt_token_ids=tuple(ids), cache_salt=salt))
         while any(self.inbox.values()) or any(a.queue.waiting for a in self.actors):
             for s, actor in enumerate(self.actors):
                 messages, self.inbox[s] = self.inbox[s], []
@@ -117,6 +117,16 @@ def test_requests_at_once_that_share_part_of_an_entry_copy_its_rows_and_leave_it
     assert chain.starts["q0"] == chain.starts["q1"] == 48  # SYSTEM's three whole blocks
     assert entry in chain.actors[0].prefix.names()  # copied, not taken
     chain.assert_clean()
+
+
+def test_requests_share_cached_prefixes_only_under_the_same_cache_salt():
+    chain = Chain(2)
+    ids = chain.tokens(SYSTEM + "Say hello.")
+    chain.ask({"a": ids}, salt="tenant-1")
+    chain.ask({"other": ids}, salt="tenant-2")
+    chain.ask({"unsalted": ids})
+    chain.ask({"same": ids}, salt="tenant-1")
+    assert chain.starts == {"a": 0, "other": 0, "unsalted": 0, "same": 48}
 
 
 def test_with_the_cache_off_every_request_starts_at_position_0_and_nothing_is_kept():

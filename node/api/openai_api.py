@@ -271,7 +271,7 @@ def _engine_request(node: Entry, worker: Vocabulary, api: ApiRequest, c: Choice)
     max_tokens = min(max(wanted, 1), MAX_TOKENS_LIMIT)
     sampling = attrs.evolve(api.sampling, seed=(api.sampling.seed + c.index % api.n) % (MAX_SEED + 1))
     return InferenceRequest(c.request_id, "", max_tokens=max_tokens, sampling=sampling, reply_to=node.url,
-                            prompt_token_ids=prompt)
+                            prompt_token_ids=prompt, cache_salt=api.cache_salt)
 
 
 def _refused(exc: Refused, api: ApiRequest, context: int, prompt_len: int) -> ApiError:

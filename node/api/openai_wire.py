@@ -5,7 +5,7 @@ Unknown parameters are ignored, as OpenAI's server does; a known parameter of th
 range is refused with 400 naming it, and so is one we cannot honour (`suffix`, `best_of` > 1, tools):
 nothing known is silently dropped. vLLM's extensions are read as vLLM spells them (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens,
-include_stop_str_in_output, return_token_ids); README's table lists them all.
+include_stop_str_in_output, return_token_ids, cache_salt); README's table lists them all.
 
 Errors are node/api/openai_fields.py's ApiError; chat messages, tool-call history included, are
 node/api/openai_messages.py's to parse.
@@ -30,6 +30,7 @@ MAX_STOP_CHARS = 1024  # per stop string; a longer one is refused (OpenAI states
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_PROMPTS = 256  # prompts in one /v1/completions request (each is a request of its own in the engine)
 MAX_STOP_TOKEN_IDS = 64
+MAX_CACHE_SALT_CHARS = 256
 
 
 @attrs.frozen
@@ -59,6 +60,7 @@ class ApiRequest:
     logprobs: int | None = None  # each token's logprob and this many alternatives; None: no logprobs
     skip_special_tokens: bool = True  # control tokens are left out of the text
     include_stop_str_in_output: bool = False
+    cache_salt: str = ""  # vLLM's: the prefix cache is shared only among requests with the same salt
 
 
 def parse_request(body, *, chat: bool, seed_if_unset: int, limits: Limits = Limits()) -> ApiRequest:
@@ -88,10 +90,19 @@ def parse_request(body, *, chat: bool, seed_if_unset: int, limits: Limits = Limi
                          return_token_ids=bool(field(body, "return_token_ids", bool, default=False)),
                          skip_special_tokens=bool(field(body, "skip_special_tokens", bool, default=True)),
                          include_stop_str_in_output=bool(field(body, "include_stop_str_in_output", bool,
-                                                              default=False)))
+                                                              default=False)),
+                         cache_salt=_cache_salt(body))
     if chat:
         return attrs.evolve(request, messages=messages(body))
     return attrs.evolve(request, prompts=_prompts(body, limits.vocab_size))
+
+
+def _cache_salt(body: dict) -> str:
+    salt = field(body, "cache_salt", str, default=None)
+    if salt is not None and not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise ApiError(400, f"cache_salt: {len(salt)} characters, outside 1..{MAX_CACHE_SALT_CHARS}",
+                       param="cache_salt", code="invalid_value")
+    return salt or ""
 
 
 def _refuse_unsupported(body: dict) -> None:
