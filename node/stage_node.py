@@ -142,6 +142,7 @@ class StageNode:
         info = self.worker.info if self.worker is not None else None
         return {"weight_bytes": info.weight_bytes if info else None, "kv_bytes": info.kv_bytes if info else None,
                 "slots_in_use": self.worker.slots_in_use if self.worker is not None else None,
+                "slots_kept": self.worker.kept_count if self.worker is not None else None,
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # ru_maxrss is KiB
 
     def open_local(self, request: wire.InferenceRequest,

@@ -78,7 +78,9 @@ async def test_the_prefix_cache_counts_tokens_looked_up_and_found_and_health_sho
             with trio.fail_after(30):
                 assert (await client.post(urls[0] + "/v1/chat/completions", headers=AUTH, json=body)).status_code == 200
         samples = await scrape(client, urls[0])
-        health = (await client.get(urls[0] + "/health")).json()["prefix_cache"]
+        healths = [(await client.get(u + "/health")).json() for u in urls]
+    health = healths[0]["prefix_cache"]
+    assert [h["slots_kept"] for h in healths] == [1, 1]  # every stage holds the one entry stage 0 indexes
     assert value(samples, "pp_prefix_cache_queries_total") == 2 * prompt
     assert value(samples, "pp_prefix_cache_hits_total") == (prompt - 1) // 16 * 16 > 0
     assert value(samples, "pp_prefix_cache_blocks") == health["blocks"] == (prompt + 4) // 16

@@ -265,6 +265,11 @@ class StageWorker:
         return {name: k.length for name, k in self._kept.items()}
 
     @property
+    def kept_count(self) -> int:
+        """How many prefix-cache entries hold slots here; safe to read from any thread."""
+        return len(self._kept)
+
+    @property
     def active(self) -> frozenset[str]:
         """The requests holding a slot (compute thread)."""
         return frozenset(self._requests)
