@@ -15,6 +15,7 @@ from roles.messages import Activation, InferenceRequest
 from worker.errors import PrefixMissing
 from worker.models import open_worker, stub_model, tinygrad_model
 from worker.reference import generate_full
+from worker.batching import Segment
 from worker.stage import FromCache, StepItem
 from worker.weights.tiny import TinySource
 
@@ -238,3 +239,21 @@ async def test_a_live_cluster_answers_the_same_with_and_without_the_prefix_cache
             nursery.cancel_scope.cancel()
     assert answers[True] == answers[False] and len(set(answers[True])) > 1  # and the questions were told apart
     assert hits[True] > 0 and hits[False] == 0
+
+
+def test_off_the_cpu_a_slot_s_rows_are_copied_by_tinygrad_as_the_cpu_copies_them(monkeypatch):
+    """The path a GPU takes (a tinygrad slice assign, not a host memcpy), run here on the CPU device."""
+    from worker.compute import model as tinygrad_slice
+    model = tinygrad_model(TinySource())
+    host, device = (model.open_slice(range(model.total_blocks), embed=True, head=True, max_seqs=3) for _ in range(2))
+    ids = model.tokenizer().encode_prompt("Name three rivers of Europe, briefly.")
+    for s in (host, device):
+        s.forward_batch(s.embed(ids), [Segment(0, 0, len(ids))])
+    host.copy_rows(0, 2, len(ids) - 3)
+    monkeypatch.setattr(tinygrad_slice, "_zero_copy", lambda buffer: False)
+    device.copy_rows(0, 2, len(ids) - 3)
+    for a, b in zip(host.model.blocks, device.model.blocks):
+        np.testing.assert_array_equal(a.cache.numpy(), b.cache.numpy())
+    rest = [Segment(2, len(ids) - 3, 3)]
+    np.testing.assert_array_equal(device.forward_batch(device.embed(ids[-3:]), rest),
+                                  host.forward_batch(host.embed(ids[-3:]), rest))
