@@ -263,7 +263,7 @@ class FirstActor:
             return self.end(failure(rid, self.stage, f"its rows were lost {live.replays} times; giving up"))
         live.generation, live.replays, live.lost = live.generation + 1, live.replays + 1, False
         self._release_entry(live)
-        if live.started_from in self.prefix.names():  # a stage may have lacked it: no request starts from it again
+        if live.started_from in self.prefix:  # a stage may have lacked it: no request starts from it again
             self._forget_entries([live.started_from])
         live.started_from = ""
         self.queue.restart(rid)

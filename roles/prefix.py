@@ -70,6 +70,9 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, entry: str) -> bool:
+        return entry in self._entries
+
     def add(self, entry: str, token_ids: Sequence[int], salt: str = "") -> None:
         """Index a sequence whose KV is kept for its whole blocks; re-adding an entry replaces it."""
         self.remove(entry)

@@ -4,28 +4,29 @@ Hidden states cross stage boundaries as float32 bytes of shape (seq_len, hidden_
 flip near-ties between the pipeline and single-process generation.
 
 Many requests at once: each holds one of the slice's `max_seqs` sequence slots (its KV caches) from its
-first step, at position 0, until `release`.
-
-The prefix cache (roles/prefix.py decides, stage 0 tells): `release(keep_as=)` keeps a finished request's
-slot, its KV, as a named entry; a request whose first step names an entry (StepItem.from_cache) starts at
-the entry's position, in that very slot (`take`) or in a free slot its rows are copied into. Entries are
-forgotten when stage 0 says (`drop`), or here when a slot is needed and only entries hold them. `run` computes the steps of several requests as one batch;
+first step, at position 0, until `release`. `run` computes the steps of several requests as one batch;
 the single-request ops (embed_and_forward, decode_step, forward_range, forward_and_sample) are a batch of
 one. A step that is refused (unknown request, wrong position, bad input) fails alone; a batch whose
 compute raises forgets every request in it, since their KV caches may be half-written.
+
+The prefix cache (roles/prefix.py decides, stage 0 tells): `release(keep_as=)` keeps a finished request's
+slot, its KV, as a named entry (worker/kept.py); a request whose first step names an entry
+(StepItem.from_cache) starts at that position, in the entry's very slot (`take`) or in a free slot its rows
+are copied into. Entries are forgotten when stage 0 says (`drop`), or here when a slot is needed and only
+entries hold them.
 """
 from __future__ import annotations
 
-import collections
 import functools
 from collections.abc import Sequence
 
 import attrs
 import numpy as np
 
-from .errors import PrefixMissing, WorkerError
+from .errors import WorkerError
 from .batching import Segment
 from .grammar import GrammarCompiler, GrammarError, Matcher
+from .kept import KeptSlots
 from .partition import Role, layer_range, role_of
 from .sampling import GREEDY, Sampling, rng_for, sample, stop_set
 from .slice import Slice
@@ -92,12 +93,6 @@ class _Request:
     rng: np.random.Generator
 
 
-@attrs.frozen
-class _Kept:
-    slot: int
-    length: int  # positions whose KV the slot holds
-
-
 class StageWorker:
     def __init__(self, compute: Slice, tokenizer, *, stage: int, num_stages: int, total_blocks: int):
         self.role = role_of(stage, num_stages)
@@ -109,7 +104,7 @@ class StageWorker:
             stop_ids=frozenset(tokenizer.stop_ids), weight_bytes=compute.weight_bytes, kv_bytes=compute.kv_bytes,
             max_seqs=compute.max_seqs, max_batch=compute.max_batch)
         self._requests: dict[str, _Request] = {}
-        self._kept: collections.OrderedDict[str, _Kept] = collections.OrderedDict()  # least recently used first
+        self._kept = KeptSlots(stage)
 
     # -- first stage -------------------------------------------------------------------------
     def tokenize(self, prompt: str, *, chat: bool = True, add_special_tokens: bool = True) -> list[int]:
@@ -256,13 +251,12 @@ class StageWorker:
         any entry of the name; releasing an unknown request is a no-op so teardown can be repeated."""
         req = self._requests.pop(request_id, None)
         if req is not None and keep_as:
-            self._kept.pop(keep_as, None)
-            self._kept[keep_as] = _Kept(req.slot, req.next_position)
+            self._kept.keep(keep_as, req.slot, req.next_position)
 
     @property
     def kept(self) -> dict[str, int]:
         """The prefix-cache entries held here and the positions each holds (compute thread)."""
-        return {name: k.length for name, k in self._kept.items()}
+        return self._kept.lengths()
 
     @property
     def kept_count(self) -> int:
@@ -308,35 +302,25 @@ class StageWorker:
         """A request's slot: a free one, or its cached prefix's (taken, or copied into a free one)."""
         rng = rng_for(item.sampling)  # a bad seed fails this request alone, before any slot changes
         start = item.from_cache or FromCache()
-        for name in start.drop:
-            self._kept.pop(name, None)
+        self._kept.forget(start.drop)
         if not start.entry:
             return _Request(self._free_slot(item, starting), 0, item.sampling, rng)
-        kept = self._kept.get(start.entry)
-        if kept is None or kept.length < item.position:
-            held = "not held" if kept is None else f"holds {kept.length} positions, not {item.position}"
-            raise PrefixMissing(f"request {item.request_id!r}: prefix-cache entry {start.entry!r} is {held} "
-                                f"at stage {self.info.stage}")
+        source = self._kept.source(start.entry, item.position, item.request_id)
         if start.take:
-            del self._kept[start.entry]
-            return _Request(kept.slot, item.position, item.sampling, rng)
-        self._kept.move_to_end(start.entry)
+            return _Request(self._kept.take(start.entry), item.position, item.sampling, rng)
         slot = self._free_slot(item, starting, keep=start.entry)
-        self.compute.copy_rows(kept.slot, slot, item.position)
+        self.compute.copy_rows(source, slot, item.position)
         return _Request(slot, item.position, item.sampling, rng)
 
     def _free_slot(self, item: StepItem, starting: dict[str, _Request], keep: str = "") -> int:
         """A slot no request or entry holds; failing that, the least recently used entry's other than `keep`
         (entries stage 0 no longer counts, such as those of a chain before a stage was replaced)."""
-        taken = {r.slot for r in (*self._requests.values(), *starting.values())} | {k.slot for k in self._kept.values()}
+        taken = {r.slot for r in (*self._requests.values(), *starting.values())} | self._kept.slots()
         free = next((s for s in range(self.compute.max_seqs) if s not in taken), None)
-        if free is not None:
-            return free
-        victim = next((name for name in self._kept if name != keep), None)
-        if victim is None:
+        if free is None and (free := self._kept.evict(other_than=keep)) is None:
             raise WorkerError(f"request {item.request_id!r}: all {self.compute.max_seqs} sequence slots of stage "
                               f"{self.info.stage} are taken")
-        return self._kept.pop(victim).slot
+        return free
 
     def _compute(self, accepted: list[tuple[int, StepItem, _Request]], starting: dict[str, _Request],
                  results: list) -> None:

@@ -1,0 +1,64 @@
+"""The prefix-cache entries a worker keeps (roles/prefix.py decides which, stage 0 tells every stage): named
+sequence slots, each holding the KV of a finished request's first `length` positions, least recently used
+first. A request starts from one by taking its slot, or by having its rows copied into a free slot; where
+no slot is free, the least recently used entry gives up its own (entries stage 0 no longer counts, such as
+those of a chain before a stage was replaced)."""
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable
+
+import attrs
+
+from .errors import PrefixMissing
+
+
+@attrs.frozen
+class _Kept:
+    slot: int
+    length: int  # positions whose KV the slot holds
+
+
+class KeptSlots:
+    """Compute thread only, but for `len`."""
+
+    def __init__(self, stage: int):
+        self.stage = stage  # named in a PrefixMissing
+        self._kept: collections.OrderedDict[str, _Kept] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def lengths(self) -> dict[str, int]:
+        return {name: k.length for name, k in self._kept.items()}
+
+    def slots(self) -> set[int]:
+        return {k.slot for k in self._kept.values()}
+
+    def keep(self, name: str, slot: int, length: int) -> None:
+        """Keep `slot` under `name`, replacing any entry of the name."""
+        self._kept.pop(name, None)
+        self._kept[name] = _Kept(slot, length)
+
+    def forget(self, names: Iterable[str]) -> None:
+        for name in names:
+            self._kept.pop(name, None)
+
+    def source(self, name: str, position: int, request_id: str) -> int:
+        """The slot of the entry a request starts from at `position`, now the most recently used; raises
+        PrefixMissing where the entry is not held here or holds fewer positions."""
+        kept = self._kept.get(name)
+        if kept is None or kept.length < position:
+            held = "not held" if kept is None else f"holds {kept.length} positions, not {position}"
+            raise PrefixMissing(f"request {request_id!r}: prefix-cache entry {name!r} is {held} at stage {self.stage}")
+        self._kept.move_to_end(name)
+        return kept.slot
+
+    def take(self, name: str) -> int:
+        """The entry's slot, no longer an entry: a request holds it now."""
+        return self._kept.pop(name).slot
+
+    def evict(self, *, other_than: str) -> int | None:
+        """Give up the least recently used entry other than `other_than`, for its slot; None: no such entry."""
+        victim = next((name for name in self._kept if name != other_than), None)
+        return None if victim is None else self._kept.pop(victim).slot
