@@ -1,9 +1,15 @@
-"""Connection limits at a node's socket edge: at most so many TCP connections from one peer address, and
+"""Connection limits at a node's socket edge, and a connection's failure kept its own: at most so many TCP connections from one peer address, and
 in all. hypercorn 0.18 has no such limit, so a client could open connections until the process ran out of
 file descriptors (or memory for their protocol state), each costing a task and buffers before a byte is
 authenticated. A connection past a limit is closed at once, before hypercorn reads from it: no protocol
 state, no app task. A kept connection costs nothing here but a count, and a parked task until its first
 byte (hypercorn sets a connection up only then).
+
+Whatever escapes one connection's handling (a protocol library's exception on a frame it did not expect,
+an app task's failure while it sends) closes that connection and is logged with its class. hypercorn runs
+every connection in the server's nursery, so one such exception ended the whole node: a CONNECT without
+:path, a PRIORITY frame for a stream never opened, undecodable header bytes, a malformed HTTP2-Settings.
+Fixing those one by one would leave the next; containing them here is the mechanism.
 
 The limits are loose for pp's own traffic: a stage holds a few connections to each peer (gossip, links,
 the runner's polls), and a client of the OpenAI API one per stream; tests run every node and client on
@@ -48,6 +54,7 @@ class Admission:
         self.limits = limits
         self.by_peer: collections.Counter[str] = collections.Counter()
         self.refused = 0
+        self.failures: collections.Counter[str] = collections.Counter()  # connections ended by an exception, by class
 
     def take(self, peer: str) -> str | None:
         why = refusal(self.limits, self.by_peer[peer], sum(self.by_peer.values()))
@@ -78,7 +85,7 @@ class _GuardedTCPServer(TCPServer):
             return
         try:
             if await _first_byte(self.stream, self.config.keep_alive_timeout):
-                await super().run()
+                await contained(super().run(), self.stream, peer, admission)
             else:
                 with trio.CancelScope(shield=True):
                     await self.stream.aclose()
@@ -91,6 +98,36 @@ class _GuardedTCPServer(TCPServer):
         # 256 closed connections, the peer's next one was refused for seconds. Closed is closed.
         await super()._read_data()
         await self.idle_task.stop()
+
+
+FAILURES_LOGGED = 100  # a fuzzer's flood logs a few lines, then one in a thousand
+
+
+async def contained(run, stream, peer: str, admission: Admission) -> None:
+    """Await one connection's handling; an exception that escapes it closes this connection alone."""
+    try:
+        await run
+    except Exception as exc:  # noqa: BLE001 - whatever it is, it is this connection's, not the server's
+        what = _described(exc)
+        admission.failures[what] += 1
+        total = sum(admission.failures.values())
+        if total <= FAILURES_LOGGED or total % 1000 == 0:
+            log.warning("closed a connection from %s on %s: %s", peer, what, _message(exc)[:200])
+        with trio.CancelScope(shield=True):
+            await stream.aclose()
+
+
+def _described(exc: BaseException) -> str:
+    """The class of what ended a connection; for a group, the classes inside it."""
+    if isinstance(exc, BaseExceptionGroup):
+        return "+".join(sorted({_described(inner) for inner in exc.exceptions}))
+    return type(exc).__name__
+
+
+def _message(exc: BaseException) -> str:
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return str(exc)
 
 
 async def _first_byte(stream, timeout_s: float) -> bool:
