@@ -10,7 +10,6 @@ the loop."""
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import resource
 
@@ -173,14 +172,21 @@ class StageNode:
 
     def take_frame(self, link_id: str, source: str, seq: int, sent_at: float, message) -> None:
         """A frame of a link stream: delivered once (a resent one is skipped). A refusal cannot be answered
-        on the stream, so this stage reports the failure of the frame's requests to stage 0 itself."""
+        on the stream, so this stage reports the failure of the frame's requests to stage 0 itself. So it
+        does when taking the message raises anything else: a fault here is the frame's requests' alone (the
+        actors fail one request of a message on their own where they can), and the link goes on; the frame
+        counts as delivered, so it is never resent."""
         if not self.links_in.fresh(link_id, seq):
             return
         self.links_in.delivered(link_id, seq)
         try:
             self.deliver(message, source=source, sent_at=sent_at)
         except Refused as exc:
-            self._refused_on_link(source, message, exc.message)
+            self._refused_on_link(source, message, f"refused {type(message).__name__} from {source}: {exc.message}")
+        except Exception as exc:  # noqa: BLE001 - whatever it is: its requests fail, the link and the rest go on
+            log.error("link_message_failed", exc_info=exc, extra=as_extra(source=source, seq=seq))
+            self._refused_on_link(source, message, f"could not take {type(message).__name__} from {source}: "
+                                                   f"{type(exc).__name__}: {exc}")
 
     def _refused_on_link(self, source: str, message, error: str) -> None:
         kind = type(message).__name__
@@ -192,10 +198,14 @@ class StageNode:
         else:
             return  # an end or a failure report: nothing further to end
         for rid, generation in dict.fromkeys(lives):
-            end = failure(rid, self.stage, f"refused {kind} from {source}: {error}", generation)
+            end = failure(rid, self.stage, error, generation)
             if self.stage == 0:
-                with contextlib.suppress(Refused):
+                try:
                     self.deliver(end)
+                except Refused:
+                    pass
+                except Exception as exc:  # noqa: BLE001 - ending one request must not stop the others ending
+                    log.error("link_failure_not_ended", exc_info=exc, extra=as_extra(request=rid))
             else:
                 self.links.post(Send(stage_name(0), end))
 

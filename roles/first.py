@@ -135,8 +135,7 @@ class FirstActor:
         for rid, live in list(self.live.items()):
             if replaced or (live.lost and standing):
                 actions += self._replay(rid)
-        self._start_waiting()
-        return actions
+        return actions + self._start_waiting()
 
     def prompt_tokens(self, request_id: str) -> int | None:
         """How many prompt tokens an admitted request has (running or waiting); None if unknown here."""
@@ -153,16 +152,16 @@ class FirstActor:
     def end(self, end: EndRequest) -> list:
         """End a live request everywhere, a finished one's KV kept as an entry of the prefix cache; start
         waiting ones in the slots that frees."""
-        live = self.live.pop(end.request_id)
+        live = self.live[end.request_id]
+        keep = self._keep(live) if end.reason is EndReason.FINISHED else ""  # may raise: nothing changed yet
+        del self.live[end.request_id]
         self._release_entry(live)
-        keep = self._keep(live) if end.reason is EndReason.FINISHED else ""
         self.queue.end(end.request_id, keep)
         actions = [Progress(end.request_id, end=end),
                    Send(self.next, EndRequest(end.request_id, end.reason, keep_as=keep))]
         if end.reason is EndReason.FAILED:
             actions.append(error_reply(live.request.reply_to, end))
-        self._start_waiting()
-        return actions
+        return actions + self._start_waiting()
 
     def health(self) -> dict:
         return {"slots": {"capacity": self.capacity, "active": len(self.live)},
@@ -191,7 +190,11 @@ class FirstActor:
                 self._check_tokens(ids)  # the worker's check, at admission rather than in a step
         except WorkerError as exc:
             raise Refused(400, f"prompt: {exc}", code=PROMPT_INVALID) from None
-        if not self.waiting and not self.paused and (plan := self._plan(req, ids)) is not None:
+        try:
+            plan = None if self.waiting or self.paused else self._plan(req, ids)
+        except Exception as exc:  # noqa: BLE001 - nothing changed yet: refused alone, as a fault here
+            raise Refused(500, f"stage {self.stage}: could not start the request: {_described(exc)}") from None
+        if plan is not None:
             self._start(req, ids, 0.0, plan)
         elif len(self.waiting) < self.max_queue:
             self.waiting[rid] = (req, ids, self.clock())
@@ -279,13 +282,28 @@ class FirstActor:
             return []
         return self._replay(rid)
 
-    def _start_waiting(self) -> None:
+    def _start_waiting(self) -> list:
+        """Start waiting requests, oldest first, while slots can be had. One that cannot start (its planning
+        or start raises) fails alone, answered, and the next one is tried: it must not stay first in line and
+        raise again at every request's end (which would end none of them)."""
+        actions = []
         while self.waiting and not self.paused:
             req, ids, since = next(iter(self.waiting.values()))
-            if (plan := self._plan(req, ids)) is None:
-                return
-            del self.waiting[req.request_id]
-            self._start(req, ids, (self.clock() - since) * 1000.0, plan)
+            try:
+                if (plan := self._plan(req, ids)) is None:
+                    break
+                del self.waiting[req.request_id]
+                self._start(req, ids, (self.clock() - since) * 1000.0, plan)
+            except Exception as exc:  # noqa: BLE001 - this request's own fault, whatever it is
+                actions += self._failed_to_start(req, _described(exc))
+        return actions
+
+    def _failed_to_start(self, req: InferenceRequest, error: str) -> list:
+        """A waiting request that could not start: no stage holds anything of it, so it ends here alone."""
+        self.waiting.pop(req.request_id, None)
+        self.live.pop(req.request_id, None)  # if _start raised half-way; its queue entry came last, never added
+        end = failure(req.request_id, self.stage, f"could not start the request: {error}")
+        return [Progress(req.request_id, end=end), error_reply(req.reply_to, end)]
 
     def _admit_tokens(self, msg: NextTokens) -> list:
         for t in msg.tokens:  # taken whole or refused whole
@@ -302,18 +320,25 @@ class FirstActor:
             live = self.live.get(t.request_id)
             if live is None or t.generation != live.generation:
                 continue  # ended here, or replayed, while the token was on its way
-            actions.append(Progress(t.request_id, t.token_id, t.done, logprob=t.logprob,
-                                    prompt_logprobs=t.prompt_logprobs))
-            if live.held:  # every stage has computed its first rows, so copied the entry's
-                self._release_entry(live)
-                self._start_waiting()
-            if t.done:
-                actions += self.end(EndRequest(t.request_id, EndReason.FINISHED))
-            else:
-                live.generated.append(t.token_id)  # t.position was next_position: it moves on by one
-                self.queue.add(Unit(t.request_id, t.position, 1, decode=True, tokens=(t.token_id,),
-                                    generation=live.generation))
+            try:  # each token on its own: one request's fault here fails it, not the others of the message
+                self._take_token(t, live, actions)
+            except Exception as exc:  # noqa: BLE001 - whatever it is, it is this request's
+                actions += self._fail(t.request_id, _described(exc)) if t.request_id in self.live else []
         return actions
+
+    def _take_token(self, t, live: _Live, actions: list) -> None:
+        """Apply one fed-back token, appending what follows to `actions` (kept if a later part raises)."""
+        actions.append(Progress(t.request_id, t.token_id, t.done, logprob=t.logprob,
+                                prompt_logprobs=t.prompt_logprobs))
+        if live.held:  # every stage has computed its first rows, so copied the entry's
+            self._release_entry(live)
+            actions += self._start_waiting()
+        if t.done:
+            actions += self.end(EndRequest(t.request_id, EndReason.FINISHED))
+        else:
+            live.generated.append(t.token_id)  # t.position was next_position: it moves on by one
+            self.queue.add(Unit(t.request_id, t.position, 1, decode=True, tokens=(t.token_id,),
+                                generation=live.generation))
 
     def _refused(self, unit: Unit, error: WorkerError) -> list:
         """The worker refused a request's rows: a prefix-cache entry it lacks means a replay from the first
@@ -333,3 +358,7 @@ class FirstActor:
         if request_id in self.live:
             return self.end(EndRequest(request_id, EndReason.CANCELLED))
         return []  # already over: cancelling is idempotent
+
+
+def _described(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}"
