@@ -1,4 +1,5 @@
-"""An in-memory network for Swim tests: per-link drops and latency, unreachable addresses, counted messages.
+"""An in-memory network for Swim tests: per-link drops and latency, unreachable addresses, counted messages
+(and CountedId, for counting a handler's work).
 
 Messages cross the "wire" as JSON through one cattrs converter, as they will over HTTP. A request, once
 sent, is served even if the caller stops waiting (like an HTTP server that already got the body).
@@ -116,6 +117,24 @@ class Node:
     swim: Swim
     addr: str
     scope: trio.CancelScope
+
+
+class CountedId(str):
+    """A member id that counts every comparison and hash made of it: a handler's work, counted per id rather
+    than timed."""
+    ops = 0
+
+    def __eq__(self, other: object) -> bool:
+        CountedId.ops += 1
+        return str.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        CountedId.ops += 1
+        return str.__ne__(self, other)
+
+    def __hash__(self) -> int:
+        CountedId.ops += 1
+        return str.__hash__(self)
 
 
 def addr_of(node_id: str) -> str:

@@ -8,10 +8,12 @@ import attrs
 import cattrs
 import pytest
 
-from node.membership.gossip import (Ack, Dissemination, Heard, Member, Meta, Nack, Ping, PingReq, ProbeRound, State,
-                                    Suspicion, SwimConfig, Sync, announce_meta, as_heard, choose_relays, declares_dead,
-                                    expired_suspects, holder, is_final, is_origin, merge, merge_all, next_target,
+from node.membership.gossip import (MAX_ENTRIES, MAX_MEMBERS, Ack, Dissemination, Heard, Member, Meta, Nack, Ping,
+                                    PingReq, ProbeRound, State, Suspicion, SwimConfig, Sync, announce_meta, as_heard,
+                                    choose_relays, declares_dead, expired_suspects, holder, is_final, is_origin, merge, merge_all, next_target,
                                     pick_sync_peer, relay_target, retransmit_limit, same_identity, suspicion_timeout_s)
+from node.transport import wire
+from tests.swimnet import CountedId
 
 A, S, D, L = State.ALIVE, State.SUSPECT, State.DEAD, State.LEFT
 OWN, ANSWER, REQUEST = Heard.OWN, Heard.ANSWER, Heard.REQUEST
@@ -93,6 +95,86 @@ def test_merge_all_reports_each_changed_member_once_with_its_final_record():
     new, changed = merge_all(view, [m("x", 1, S), m("x", 1, D), m("y", 0, D), m("z", 1)], "me")
     assert changed == (m("x", 1, D), m("z", 1))
     assert new["y"] == m("y", 1) and view["x"] == m("x", 1)  # the input view is left alone
+
+
+# --- bounds: what a view may hold, what a message may carry --------------------------------------------------
+
+def ids(view):
+    return list(view)
+
+
+@pytest.mark.parametrize("view,updates,heard,want_ids,want_changed", [
+    # room left (the cap is the view's size plus one blank): a newcomer is appended
+    ([m("me", 1), m("a", 1), None], [m("n", 1)], REQUEST, ["me", "a", "n"], ["n"]),
+    # full of live members (suspects are live too): every newcomer is refused, whoever sends it
+    ([m("me", 1), m("a", 1), m("b", 1, S)], [m("n", 1), m("o", 1)], REQUEST, ["me", "a", "b"], []),
+    ([m("me", 1), m("a", 1), m("b", 1, S)], [m("n", 1, D)], ANSWER, ["me", "a", "b"], []),
+    # full, but news about known members is taken as ever
+    ([m("me", 1), m("a", 1), m("b", 1)], [m("n", 1), m("a", 2, S)], REQUEST, ["me", "a", "b"], ["a"]),
+    # full with dead or gone records: newcomers take their places, oldest first, and no more than there are
+    ([m("me", 1), m("d1", 1, D), m("a", 1), m("d2", 1, L)], [m("n", 1), m("o", 1), m("p", 1)], REQUEST,
+     ["me", "a", "n", "o"], ["n", "o"]),
+    # a record that changed in this very message does not give way, nor does one brought back to life
+    ([m("me", 1), m("d1", 1, D), m("d2", 1, D)], [m("d1", 1, L), m("n", 1)], OWN, ["me", "d1", "n"], ["d1", "n"]),
+    ([m("me", 1), m("r", 1, D), m("d", 1, D)], [m("r", 2), m("n", 1)], REQUEST, ["me", "r", "n"], ["r", "n"]),
+])
+def test_a_full_view_takes_newcomers_only_in_place_of_dead_members_never_of_live_ones(view, updates, heard,
+                                                                                      want_ids, want_changed):
+    known = {r.id: r for r in view if r is not None}
+    new, changed = merge_all(known, updates, "me", heard=heard, max_members=len(view))
+    assert ids(new) == want_ids and [r.id for r in changed] == want_changed
+    assert all(new[i] == r for i, r in known.items() if i in new and i not in want_changed)  # the rest untouched
+
+
+def test_a_view_never_grows_past_max_members_however_many_newcomers_a_message_names():
+    newcomers = [m(f"x{i}", 1) for i in range(MAX_MEMBERS + 10)]
+    view, changed = merge_all({"me": m("me", 1)}, newcomers, "me", heard=REQUEST)
+    assert len(view) == MAX_MEMBERS and len(changed) == MAX_MEMBERS - 1 and "me" in view
+
+
+def many(n: int) -> tuple[Member, ...]:
+    return tuple(m(f"x{i}", 1) for i in range(n))
+
+
+@pytest.mark.parametrize("make", [
+    lambda ms: Sync(ms),
+    lambda ms: Ping(m("a", 1), "b", 1, ms),
+    lambda ms: Ack("b", 1, ms),
+    lambda ms: PingReq(m("a", 1), "b", "http://b:8000", 1, ms),
+    lambda ms: Nack("b", 1, ms),
+])
+def test_a_message_carrying_more_than_max_entries_members_is_refused_naming_the_limit(make):
+    assert make(many(MAX_ENTRIES))  # the cap itself is fine: a sync carries a whole (full) view
+    with pytest.raises(ValueError, match=f"{MAX_ENTRIES + 1} members, over the limit of {MAX_ENTRIES}"):
+        make(many(MAX_ENTRIES + 1))
+
+
+def test_a_sync_body_past_the_cap_is_a_wire_error_naming_the_limit():
+    body = json.dumps({"members": cattrs.Converter().unstructure(many(4 * MAX_ENTRIES))})
+    with pytest.raises(wire.WireError, match=f"{4 * MAX_ENTRIES} members, over the limit of {MAX_ENTRIES}"):
+        wire.decode(Sync, body)
+
+
+def test_piggybacking_cannot_be_configured_past_what_a_message_may_carry():
+    with pytest.raises(ValueError, match="max_piggyback"):
+        SwimConfig(max_piggyback=MAX_ENTRIES)
+
+
+def queue_work(pending: int, enqueued: int) -> int:
+    queue = Dissemination().enqueue_all(m(CountedId(f"p{i}"), 1) for i in range(pending))
+    CountedId.ops = 0
+    queue.enqueue_all(m(CountedId(f"n{i}"), 1) for i in range(enqueued))
+    return CountedId.ops
+
+
+def test_enqueueing_a_message_s_changes_costs_work_in_proportion_to_queue_plus_changes():
+    for pending, enqueued in [(0, 256), (256, 256), (256, 1), (1, 256)]:
+        assert queue_work(pending, enqueued) <= 4 * (pending + enqueued)
+
+
+def test_the_queue_keeps_the_newest_max_members_updates():
+    queue = Dissemination().enqueue_all(m(f"x{i}", 1) for i in range(MAX_MEMBERS + 5))
+    assert [p.update.id for p in queue.pending] == [f"x{i}" for i in range(5, MAX_MEMBERS + 5)]
 
 
 # --- what a message may claim -------------------------------------------------------------------------------

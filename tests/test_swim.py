@@ -6,10 +6,11 @@ import pytest
 import trio
 import trio.testing
 
-from node.membership.gossip import Ack, Member, Meta, Nack, Ping, PingReq, State, Sync, suspicion_timeout_s
+from node.membership.gossip import (MAX_ENTRIES, MAX_MEMBERS, Ack, Member, Meta, Nack, Ping, PingReq, State, Sync,
+                                    suspicion_timeout_s)
 from node.main import Replaced, step_aside_when_replaced
 from node.membership.swim import Swim, WrongTargetError
-from tests.swimnet import (T_S, TEST_CONFIG, Node, SwimNet, Unplugged, addr_of, all_alive, kill, record_when,
+from tests.swimnet import (T_S, TEST_CONFIG, CountedId, Node, SwimNet, Unplugged, addr_of, all_alive, kill, record_when,
                            start_cluster, start_node, state_of, wait_everywhere)
 
 N = 5
@@ -352,3 +353,37 @@ async def test_a_member_announced_for_a_held_stage_neither_takes_it_nor_makes_it
     assert all(state_of("fake", node.swim) is State.ALIVE for node in everyone)  # a member like any other...
     assert taken == [] and [node.swim.resolve("pp-stage-1").id for node in everyone] == ["n4"] * N  # ...but queued
     assert stepped_aside == [] and not real.swim.declared_dead.is_set()
+
+
+# --- issue 33: a token holder's members cannot flood a view, nor make one message cost the square of its size ----
+
+def strangers(first: int, n: int, make_id=str) -> tuple[Member, ...]:
+    """Members nobody runs, at addresses nobody listens at: what a token holder can name by the thousand."""
+    return tuple(Member(make_id(f"s{i}"), addr_of(f"s{i}"), 1) for i in range(first, first + n))
+
+
+async def test_syncs_naming_ever_more_members_leave_every_view_capped_and_every_member_alive(nursery, autojump_clock):
+    net = SwimNet(nursery)
+    stage, everyone = await stage_among_members(nursery, net, 0)
+    gone = record_when(nursery, everyone, lambda s: any(state_of(i, s) is not State.ALIVE for i in IDS))
+    largest = 0
+    for batch in range(4):  # 4 * MAX_ENTRIES strangers in all, each sync within the entry cap
+        for node in everyone:
+            node.swim.on_sync(Sync(strangers(batch * MAX_ENTRIES, MAX_ENTRIES)))
+            largest = max(largest, len(node.swim.members()))
+        await trio.sleep(T_S)
+    await trio.sleep(2 * DETECTION_BOUND_S)  # the strangers are probed, suspected, declared dead
+    assert largest <= MAX_MEMBERS and all(len(node.swim.members()) <= MAX_MEMBERS for node in everyone)
+    assert gone == [] and not stage.swim.declared_dead.is_set()
+    assert [node.swim.resolve("pp-stage-0").id for node in everyone] == ["n4"] * N
+
+
+async def test_a_sync_costs_work_in_proportion_to_its_members_not_their_square():
+    work = []
+    for n in (MAX_ENTRIES // 4, MAX_ENTRIES):
+        swim = lone_swim()
+        msg = Sync(strangers(0, n, CountedId))
+        CountedId.ops = 0
+        swim.on_sync(msg)
+        work.append(CountedId.ops)
+    assert work[1] <= 5 * work[0]  # four times the members, four times the work (quadratic: sixteen)

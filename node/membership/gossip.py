@@ -48,9 +48,10 @@ by their subject, replacements by the runner), not one shared secret.
 from __future__ import annotations
 
 import enum
+import heapq
 import math
 import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from urllib.parse import urlsplit
 
 import attrs
@@ -99,6 +100,23 @@ class Member:
     meta: Meta = attrs.field(factory=Meta)
 
 
+# Caps. A real view holds N stages, the runner and the replacements seen so far: a few dozen at most. The caps
+# sit far above that and bound what a token holder can make a member hold or do per message (see "Bounds").
+MAX_MEMBERS = 256  # records in one view
+MAX_ENTRIES = MAX_MEMBERS  # records in one message: a sync carries a whole view
+
+
+def _at_most_max_entries(instance: object, attribute: attrs.Attribute, value: tuple) -> None:
+    """Refuse an oversized message whole, before any of its records is looked at."""
+    if len(value) > MAX_ENTRIES:
+        raise ValueError(f"{type(instance).__name__}.{attribute.name}: {len(value)} members, over the limit of "
+                         f"{MAX_ENTRIES} that one gossip message may carry")
+
+
+def _entries():  # a message's records: none by default, at most MAX_ENTRIES
+    return attrs.field(default=(), validator=_at_most_max_entries)
+
+
 # Wire messages. Plain fields only, so one cattrs converter can (un)structure them at the HTTP edge.
 
 @attrs.frozen
@@ -106,14 +124,14 @@ class Ping:
     sender: Member  # the sender's own record: a ping doubles as its alive announcement
     target_id: str
     seq: int
-    updates: tuple[Member, ...] = ()
+    updates: tuple[Member, ...] = _entries()
 
 
 @attrs.frozen
 class Ack:
     sender_id: str
     seq: int
-    updates: tuple[Member, ...] = ()
+    updates: tuple[Member, ...] = _entries()
 
 
 @attrs.frozen
@@ -122,7 +140,7 @@ class PingReq:
     target_id: str
     target_addr: str  # where the prober holds the target: a relay dials the address its own view holds, never this
     seq: int
-    updates: tuple[Member, ...] = ()
+    updates: tuple[Member, ...] = _entries()
 
 
 @attrs.frozen
@@ -130,12 +148,12 @@ class Nack:
     """A relay's answer to a PingReq when the target did not ack within the relay's probe timeout."""
     sender_id: str
     seq: int
-    updates: tuple[Member, ...] = ()
+    updates: tuple[Member, ...] = _entries()
 
 
 @attrs.frozen
 class Sync:
-    members: tuple[Member, ...]  # push/pull: the full view, answered with the full view
+    members: tuple[Member, ...] = attrs.field(validator=_at_most_max_entries)  # push/pull: the full view, both ways
 
 
 def _positive(instance: object, attribute: attrs.Attribute, value: float) -> None:
@@ -175,6 +193,8 @@ class SwimConfig:
                              f"protocol_period_s={self.protocol_period_s}, or indirect probes get no time")
         if self.indirect_checks < 0:
             raise ValueError(f"SwimConfig.indirect_checks={self.indirect_checks} must be >= 0")
+        if self.max_piggyback >= MAX_ENTRIES:  # plus the buddy record (Swim._updates_for)
+            raise ValueError(f"SwimConfig.max_piggyback={self.max_piggyback} must be below MAX_ENTRIES={MAX_ENTRIES}")
 
 
 # --- identity ---------------------------------------------------------------------------------------------
@@ -265,16 +285,30 @@ def merge(known: Member | None, update: Member, *, self_id: str, heard: Heard = 
 
 
 def merge_all(view: Mapping[str, Member], updates: Iterable[Member], self_id: str, *, heard: Heard = Heard.OWN,
-              yields: bool = False) -> tuple[dict[str, Member], tuple[Member, ...]]:
-    """Apply updates in order (see merge). Returns the new view (first sightings appended: a view keeps the
-    order members were first seen in, which `holder` relies on) and the final record of every member that
-    changed."""
+              yields: bool = False, max_members: int = MAX_MEMBERS) -> tuple[dict[str, Member], tuple[Member, ...]]:
+    """Apply updates in order (see merge), in one pass: O(view + updates). Returns the new view (first sightings
+    appended: a view keeps the order members were first seen in, which `holder` relies on) and the final record
+    of every member that changed.
+
+    A view holds at most `max_members` records. A first sighting past the cap takes the place of the oldest
+    record of a member that is dead or gone (and did not change here); with none, it is refused: nothing a
+    message says pushes a live member out of the view."""
     new = dict(view)
     changed: dict[str, Member] = {}
+    spare: Iterator[str] | None = None  # ids of records that may give way, oldest first; listed once, if needed
     for update in updates:
-        record = merge(new.get(update.id), update, self_id=self_id, heard=heard, yields=yields)
-        if record is not None:
-            new[update.id] = changed[update.id] = record
+        known = new.get(update.id)
+        record = merge(known, update, self_id=self_id, heard=heard, yields=yields)
+        if record is None:
+            continue
+        if known is None and len(new) >= max_members:
+            spare = spare if spare is not None else iter([i for i, m in new.items() if m.state in TERMINAL])
+            gone = next((i for i in spare if i in new and new[i].state in TERMINAL and i not in changed
+                         and i != self_id), None)
+            if gone is None:
+                continue  # the view is full of live members: refused
+            del new[gone]
+        new[update.id] = changed[update.id] = record
     return new, tuple(changed.values())
 
 
@@ -404,18 +438,30 @@ class Pending:
 
 @attrs.frozen
 class Dissemination:
-    """Updates waiting to be piggybacked, at most one per member."""
+    """Updates waiting to be piggybacked, at most one per member, in the order they were enqueued."""
     pending: tuple[Pending, ...] = ()
     next_order: int = 0
 
     def enqueue(self, update: Member) -> Dissemination:
-        """A newer update about a member replaces the older one and starts with zero sends."""
-        kept = tuple(p for p in self.pending if p.update.id != update.id)
-        return Dissemination(kept + (Pending(update, 0, self.next_order),), self.next_order + 1)
+        return self.enqueue_all((update,))
+
+    def enqueue_all(self, updates: Iterable[Member]) -> Dissemination:
+        """A newer update about a member replaces the older one and starts with zero sends. One pass over the
+        queue for the whole batch, not one per update: a message's changes cost O(queue + changes). The queue
+        keeps the newest MAX_MEMBERS: members that churn through a full view leave no trail of updates behind
+        them (the periodic sync repairs anything dropped)."""
+        latest: dict[str, Member] = {}
+        for update in updates:  # a later update about the same member wins, and counts as enqueued later
+            latest.pop(update.id, None)
+            latest[update.id] = update
+        kept = tuple(p for p in self.pending if p.update.id not in latest)
+        added = tuple(Pending(u, 0, self.next_order + i) for i, u in enumerate(latest.values()))
+        return Dissemination((kept + added)[-MAX_MEMBERS:], self.next_order + len(added))
 
     def take(self, max_count: int, limit: int) -> tuple[tuple[Member, ...], Dissemination]:
-        """The least-sent updates (newest first among equals); each counts a send and is dropped at `limit`."""
-        chosen = sorted(self.pending, key=lambda p: (p.sends, -p.order))[:max_count]
+        """The least-sent updates (newest first among equals); each counts a send and is dropped at `limit`.
+        O(queue log max_count): a partial selection, not a sort of the whole queue."""
+        chosen = heapq.nsmallest(max_count, self.pending, key=lambda p: (p.sends, -p.order))
         ids = {p.update.id for p in chosen}
         counted = (attrs.evolve(p, sends=p.sends + 1) if p.update.id in ids else p for p in self.pending)
         kept = tuple(p for p in counted if p.sends < limit)

@@ -62,7 +62,8 @@ class Swim:
         self._round = gossip.ProbeRound()
         self._suspicions: dict[str, gossip.Suspicion] = {}
         self._deaths: Counter[str] = Counter()
-        self._tombstones: dict[str, Member] = {}  # last DEAD/LEFT record of each member
+        self._tombstones: dict[str, Member] = {}  # last DEAD/LEFT record of each member, least recent first
+        self._full_logged = False
         self._seq = itertools.count(1)
         self._changed = trio.Event()  # set and replaced on every view change
         # A stage declared dead has been (or is being) replaced: it must not refute and come back serving a
@@ -303,19 +304,34 @@ class Swim:
             self._changed.set()  # wakes wait_until, as a view change does
             self._changed = trio.Event()
         view, changed = gossip.merge_all(self._view, updates, self._id, heard=heard, yields=self._yield_when_dead)
+        if len(view) >= gossip.MAX_MEMBERS and not self._full_logged:
+            self._full_logged = True  # once: a token holder could otherwise fill the log as well
+            log.warning("%s: the member view is full (%d records); members never seen before are refused while "
+                        "no dead one can give way", self._id, len(view))
         if changed:
             self._commit(view, changed)
 
     def _commit(self, view: dict[str, Member], changed: tuple[Member, ...]) -> None:
         self._view = view
+        self._queue = self._queue.enqueue_all(changed)
+        timeout = None
         for record in changed:
-            self._queue = self._queue.enqueue(record)
             self._suspicions.pop(record.id, None)
             if record.state is State.SUSPECT and record.id != self._id:
-                timeout = gossip.suspicion_timeout_s(gossip.live_count(view), self.config)
+                if timeout is None:  # once per commit: a message's changes cost O(view + changes)
+                    timeout = gossip.suspicion_timeout_s(gossip.live_count(view), self.config)
                 self._suspicions[record.id] = gossip.Suspicion(record.incarnation, trio.current_time() + timeout)
             elif record.state in gossip.TERMINAL:
-                self._deaths[record.id] += 1
-                self._tombstones[record.id] = record
+                self._bury(record)
         self._changed.set()
         self._changed = trio.Event()
+
+    def _bury(self, record: Member) -> None:
+        """Keep the last verdict on a member for wait_for_dead. Members can churn through a full view without
+        end (gossip.merge_all), so only the latest MAX_MEMBERS of them are remembered."""
+        self._deaths[record.id] += 1
+        self._tombstones.pop(record.id, None)
+        self._tombstones[record.id] = record
+        if len(self._tombstones) > gossip.MAX_MEMBERS:
+            oldest = next(iter(self._tombstones))
+            del self._tombstones[oldest], self._deaths[oldest]
