@@ -1,4 +1,6 @@
+import functools
 import json
+import re
 import threading
 
 import numpy as np
@@ -216,3 +218,57 @@ def test_the_real_vocabulary_walks_a_schema_document_as_its_tokenizer_cuts_it(sm
     assert m.done and set(np.flatnonzero(allowed)) == set(tok.stop_ids)
     im_start = tok.special_ids["<|im_start|>"]
     assert im_start not in tok.stop_ids and not allowed[im_start]
+
+
+# -- admission: what the grammar library would refuse, or fail on later, is refused by canonical_format --------
+
+def schema_format(schema) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+
+
+@pytest.mark.parametrize("schema,ref", [
+    ({"$ref": "#"}, "#"),
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}, "#/$defs/a"),
+    ({"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}, "#"),
+    ({"type": "object", "properties": {"a": {"type": "string"}, "x": {"$ref": "#"}}, "required": ["a", "x"]}, "#"),
+    ({"type": "array", "items": {"$ref": "#"}, "minItems": 1}, "#"),
+    ({"type": "object", "properties": {"n": {"$ref": "#/definitions/node"}},
+      "definitions": {"node": {"type": "object", "required": ["a"], "properties": {"a": {"$ref": "#/definitions/b"}}},
+                      "b": {"allOf": [{"type": "integer"}, {"$ref": "#/definitions/node"}]}}},
+     "#/definitions/node"),  # optional at the top, but a document that starts an "n" can never end it
+    ({"anyOf": [{"$ref": "#/$defs/x"}, {"type": "null"}],
+      "$defs": {"x": {"type": "object", "required": ["y"], "additionalProperties": {"$ref": "#/$defs/x"}}}},
+     "#/$defs/x"),
+])
+def test_a_ref_that_no_finite_document_satisfies_is_refused_at_admission(schema, ref):
+    """The audit's recursive $ref was accepted, then failed at the last stage when llguidance found the text it
+    had to force never ends ("Too many items ... ff_tokens")."""
+    with pytest.raises(GrammarError, match=rf"^response_format\.json_schema\.schema: \$ref '{re.escape(ref)}' has no"):
+        canonical_format(schema_format(schema))
+
+
+@pytest.mark.parametrize("schema,document", [
+    ({"type": "object", "properties": {"v": {"type": "integer"},
+                                       "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}, "required": ["v", "next"]},
+     '{"v":1,"next":{"v":2,"next":null}}'),
+    ({"type": "object", "properties": {"name": {"type": "string"}, "kids": {"type": "array", "items": {"$ref": "#"}}},
+      "required": ["name", "kids"]}, '{"name":"a","kids":[{"name":"b","kids":[]}]}'),
+    ({"type": "object", "properties": {"x": {"$ref": "#"}}}, '{"x":{}}'),  # x is optional
+    ({"properties": {"next": {"$ref": "#"}}, "required": ["next"]}, "true"),  # no type: any value, true among them
+])
+def test_a_recursive_schema_with_a_way_out_is_taken_and_walked(compiler, schema, document):
+    matcher = compiler.matcher(canonical_format(schema_format(schema)))
+    walk(matcher, document)
+    assert matcher.complete
+
+
+@pytest.mark.parametrize("schema,message", [
+    ({"type": "integer", "minimum": -10 ** 30, "maximum": 10 ** 30}, "the grammar library refused it"),  # ValueError
+    ({"type": "integer", "minimum": -1e300, "maximum": 1e300}, "integer range"),
+    ({"type": "string", "pattern": "a" * (200 * 1024)}, "characters of JSON, more than"),
+    (functools.reduce(lambda inner, _: {"type": "array", "items": inner}, range(70), {"type": "string"}),
+     "nested deeper than"),
+])
+def test_a_schema_the_library_cannot_take_or_past_the_bounds_is_a_grammar_error(schema, message):
+    with pytest.raises(GrammarError, match=message):
+        canonical_format(schema_format(schema))

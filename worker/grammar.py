@@ -5,11 +5,13 @@ The whole interface:
   canonical_format(response_format: dict) -> str
       At the API, before a request is admitted. Checks OpenAI's shapes, `{"type": "text"}`,
       `{"type": "json_object"}` and `{"type": "json_schema", "json_schema": {"name", "schema", "strict",
-      "description"}}`, and that a schema compiles; returns the text that travels in `Sampling.grammar`:
+      "description"}}`, and that a schema compiles (bounded: at most MAX_SCHEMA_CHARS of JSON, MAX_SCHEMA_DEPTH
+      deep, and each $ref satisfiable by a finite document); returns the text that travels in `Sampling.grammar`:
       "" for text (unconstrained), else a JSON object with sorted keys, {"type": "json_object"} or
       {"schema": ..., "type": "json_schema"}. A bad shape or schema is a GrammarError (a ValueError) whose
       message starts with the dotted name of the bad part (`response_format.json_schema.schema: ...`).
-      No vocabulary is needed; about 1 ms for a schema like bench/grammar.py's (14 properties, nested).
+      No vocabulary is needed; about 1 ms for a schema like bench/grammar.py's (14 properties, nested). Call it
+      in a worker thread: a schema at the bounds takes longer.
   GrammarCompiler(token_bytes, stop_ids, vocab_size, *, control_ids=(), encode=None, max_cached=64)
       Once per worker (the last stage), from its vocabulary: token_bytes[i] is token i's bytes (control
       tokens as their text), stop_ids end a request, vocab_size is the logits' width (ids past
@@ -48,6 +50,7 @@ from __future__ import annotations
 import json
 import operator
 import threading
+import urllib.parse
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
@@ -56,6 +59,8 @@ import numpy as np
 
 TEXT, JSON_OBJECT, JSON_SCHEMA = "text", "json_object", "json_schema"
 DEFAULT_MAX_CACHED = 64  # compiled grammars kept per worker
+MAX_SCHEMA_CHARS = 128 * 1024  # a schema's JSON text (OpenAI caps a schema's names and values at 120,000 chars)
+MAX_SCHEMA_DEPTH = 64  # objects and arrays in a schema's JSON, nested (OpenAI: 10 levels of schemas)
 # the matcher's errors go back to the client: no parser state or grammar dump in them
 _LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 
@@ -78,14 +83,133 @@ def canonical_format(response_format) -> str:
     _field(spec, "description", str, "response_format.json_schema")
     _field(spec, "strict", bool, "response_format.json_schema")
     schema = _field(spec, "schema", dict, "response_format.json_schema", required=True)
+    where = "response_format.json_schema.schema"
+    if _depth(schema) > MAX_SCHEMA_DEPTH:  # first: json.dumps recurses through it
+        raise GrammarError(f"{where}: nested deeper than {MAX_SCHEMA_DEPTH} levels")
     try:
         text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise GrammarError(f"response_format.json_schema.schema: not JSON: {exc}") from None
-    problem = llguidance.LLMatcher.validate_grammar(_library_grammar(schema), limits=_LIMITS)
+        text.encode("utf-8")
+    except (TypeError, ValueError) as exc:  # UnicodeEncodeError (a lone surrogate) is a ValueError
+        raise GrammarError(f"{where}: not JSON: {str(exc)[:200]}") from None
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise GrammarError(f"{where}: {len(text)} characters of JSON, more than {MAX_SCHEMA_CHARS}")
+    if (ref := _unsatisfiable_ref(schema)) is not None:
+        raise GrammarError(f"{where}: $ref {ref!r} has no finite instance: each way through it requires itself")
+    problem = _library_problem(schema)
     if problem:
-        raise GrammarError(f"response_format.json_schema.schema: {problem}")
+        raise GrammarError(f"{where}: {problem}")
     return '{"schema":' + text + ',"type":"json_schema"}'  # sorted envelope, the schema's own order kept
+
+
+def _library_problem(schema: dict) -> str:
+    """What llguidance says is wrong with the schema, "" for nothing. A value the library cannot take (an
+    integer past 64 bits) raises rather than answering: that is a problem with the schema too, and so is a
+    panic of its Rust code (pyo3's PanicException, a BaseException)."""
+    try:
+        return llguidance.LLMatcher.validate_grammar(_library_grammar(schema), limits=_LIMITS)
+    except BaseException as exc:
+        if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
+            raise
+        return f"the grammar library refused it: {str(exc)[:200]}"
+
+
+def _depth(value) -> int:
+    """How many objects and arrays deep a parsed JSON value nests (without recursing)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth <= MAX_SCHEMA_DEPTH:  # past it, the answer is known
+                stack += [(v, depth + 1) for v in (value.values() if isinstance(value, dict) else value)]
+    return deepest
+
+
+def _unsatisfiable_ref(schema: dict) -> str | None:
+    """A local $ref of the schema that no finite document satisfies, or None. llguidance takes
+    {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}, then at some token finds that
+    the text it must force never ends and fails the request at the last stage. Which refs have a finite
+    instance is a least fixed point: none at first, then each whose schema has one given the others, until
+    nothing changes. JSON Schema's own semantics: object and array rules bind only where `type` says so."""
+    refs = _local_refs(schema)
+    finite: dict[str, bool] = dict.fromkeys(refs, False)
+    changed = True
+    while changed:
+        changed = False
+        for ref, target in refs.items():
+            if not finite[ref] and _has_finite(target, finite):
+                finite[ref] = changed = True
+    return next((ref for ref, ok in finite.items() if not ok), None)
+
+
+def _local_refs(schema: dict) -> dict[str, object]:
+    """Each "#..." $ref in the schema that resolves, with the subschema it names (depth is already bounded)."""
+    refs, stack = {}, [schema]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            ref = value.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#") and ref not in refs:
+                if (target := _resolve(schema, ref)) is not None:
+                    refs[ref] = target
+            stack += value.values()
+        elif isinstance(value, list):
+            stack += value
+    return refs
+
+
+def _resolve(schema: dict, ref: str):
+    """The subschema a "#/a/b" JSON pointer names, or None (an anchor, a missing path: llguidance's to judge)."""
+    pointer = urllib.parse.unquote(ref[1:])
+    if pointer and not pointer.startswith("/"):
+        return None
+    node = schema
+    for part in pointer.split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdecimal() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _has_finite(schema, finite: dict[str, bool]) -> bool:
+    """Whether `schema` has a finite instance, given which refs are known to (`finite`)."""
+    if not isinstance(schema, dict):
+        return schema is not False
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not finite.get(ref, True):
+        return False
+    if not all(_has_finite(s, finite) for s in _list(schema, "allOf")):
+        return False
+    if any(not any(_has_finite(s, finite) for s in _list(schema, key)) for key in ("anyOf", "oneOf")
+           if _list(schema, key)):
+        return False
+    kinds = schema.get("type")
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    return any(_kind_has_finite(schema, kind, finite) for kind in kinds)
+
+
+def _kind_has_finite(schema: dict, kind, finite: dict[str, bool]) -> bool:
+    if kind == "object":
+        properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        extra = schema.get("additionalProperties", True)
+        return all(_has_finite(properties.get(name, extra), finite) for name in _list(schema, "required")
+                   if isinstance(name, str))
+    if kind == "array":
+        least = schema.get("minItems", 0)
+        if not isinstance(least, int) or least <= 0:
+            return True
+        prefix, items = _list(schema, "prefixItems"), schema.get("items", True)
+        return all(_has_finite(prefix[i] if i < len(prefix) else items, finite) for i in range(min(least, len(prefix) + 1)))
+    return True  # any other type (or none named) has a finite instance of its own
+
+
+def _list(schema: dict, key: str) -> list:
+    value = schema.get(key)
+    return value if isinstance(value, list) else []
 
 
 def _field(obj, key: str, kind: type, where: str, *, required: bool = False):

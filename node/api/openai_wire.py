@@ -11,7 +11,10 @@ Errors are node/api/openai_fields.py's ApiError; chat messages, tool-call histor
 node/api/openai_messages.py's to parse.
 
 Work per request is bounded before it reaches the event loop's hot paths: at most MAX_STOPS stop strings of
-at most MAX_STOP_CHARS characters each, at most MAX_PROMPTS prompts, `n` at most the slots a stage has.
+at most MAX_STOP_CHARS characters each, at most MAX_PROMPTS prompts and MAX_PROMPTS choices (n × prompts), `n`
+at most the slots a stage has, and a conversation's turns and characters as Limits says
+(node/api/openai_messages.py). A response_format's schema is compiled here (worker/grammar.py): parse
+requests in a worker thread.
 """
 from __future__ import annotations
 
@@ -22,13 +25,13 @@ import attrs
 from worker.grammar import GrammarError, canonical_format
 from worker.sampling import MAX_LOGPROBS, MAX_SEED, Sampling
 
-from node.api.openai_fields import ApiError, checked_text, field
-from node.api.openai_messages import messages
+from node.api.openai_fields import ApiError, checked_text, field, shown
+from node.api.openai_messages import MAX_MESSAGES, MessageBudget, messages
 
 MAX_STOPS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 1024  # per stop string; a longer one is refused (OpenAI states no limit; vLLM has none)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_PROMPTS = 256  # prompts in one /v1/completions request (each is a request of its own in the engine)
+MAX_PROMPTS = 256  # prompts, and choices (n × prompts), in one request (each choice is a request of the engine's)
 MAX_STOP_TOKEN_IDS = 64
 MAX_CACHE_SALT_CHARS = 256
 
@@ -39,6 +42,14 @@ class Limits:
 
     vocab_size: int | None = None  # None: token ids are left to the actor's check
     max_n: int = 8  # the slots of a stage: every choice of a request decodes at once
+    messages: MessageBudget = MessageBudget()  # a conversation's turns and template characters
+
+
+def limits_for(*, vocab_size: int, max_seqs: int, max_context: int, longest_token_bytes: int) -> Limits:
+    """A model's limits: every turn of a conversation is at least a token of the context (its role's header, in
+    any template we know), and its text at most the context's tokens of the longest token's characters each."""
+    budget = MessageBudget(max_messages=min(MAX_MESSAGES, max_context), max_chars=max_context * longest_token_bytes)
+    return Limits(vocab_size=vocab_size, max_n=max_seqs, messages=budget)
 
 
 @attrs.frozen
@@ -93,8 +104,12 @@ def parse_request(body, *, chat: bool, seed_if_unset: int, limits: Limits = Limi
                                                               default=False)),
                          cache_salt=_cache_salt(body))
     if chat:
-        return attrs.evolve(request, messages=messages(body))
-    return attrs.evolve(request, prompts=_prompts(body, limits.vocab_size))
+        return attrs.evolve(request, messages=messages(body, limits.messages))
+    prompts = _prompts(body, limits.vocab_size)
+    if len(prompts) * n > MAX_PROMPTS:
+        raise ApiError(400, f"n: {n} choices for each of {len(prompts)} prompts, more than the {MAX_PROMPTS} choices "
+                            f"a request may have", param="n", code="invalid_value")
+    return attrs.evolve(request, prompts=prompts)
 
 
 def _cache_salt(body: dict) -> str:
@@ -102,7 +117,7 @@ def _cache_salt(body: dict) -> str:
     if salt is not None and not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS:
         raise ApiError(400, f"cache_salt: {len(salt)} characters, outside 1..{MAX_CACHE_SALT_CHARS}",
                        param="cache_salt", code="invalid_value")
-    return salt or ""
+    return checked_text(salt or "", "cache_salt")  # the prefix cache hashes its UTF-8
 
 
 def _refuse_unsupported(body: dict) -> None:
@@ -190,9 +205,15 @@ def _sampling(body: dict, seed_if_unset: int, vocab_size: int | None) -> Samplin
 def _token_id(value, name: str, vocab_size: int | None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (vocab_size and value >= vocab_size):
         top = f"0..{vocab_size - 1}" if vocab_size else "a non-negative integer"
-        raise ApiError(400, f"{name}: {value!r} is not a token id ({top})", param=name.split("[")[0],
+        raise ApiError(400, f"{name}: {shown(value)} is not a token id ({top})", param=name.split("[")[0],
                        code="invalid_value")
     return value
+
+
+def _key_id(key: str):
+    """A logit_bias key as the id its ASCII digits spell, or the key itself (no id) to refuse: no more digits
+    than an id could have, as int() past 4300 raises, and isdecimal() takes other scripts' digits too."""
+    return int(key) if key.isascii() and key.isdecimal() and len(key) <= len(str(MAX_SEED)) else key
 
 
 def _logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
@@ -200,9 +221,10 @@ def _logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], 
     bias = field(body, "logit_bias", dict, default={})
     out = []
     for key, value in bias.items():
-        token = _token_id(int(key) if key.isdecimal() else key, f"logit_bias[{key!r}]", vocab_size)
+        where = f"logit_bias[{shown(key)}]"
+        token = _token_id(_key_id(key), where, vocab_size)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
-            raise ApiError(400, f"logit_bias[{key!r}]: {value!r} is not a number in -100..100", param="logit_bias",
+            raise ApiError(400, f"{where}: {shown(value)} is not a number in -100..100", param="logit_bias",
                            code="invalid_value")
         out.append((token, float(value)))
     return tuple(sorted(out))
@@ -234,6 +256,8 @@ def _stop(body: dict) -> tuple[str, ...]:
     if len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
         raise ApiError(400, f"stop: a string or up to {MAX_STOPS} non-empty strings", param="stop",
                        code="invalid_value")
+    for s in stops:
+        checked_text(s, "stop")
     if (longest := max(map(len, stops), default=0)) > MAX_STOP_CHARS:
         raise ApiError(400, f"stop: {longest} characters, more than the {MAX_STOP_CHARS} a stop string may have",
                        param="stop", code="invalid_value")
