@@ -27,18 +27,24 @@ lands, a closed stream's leftovers go to a sink; hypercorn still acknowledges th
 """
 from __future__ import annotations
 
+import collections
 import logging
+import time
 
 import attrs
 import h2.errors
 import h2.events
 import h2.settings
 import priority
-from hypercorn.events import Closed
+from hypercorn.events import Closed, RawData
 from hypercorn.protocol import h2 as hypercorn_h2
+
+from node.transport.h2_budget import ControlBudget, FrameScan
 
 RECEIVE_WINDOW = 1 << 24  # per stream and per connection; bodies are bounded by PP_MAX_BODY anyway
 RESET_FLOOR = 100  # resets a connection may make before its share of resets is judged
+SLICE_BYTES = 2048  # a received chunk is counted and charged this much at a time: ~120 PINGs, not ~3,800
+CALMED: collections.Counter[str] = collections.Counter()  # connections calmed in this process, by what they did
 
 log = logging.getLogger("pp.hypercorn")
 
@@ -65,6 +71,10 @@ class _Tally:
 class _Calm(Exception):
     """Raised inside the protocol to leave a batch of events whose connection is being closed."""
 
+    def __init__(self, why: str, what: str):
+        super().__init__(why)
+        self.what = what
+
 
 class _ClosedStream:
     async def handle(self, event) -> None:
@@ -83,13 +93,16 @@ def install() -> None:
     protocol = hypercorn_h2.H2Protocol
     if getattr(protocol, "_pp_adjusted", False):
         return
-    original_init, original_initiate = protocol.__init__, protocol.initiate
+    original_init, original_initiate, original_handle = protocol.__init__, protocol.initiate, protocol.handle
     original_events, original_create = protocol._handle_events, protocol._create_stream
 
     def __init__(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
         self.streams = _Streams(self.streams)
         self._pp_tally = _Tally()
+        self._pp_budget, self._pp_received = ControlBudget(time.monotonic()), FrameScan(preface=True)
+        self._pp_calmed = False
+        self.send = _earning(self.send, self._pp_budget)
         settings = dict(self.connection.local_settings.items())  # what hypercorn chose, plus h2's defaults
         settings[h2.settings.SettingCodes.INITIAL_WINDOW_SIZE] = RECEIVE_WINDOW
         self.connection.local_settings = h2.settings.Settings(client=False, initial_values=settings)
@@ -100,29 +113,64 @@ def install() -> None:
         self.connection.increment_flow_control_window(RECEIVE_WINDOW - 65535)
         await self._flush()
 
+    async def handle(self, event):
+        if isinstance(event, RawData):
+            if self._pp_calmed:  # what was on its way before our GOAWAY: nothing of it is parsed
+                return
+            why = _over_budget(self._pp_received, self._pp_budget, event.data)
+            if why is not None:
+                return await _close_calmly(self, why, "control frames")
+        await original_handle(self, event)
+
     async def _handle_events(self, events):
         self._pp_tally.count(events)
         try:
             if too_many_resets(self._pp_tally.opened, self._pp_tally.reset):
-                raise _Calm(f"{self._pp_tally.reset} of {self._pp_tally.opened} streams reset by the client")
+                raise _Calm(f"{self._pp_tally.reset} of {self._pp_tally.opened} streams reset by the client", "resets")
             await original_events(self, events)
         except _Calm as why:
-            await _close_calmly(self, str(why))
+            await _close_calmly(self, str(why), why.what)
 
     async def _create_stream(self, request):
         try:
             await original_create(self, request)
         except priority.TooManyStreamsError:
-            raise _Calm("more streams waiting to send than hypercorn's priority tree holds") from None
+            raise _Calm("more streams waiting to send than hypercorn's priority tree holds", "streams") from None
 
-    protocol.__init__, protocol.initiate = __init__, initiate
+    protocol.__init__, protocol.initiate, protocol.handle = __init__, initiate, handle
     protocol._handle_events, protocol._create_stream = _handle_events, _create_stream
     protocol._pp_adjusted = True
 
 
-async def _close_calmly(protocol, why: str) -> None:
+def _over_budget(scan: FrameScan, budget: ControlBudget, data: bytes) -> str | None:
+    """Count a received chunk's frames a slice at a time against the connection's budget, before h2 parses
+    any of them; why it is past the budget, or None. A flood is caught within its first slice."""
+    now = time.monotonic()
+    for start in range(0, len(data), SLICE_BYTES):
+        why = budget.charge(scan.feed(data[start:start + SLICE_BYTES]), now)
+        if why is not None:
+            return why
+    return None
+
+
+def _earning(send, budget: ControlBudget):
+    """`send`, counting the DATA frames the server sends: each earns the client WINDOW_UPDATEs to grant."""
+    scan = FrameScan(preface=False)
+
+    async def send_counted(event):
+        if isinstance(event, RawData):
+            budget.earn(scan.feed(event.data))
+        await send(event)
+    return send_counted
+
+
+async def _close_calmly(protocol, why: str, what: str) -> None:
     """GOAWAY ENHANCE_YOUR_CALM, then the connection closes; the server and its other connections go on."""
-    log.warning("closing an HTTP/2 connection from %s: %s", protocol.client, why)
+    protocol._pp_calmed = True
+    CALMED[what] += 1
+    calmed = sum(CALMED.values())
+    if calmed <= 10 or calmed % 1000 == 0:  # a flooder that reconnects logs a few lines, not one per connection
+        log.warning("closing an HTTP/2 connection from %s: %s (%d calmed so far)", protocol.client, why, calmed)
     if not protocol.closed:
         protocol.connection.close_connection(error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
         await protocol._flush()

@@ -1,0 +1,167 @@
+"""The budget of control frames one HTTP/2 client may send on a connection, decided from the bytes alone.
+
+Frames that carry no request cost the server all the same: h2 parses each, and hypercorn answers a PING or a
+SETTINGS with an ACK of its own, all on the event loop. At ~190k frames/s from 8 connections that stalled
+/health 2.4 s and got a stage declared dead (CVE-2019-9512 ping flood, 9515 settings flood, 9518 empty
+frames). So each received chunk is counted here before h2 sees a byte of it: `FrameScan` reads only the
+9-byte frame headers (and a padded DATA frame's pad length), and `ControlBudget.charge` says whether the
+chunk takes the connection past its budget; if it does, not one frame of the chunk is parsed.
+
+The budget is a token bucket per kind of frame (`LIMITS`): a burst a connection may send at once, refilled
+at a rate, so a flooder is caught within its first chunk (a 64 KiB read holds ~3,800 PINGs) and a
+reconnecting one on each new connection, while a client that pings every second for hours never is.
+
+WINDOW_UPDATE is special: a client that reads a long answer grants credit as it goes, up to one
+WINDOW_UPDATE for the stream and one for the connection per DATA frame the server sent (h2 clients such as
+httpx send fewer, one per half window). So each DATA frame the server sends earns that client
+`EARNED_PER_DATA` WINDOW_UPDATEs (or PINGs: gRPC-style clients probe bandwidth with one per burst of data),
+and only frames beyond what it earned draw on the bucket. A streamed answer read for hours is never
+calmed; a flood of grants the server's data does not explain is.
+
+Pure: no I/O, no clock of its own (the caller passes `now`).
+"""
+from __future__ import annotations
+
+import collections
+import enum
+import struct
+
+import attrs
+
+PREFACE_BYTES = 24  # b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", before the client's first frame
+_HEADER = struct.Struct(">BHBB")  # length (24 bits: 8 + 16), type, flags; the stream id is not needed
+HEADER_BYTES = 9
+END_STREAM, PADDED = 0x1, 0x8
+
+
+class Kind(enum.Enum):
+    """What a frame costs against: the control frames, and DATA (which earns credit when the server sends it)."""
+    PING = "PING"
+    SETTINGS = "SETTINGS"
+    PRIORITY = "PRIORITY"  # and RFC 9218's PRIORITY_UPDATE
+    EMPTY_DATA = "empty DATA"  # no payload and no END_STREAM
+    WINDOW_UPDATE = "WINDOW_UPDATE"
+    UNKNOWN = "unknown-type"  # extension frames h2 parses and drops
+    DATA = "DATA"  # any DATA frame: not budgeted, counted for WINDOW_UPDATE credit
+
+    @classmethod
+    def of(cls, kind: int, flags: int, payload: int) -> Kind | None:
+        """The kind of a frame from its header (`payload`: its data length less padding; None: not known yet)."""
+        if kind == 0:
+            return cls.EMPTY_DATA if payload == 0 and not flags & END_STREAM else cls.DATA
+        return _BY_TYPE.get(kind, cls.UNKNOWN if kind > 0x9 else None)
+
+
+_BY_TYPE = {0x2: Kind.PRIORITY, 0x4: Kind.SETTINGS, 0x6: Kind.PING, 0x8: Kind.WINDOW_UPDATE, 0x10: Kind.PRIORITY}
+
+
+@attrs.frozen
+class Rate:
+    burst: int  # frames a connection may send at once
+    per_s: float  # and then this many a second
+
+
+LIMITS = {
+    Kind.PING: Rate(100, 10.0),  # a keep-alive ping is one every few seconds
+    Kind.SETTINGS: Rate(100, 10.0),  # one at the start, an ACK per SETTINGS of ours (we send one)
+    Kind.PRIORITY: Rate(500, 50.0),  # browsers send a few per page, some one per stream
+    Kind.EMPTY_DATA: Rate(100, 10.0),  # an empty chunk of a streamed body, now and then
+    Kind.WINDOW_UPDATE: Rate(100, 10.0),  # beyond those our DATA earned: opening the windows at the start
+    Kind.UNKNOWN: Rate(100, 10.0),
+}
+EARNED_PER_DATA = 2  # the stream's WINDOW_UPDATE and the connection's, for each DATA frame we send
+EARNED_CAP = 100_000  # credit a connection may bank: hours of reading, not an unbounded licence
+EARNS = (Kind.WINDOW_UPDATE, Kind.PING)  # the kinds that may spend what our DATA earned, in this order
+
+
+@attrs.frozen
+class Bucket:
+    tokens: float
+    at: float  # when `tokens` was counted
+
+
+def drawn(bucket: Bucket, rate: Rate, now: float, frames: int) -> Bucket:
+    """The bucket after `frames` more at `now`: refilled for the time since, up to the burst, less the frames.
+    Negative tokens: over budget."""
+    refilled = min(float(rate.burst), bucket.tokens + max(0.0, now - bucket.at) * rate.per_s)
+    return Bucket(refilled - frames, now)
+
+
+def spend_earned(earned: int, counts: collections.Counter) -> tuple[int, collections.Counter]:
+    """Pay for WINDOW_UPDATEs (then PINGs) from credit our DATA earned: (credit left, what still counts)."""
+    left = collections.Counter(counts)
+    for kind in EARNS:
+        paid = min(earned, left[kind])
+        earned, left[kind] = earned - paid, left[kind] - paid
+    return earned, left
+
+
+class ControlBudget:
+    """One connection's buckets and earned credit; `charge` each received chunk's counts, `earn` each sent one's."""
+
+    def __init__(self, now: float, limits: dict[Kind, Rate] = LIMITS):
+        self.limits = limits
+        self.buckets = {kind: Bucket(float(rate.burst), now) for kind, rate in limits.items()}
+        self.earned = 0
+
+    def earn(self, sent: collections.Counter) -> None:
+        self.earned = min(EARNED_CAP, self.earned + EARNED_PER_DATA * sent[Kind.DATA])
+
+    def charge(self, received: collections.Counter, now: float) -> str | None:
+        """Take a chunk's frames; why the connection is past its budget, or None."""
+        self.earned, counts = spend_earned(self.earned, received)
+        why = None
+        for kind, rate in self.limits.items():
+            if counts[kind]:
+                self.buckets[kind] = drawn(self.buckets[kind], rate, now, counts[kind])
+                if self.buckets[kind].tokens < 0 and why is None:
+                    why = (f"{kind.value} frames past their budget ({rate.burst} at once, {rate.per_s:g}/s"
+                           f"{' beyond what our DATA earned' if kind in EARNS else ''})")
+        return why
+
+
+class FrameScan:
+    """Counts the frames of a byte stream fed in chunks, by kind, reading only their headers (and a padded DATA
+    frame's pad length). Malformed framing is h2's to refuse; here it only miscounts what follows."""
+
+    def __init__(self, *, preface: bool):
+        self._skip = PREFACE_BYTES if preface else 0  # bytes to pass: the preface, or the rest of a payload
+        self._head = b""  # a frame header split across chunks
+        self._padded: tuple[int, int] | None = None  # (flags, length) of a padded DATA frame, its pad length next
+
+    def feed(self, data: bytes) -> collections.Counter:
+        counts: collections.Counter = collections.Counter()
+        i, n = 0, len(data)
+        while i < n:
+            if self._padded is not None:  # the first payload byte of a padded DATA frame: its pad length
+                flags, length = self._padded
+                counts[Kind.of(0, flags, max(0, length - 1 - data[i]))] += 1
+                self._padded = None
+            if self._skip:
+                step = min(self._skip, n - i)
+                i, self._skip = i + step, self._skip - step
+                continue
+            i = self._header(data, i, counts)
+        return counts
+
+    def _header(self, data: bytes, i: int, counts: collections.Counter) -> int:
+        """Read (the rest of) a frame header at i and count its frame; where the scan goes on."""
+        if self._head or len(data) - i < HEADER_BYTES:
+            taken = data[i:i + HEADER_BYTES - len(self._head)]
+            self._head += taken
+            if len(self._head) < HEADER_BYTES:
+                return i + len(taken)
+            head, self._head, i = self._head, b"", i + len(taken)
+            high, low, kind, flags = _HEADER.unpack_from(head)
+        else:
+            high, low, kind, flags = _HEADER.unpack_from(data, i)
+            i += HEADER_BYTES
+        length = high << 16 | low
+        if kind == 0 and flags & PADDED and length:
+            self._padded = (flags, length)
+        else:
+            frame = Kind.of(kind, flags, length)
+            if frame is not None:
+                counts[frame] += 1
+        self._skip = length
+        return i
