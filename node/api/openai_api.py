@@ -18,18 +18,24 @@ milliseconds after the request) never runs the generator's cleanup; so the ASGI 
 these paths closes what the exchange followed when it returns, however it ends (`_close_when_over`).
 
 The event loop does no unbounded work for a request: its body is refused past what the model's context
-could need (413) or when it stalls (408), it is parsed by json's C scanner (a malformed one is a 400 in
-OpenAI's shape), a prompt with more characters than the context could hold in tokens is
-refused before tokenizing, and tokenizing and rendering the chat template run in a worker thread (Hugging
-Face tokenizers releases the GIL), so /health and the pipeline's own traffic keep being answered.
+could need (413) or when it stalls (408); parsing it (json's C scanner: a malformed one is a 400 in OpenAI's
+shape), checking it (a response_format's schema is compiled), rendering the chat template and tokenizing all
+run in worker threads, PREPARE_THREADS at a time for the whole node (`prepared`), so a burst of costly
+requests queues there rather than starving /health and the pipeline's own traffic of the GIL. What each may
+cost is bounded before that work: a conversation's turns and characters (openai_wire.limits_for), a prompt
+with more characters than the context could hold in tokens is refused before tokenizing, and the template's
+output is capped as it is written (worker/tokens/chat.py).
 """
 from __future__ import annotations
 
+import functools
 import json
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import aclosing
+from typing import TypeVar
 
 import trio
 from quart import request
@@ -44,8 +50,8 @@ from worker.sampling import MAX_SEED, stop_set
 
 from node.api.entry import Entry, Vocabulary
 from node.api.openai_answer import Choice, Completion, Entries
-from node.api.openai_fields import ApiError, body_limit, parse_body
-from node.api.openai_wire import ApiRequest, Limits, parse_request
+from node.api.openai_fields import ApiError, body_limit, parse_body, shown
+from node.api.openai_wire import ApiRequest, limits_for, parse_request
 from node.api.text_stream import TextStream
 from node.transport.app import shape_refusals, still_loading
 
@@ -55,6 +61,9 @@ COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
 BODY_IDLE_S = 10.0  # a client sending its body: the longest wait for a byte of it
 FINAL_WAIT_S = 5.0  # after the last token, how long a return_token_ids request waits for the stages' figures
 _FOLLOWS = "pp.follows"  # the ASGI scope's list of what an exchange follows (_close_when_over)
+PREPARE_THREADS = 2  # requests parsed, rendered or tokenized at once: the rest wait their turn, threadless
+_PREPARING = trio.lowlevel.RunVar("pp_api_preparing")  # one limiter per trio run (per node process)
+T = TypeVar("T")
 
 
 def add_openai_routes(app: QuartTrio, node: Entry, *, model_name: str) -> None:
@@ -129,26 +138,41 @@ def _close_when_over(asgi_app):
     return app
 
 
+async def prepared(work: Callable[[], T]) -> T:
+    """`work` (parsing, rendering, tokenizing: CPU work a request asks for) in a worker thread, PREPARE_THREADS
+    at a time in this trio run."""
+    try:
+        limiter = _PREPARING.get()
+    except LookupError:
+        limiter = trio.CapacityLimiter(PREPARE_THREADS)
+        _PREPARING.set(limiter)
+    return await trio.to_thread.run_sync(work, limiter=limiter)
+
+
 async def read_json(node: Entry) -> tuple[Vocabulary, object]:
     """The entry's worker and the request's JSON body, read within what the model's context could need."""
     worker = _ready(node)
     longest = await trio.to_thread.run_sync(lambda: worker.longest_token_bytes)  # made once, from the vocabulary
-    return worker, parse_body(await _read_body(body_limit(worker.info.max_context, longest)))
+    raw = await _read_body(body_limit(worker.info.max_context, longest))
+    return worker, await prepared(functools.partial(parse_body, raw))
 
 
 def check_model(model: str | None, model_name: str) -> None:
     """None (a route where `model` may be left out) or the served name; another is a 404 model_not_found."""
     if model is not None and model != model_name:
-        raise ApiError(404, f"model {model!r} is not served here; this cluster serves {model_name!r}",
+        raise ApiError(404, f"model {shown(model)} is not served here; this cluster serves {model_name!r}",
                        param="model", code="model_not_found")
 
 
 async def _complete(app: QuartTrio, node: Entry, model_name: str, *, chat: bool):
     worker, body = await read_json(node)
-    limits = Limits(vocab_size=worker.info.vocab_size, max_n=worker.info.max_seqs)
-    api = parse_request(body, chat=chat, seed_if_unset=secrets.randbits(31), limits=limits)
+    info = worker.info
+    limits = limits_for(vocab_size=info.vocab_size, max_seqs=info.max_seqs, max_context=info.max_context,
+                        longest_token_bytes=worker.longest_token_bytes)
+    api = await prepared(functools.partial(parse_request, body, chat=chat, seed_if_unset=secrets.randbits(31),
+                                           limits=limits))
     check_model(api.model, model_name)
-    prompts = await trio.to_thread.run_sync(_prompts, worker, api)
+    prompts = await prepared(functools.partial(_prompts, worker, api))
     request_id = uuid.uuid4().hex
     choices = [Choice(i * api.n + j, f"{request_id}-{i * api.n + j}", tuple(ids), text)
                for i, (ids, text) in enumerate(prompts) for j in range(api.n)]

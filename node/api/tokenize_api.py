@@ -20,7 +20,8 @@ serving_tokenization.py).
 They are the client surface (a client API key: node/transport/auth.py), refuse in OpenAI's shape, and are
 bounded as /v1/completions is: a body larger than the context could need is a 413 and one that stalls a 408, a
 text of more characters than the context could hold in tokens (or more ids than it holds) is refused before
-any work on it, and tokenizing and detokenizing run in a worker thread, never on the event loop.
+any work on it, a conversation's turns and characters are bounded as on /v1/chat/completions, and parsing,
+tokenizing and detokenizing run in worker threads (openai_api.prepared), never on the event loop.
 """
 from __future__ import annotations
 
@@ -28,15 +29,15 @@ import functools
 from collections.abc import Awaitable, Callable
 
 import attrs
-import trio
 from quart_trio import QuartTrio
 
 from worker.errors import WorkerError
 
 from node.api.entry import Entry
-from node.api.openai_api import check_model, openai_shape, read_json, too_long, tokenized
+from node.api.openai_api import check_model, openai_shape, prepared, read_json, too_long, tokenized
 from node.api.openai_fields import ApiError, checked_text, field
-from node.api.openai_messages import messages
+from node.api.openai_messages import MessageBudget, messages
+from node.api.openai_wire import limits_for
 from node.transport.app import shape_refusals, still_loading
 
 TOKENIZE_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
@@ -87,15 +88,18 @@ async def _answered(work: Callable[[], Awaitable[dict]]):
 
 async def _tokenize(node: Entry, model_name: str) -> dict:
     worker, body = await read_json(node)
-    req = parse_tokenize(body)
+    info = worker.info
+    budget = limits_for(vocab_size=info.vocab_size, max_seqs=info.max_seqs, max_context=info.max_context,
+                        longest_token_bytes=worker.longest_token_bytes).messages
+    req = await prepared(functools.partial(parse_tokenize, body, budget))
     check_model(req.model, model_name)
     param = "prompt" if req.prompt is not None else "messages"
-    ids = await trio.to_thread.run_sync(functools.partial(
+    ids = await prepared(functools.partial(
         tokenized, worker, param, text=req.prompt, messages=req.messages, add_special_tokens=req.add_special_tokens,
         add_generation_prompt=req.add_generation_prompt))
-    answer = {"count": len(ids), "max_model_len": worker.info.max_context, "tokens": ids}
+    answer = {"count": len(ids), "max_model_len": info.max_context, "tokens": ids}
     if req.return_token_strs:
-        answer["token_strs"] = await trio.to_thread.run_sync(worker.token_strs, ids)
+        answer["token_strs"] = await prepared(functools.partial(worker.token_strs, ids))
     return answer
 
 
@@ -107,13 +111,13 @@ async def _detokenize(node: Entry, model_name: str) -> dict:
     if len(tokens) > context:
         raise too_long(context, "tokens", f"{len(tokens)} tokens")
     try:
-        return {"prompt": await trio.to_thread.run_sync(worker.prompt_text, list(tokens))}
+        return {"prompt": await prepared(functools.partial(worker.prompt_text, list(tokens)))}
     except WorkerError as exc:  # an id out of the vocabulary
         raise ApiError(400, f"tokens: {exc}", param="tokens", code="invalid_value") from None
 
 
-def parse_tokenize(body) -> TokenizeRequest:
-    """A /tokenize body, or the ApiError naming what is wrong with it."""
+def parse_tokenize(body, budget: MessageBudget | None = None) -> TokenizeRequest:
+    """A /tokenize body, or the ApiError naming what is wrong with it; `budget` bounds a conversation."""
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
     model = field(body, "model", str)
@@ -133,7 +137,7 @@ def parse_tokenize(body) -> TokenizeRequest:
         raise ApiError(400, "add_special_tokens: with messages, the chat template and the vocabulary add the "
                             "special tokens, as for /v1/chat/completions", param="add_special_tokens",
                        code="unsupported_parameter")
-    return TokenizeRequest(model, messages=messages(body), return_token_strs=strs,
+    return TokenizeRequest(model, messages=messages(body, budget), return_token_strs=strs,
                            add_generation_prompt=bool(field(body, "add_generation_prompt", bool, default=True)))
 
 

@@ -14,6 +14,11 @@ function name and each result's text.
 A template without tool support — SmolLM2-135M-Instruct's, Llama 3's fallback below — refuses such a
 conversation naming the first turn it would lose, rather than render a prompt that silently drops it.
 
+Rendering is bounded whatever the conversation: what a template writes is read as it is written and refused
+past render_limit(messages) characters (a fixed allowance, a per-turn one, and a multiple of the input), so a
+template that loops over its input cannot run away with it; jinja2's sandbox caps range() itself. The API
+bounds the input (node/api/openai_messages.py) and renders in a worker thread.
+
 Where templates come from: `tokenizer.chat_template` in GGUF metadata, `chat_template` in a Hugging Face
 `tokenizer_config.json` (or a `chat_template.jinja` beside it). Models that carry none — the built-in
 ones among them — use Llama 3's instruct template.
@@ -40,6 +45,9 @@ LLAMA3_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
 
 ROLES = ("system", "user", "assistant", "tool")
+RENDER_BASE_CHARS = 64 * 1024  # a template's own text: a long system preamble, tool instructions
+RENDER_TURN_CHARS = 1024  # per turn: role headers, separators
+RENDER_INPUT_FACTOR = 4  # per character of input: tojson's indents and escapes write more than one
 
 
 def _raise_exception(message: str):
@@ -94,14 +102,32 @@ def render(source: str, messages: list[dict], *, bos_token: str, eos_token: str,
         if spelled not in spelled_names(source):
             raise _not_rendered(what, n)
     try:
-        text = template.render(messages=messages, bos_token=bos_token, eos_token=eos_token,
-                               add_generation_prompt=add_generation_prompt, **extra)
+        text = _bounded(template.generate(messages=messages, bos_token=bos_token, eos_token=eos_token,
+                                          add_generation_prompt=add_generation_prompt, **extra),
+                        render_limit(messages))
     except jinja2.TemplateError as exc:
         raise WorkerError(f"the model's chat template refused the conversation: {exc}") from None
     for n, what, _, shown in tool_turns:
         if not all(_shows(text, s) for s in shown):
             raise _not_rendered(what, n)
     return text
+
+
+def render_limit(messages: list[dict]) -> int:
+    """The most characters a template may write for `messages` (checked by check_messages)."""
+    written = len(json.dumps(messages, ensure_ascii=False, default=str))  # the input, in one C pass
+    return RENDER_BASE_CHARS + RENDER_TURN_CHARS * len(messages) + RENDER_INPUT_FACTOR * written
+
+
+def _bounded(pieces, limit: int) -> str:
+    out, size = [], 0
+    for piece in pieces:
+        size += len(piece)
+        if size > limit:
+            pieces.close()
+            raise WorkerError(f"the model's chat template wrote more than {limit} characters for this conversation")
+        out.append(piece)
+    return "".join(out)
 
 
 def _tool_turns(messages: list[dict]):
