@@ -59,6 +59,42 @@ async def test_a_link_whose_connection_drops_mid_request_is_reopened_and_loses_n
     nursery.cancel_scope.cancel()
 
 
+@pytest.mark.parametrize("stage", [0, 1])
+async def test_a_link_stream_its_receiver_ends_early_is_reset_reopened_and_resent_from_the_frame_after(
+        nursery, tmp_path, monkeypatch, stage):
+    """The receiver's handler fails after delivering a frame (any exception but a malformed frame): its
+    answer comes while the sender still writes, so the stream is reset (node/transport/h2_early_answer.py),
+    the sender reopens it and resends exactly the frames after that one: none lost, none twice."""
+    nodes = record_nodes(monkeypatch)
+    orch, urls, _ = await start_cluster(nursery, 3, tmp_path, max_seqs=4)
+    slow_stub(monkeypatch, 0.01)
+    real, taken = StageNode.take_frame, []
+
+    def take_frame(self, link_id, source, seq, sent_at, message):
+        real(self, link_id, source, seq, sent_at, message)
+        if self is nodes[stage]:
+            taken.append(seq)
+            if len(taken) == 12:  # mid-answer, once
+                raise RuntimeError("injected: the handler fell over after taking a frame")
+    monkeypatch.setattr(StageNode, "take_frame", take_frame)
+    prompts = [f"prompt {i}" for i in range(4)]
+    results = {}
+
+    async def ask(prompt):
+        results[prompt] = await orch.submit(prompt, max_tokens=30)
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as clients:
+            for prompt in prompts:
+                clients.start_soon(ask, prompt)
+    for prompt in prompts:
+        assert results[prompt].error is None and list(results[prompt].token_ids) == stub_tokens(prompt, 30)
+    link = nodes[stage - 1].links.streams[f"pp-stage-{stage}"]  # stage 0's sender is the last stage
+    assert link.opened >= 2 and len(taken) > 12
+    assert taken == sorted(set(taken)), "a frame delivered twice or out of order"
+    nursery.cancel_scope.cancel()
+
+
 async def test_a_stage_restarted_mid_request_fails_it_naming_the_stage_then_the_chain_serves_again(
         nursery, tmp_path, monkeypatch):
     orch, urls, scopes = await start_cluster(nursery, 3, tmp_path)

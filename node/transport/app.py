@@ -33,7 +33,7 @@ from node.membership import gossip
 from node.membership.swim import Swim, WrongTargetError
 from node.observe.log import error_event
 from node.observe.metrics import CONTENT_TYPE as node_metrics_content_type
-from node.transport import auth, conn_guard, frames, h1_guard, h2_guard, wire
+from node.transport import auth, conn_guard, frames, h1_guard, h2_early_answer, h2_guard, wire
 
 log = logging.getLogger("pp.http")
 MAX_WAIT_S = 30.0  # longest long poll; proxies drop idle requests not much later
@@ -69,6 +69,7 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_st
     then has `take_frame`, `links_in` and `hops`)."""
     h1_guard.install()
     h2_guard.install()
+    h2_early_answer.install()  # an answer before the body is in resets the stream: the sender stops
     app = QuartTrio("pp")
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     app.config["BODY_TIMEOUT"] = 120
@@ -252,6 +253,8 @@ def _stage_routes(app: QuartTrio, dispatcher: Dispatcher) -> None:
     async def link_state(link_id: str):
         if dispatcher.loading:
             raise still_loading()
+        if (full := dispatcher.links_in.open_refusal()) is not None:  # the open that follows would be refused
+            raise Refused(503, full, retry_after_s=1)
         return jsonify({"last_seq": dispatcher.links_in.last_seq(link_id), "boot": dispatcher.links_in.boot})
 
     @app.post("/v1/link")
@@ -261,21 +264,40 @@ def _stage_routes(app: QuartTrio, dispatcher: Dispatcher) -> None:
             raise wire.WireError("link, from: both required, each 1..64 characters")
         if dispatcher.loading:
             raise still_loading()
-        reader, taken = frames.FrameReader(dispatcher.hidden_dim), 0
+        if (full := dispatcher.links_in.open_refusal()) is not None:
+            raise Refused(503, full, retry_after_s=1)
+        dispatcher.links_in.streams += 1
         try:
-            async for chunk in request.body:
-                current_app.body_bytes[request.path] += len(chunk)
-                reader.feed(chunk)
-                for seq, sent_at, message in reader.frames():
-                    dispatcher.take_frame(link_id, source, seq, sent_at, message)
-                    taken += 1
-        except wire.WireError as exc:
-            # Nobody reads this answer before the sender stops writing (httpx sends a whole body first),
-            # so say it in the log; the link is forgotten, and the sender's next open finds it lost.
-            dispatcher.links_in.forget(link_id)
-            error_event(log, "link_frame_refused", link=link_id, source=source, error=str(exc))
-            raise
+            taken = await _read_link(dispatcher, link_id, source)
+        finally:
+            dispatcher.links_in.streams -= 1
         return jsonify({"frames": taken}), 200
+
+
+async def _read_link(dispatcher: Dispatcher, link_id: str, source: str) -> int:
+    """Deliver a link stream's frames as they arrive; the number taken. Whatever ends this early (the answer
+    then comes while the sender still writes) resets the stream (node/transport/h2_early_answer.py), so the
+    sender reopens it and resends from the last frame delivered here."""
+    reader, taken = frames.FrameReader(dispatcher.hidden_dim), 0
+    try:
+        async for chunk in request.body:
+            current_app.body_bytes[request.path] += len(chunk)
+            reader.feed(chunk)
+            for seq, sent_at, message in reader.frames():
+                dispatcher.take_frame(link_id, source, seq, sent_at, message)
+                taken += 1
+    except wire.WireError as exc:
+        # The frame was not delivered, and resending it would fail the same way: the link is forgotten,
+        # and the sender's next open finds it lost.
+        dispatcher.links_in.forget(link_id)
+        error_event(log, "link_frame_refused", link=link_id, source=source, error=str(exc))
+        raise
+    except Exception as exc:
+        # Frames up to the last delivered count as taken: the sender resends only those after it.
+        error_event(log, "link_stream_failed", link=link_id, source=source,
+                    error=f"{type(exc).__name__}: {exc}", last_seq=dispatcher.links_in.last_seq(link_id))
+        raise
+    return taken
 
 
 def _gossip_routes(app: QuartTrio, dispatcher: Dispatcher) -> None:

@@ -38,8 +38,10 @@ log = logging.getLogger("pp.streams")
 RETAIN_FRAMES = 256  # frames kept for a resend after a break: far more than can be in flight
 RETAIN_BYTES = 64 << 20
 KNOWN_LINKS = 64  # links a receiver remembers the last frame of
+MAX_INBOUND_LINKS = 32  # link streams a receiver reads at once; a stage's own peers open one each
 HEARTBEAT_AFTER_S = 0.25  # after a frame, if nothing follows: soon enough to resend it, rare enough to cost nothing
 HEARTBEAT_IDLE_S = 1.0
+PROBE_S = 1.0  # how soon a sender learns that its stream was reset: ~ a heartbeat's rhythm, one GET a second
 
 
 class LinkLost(Exception):
@@ -130,17 +132,31 @@ class LinkStream:
 
     async def _stream_while_there(self, addr: str, resend: list, outbox: Outbox) -> None:
         """Stream to `addr` until it breaks, or until gossip says `addr` no longer holds the destination
-        (declared dead, replaced): a frozen peer breaks nothing — writes just stop being taken."""
-        if self._moved is None:
-            return await self._stream(addr, resend, outbox)
+        (declared dead, replaced): a frozen peer breaks nothing — writes just stop being taken. Meanwhile
+        the peer is probed, so that a reset of the stream is seen (_probe)."""
         with unwrapped(PeerError):
             async with trio.open_nursery() as nursery:
                 async def watch() -> None:
                     await self._moved(self.dest, addr)
                     nursery.cancel_scope.cancel()
-                nursery.start_soon(watch)
+                if self._moved is not None:
+                    nursery.start_soon(watch)
+                nursery.start_soon(self._probe, addr)
                 await self._stream(addr, resend, outbox)
         raise PeerError(addr, f"{addr} no longer holds {self.dest}")
+
+    async def _probe(self, addr: str) -> None:
+        """Ask the peer for this link's state now and then, on the stream's connection. A receiver that ends
+        the stream early (a frame it could not take) resets it (node/transport/h2_early_answer.py), but httpcore
+        reads a connection only for a request that waits on it, and the stream's own request reads nothing
+        until its body is over: a reset would lie unread while frames went into a stream nobody reads. The
+        probe's read takes the reset in, and the stream's next write fails. Its answer is not needed."""
+        while True:
+            await trio.sleep(PROBE_S)
+            try:
+                await self._client.get(f"{addr}/v1/link/{self.link_id}")
+            except httpx.HTTPError:
+                pass  # the stream finds out for itself
 
     async def _stream(self, addr: str, resend: list, outbox: Outbox) -> None:
         url = f"{addr}/v1/link?link={self.link_id}&from={self.source}"
@@ -230,10 +246,15 @@ class _Body(httpx.AsyncByteStream):
 class LinkReceiver:
     """The receiving end's memory: the last frame delivered per link, so a resent frame is taken once."""
 
-    def __init__(self, known: int = KNOWN_LINKS):
+    def __init__(self, known: int = KNOWN_LINKS, max_streams: int = MAX_INBOUND_LINKS):
         self.boot = secrets.token_hex(8)  # changes when the process does: senders learn it restarted
         self._last: collections.OrderedDict[str, int] = collections.OrderedDict()
-        self._known = known
+        self._known, self.max_streams = known, max_streams
+        self.streams = 0  # link streams being read now
+
+    def open_refusal(self) -> str | None:
+        """Why one more link stream may not be read now (None: it may): inbound_link_refusal's."""
+        return inbound_link_refusal(self.streams, self.max_streams)
 
     def last_seq(self, link_id: str) -> int | None:
         return self._last.get(link_id)
@@ -251,3 +272,11 @@ class LinkReceiver:
         self._last.move_to_end(link_id)
         while len(self._last) > self._known:
             self._last.popitem(last=False)
+
+
+def inbound_link_refusal(reading: int, limit: int) -> str | None:
+    """Why a receiver reading `reading` link streams refuses one more (None: it takes it). Each stream holds
+    a frame reader's buffer (up to a frame's limit) and a task: their number is bounded, whoever opens them."""
+    if reading < limit:
+        return None
+    return f"this stage already reads {reading} link streams, the most it takes ({limit}); retry later"
