@@ -60,7 +60,8 @@ class StageNode:
         self.sender = Sender(client, self._addr_of, source=self.name, stats=self.hops, faults=faults)
         self.replies = Replies(client)
         self.links_in = LinkReceiver()
-        self._arrivals: list[tuple[str, float]] = []  # (source, when) of messages no step has taken yet
+        self._arrivals: list[tuple[str, float]] = []  # (hop link, when) of messages no step has taken yet
+        self._stage_names = frozenset(stage_name(i) for i in range(num_stages))  # the senders hops are kept for
         self.swim: Swim | None = None
         self.worker = None
         self.actor = None  # made with the worker: its size comes from the slice
@@ -104,10 +105,10 @@ class StageNode:
         """Admit a message from the network for the next steps, or refuse it (raises Refused). A message
         from a stage names it (`source`) and when it was sent, on the sender's clock (node/observe/hops.py)."""
         if source is not None:
-            arrived = hops.now()
+            arrived, link = hops.now(), hops.source_link(source, self._stage_names)
             if sent_at is not None:
-                self.hops.record(f"from {source}", "wire", arrived - sent_at)
-            self._arrivals.append((source, arrived))
+                self.hops.record(link, "wire", arrived - sent_at)
+            self._arrivals.append((link, arrived))
         if self.loading:
             raise still_loading()
         if isinstance(message, wire.InferenceResponse) and message.request_id in self._local:
@@ -279,8 +280,8 @@ class StageNode:
                 self._work = trio.Event()
                 continue
             started = hops.now()
-            for source, arrived in self._arrivals:
-                self.hops.record(f"from {source}", "queue", started - arrived)
+            for link, arrived in self._arrivals:
+                self.hops.record(link, "queue", started - arrived)
             self._arrivals.clear()
             try:
                 outcome, ran_from, ran_to = await compute.call(_clocked, self.actor.run, step, self.worker)

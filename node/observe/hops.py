@@ -27,6 +27,14 @@ WINDOW = 4096  # samples kept per part: the recent past, not the boot's compile 
 PARTS = ("encode", "wire", "queue", "to_thread", "compute", "back", "answer")
 
 now = time.monotonic
+OTHER = "from other"  # the one label of every sender that is not a stage of this chain
+
+
+def source_link(source: str, known: frozenset[str] | set[str]) -> str:
+    """The link an inbound hop is recorded under: "from <stage>" for a stage of the chain, else OTHER. A
+    sender names itself (a header, a link's `from`), so a label per name would grow /metrics and /v1/hops
+    with every name a peer makes up."""
+    return f"from {source}" if source in known else OTHER
 
 
 class HopStats:

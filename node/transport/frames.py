@@ -36,7 +36,21 @@ _U8, _U16, _U32, _F64 = (struct.Struct(f) for f in (">B", ">H", ">I", ">d"))
 _SEGMENT = struct.Struct(">III")
 _TOKEN = struct.Struct(">IIBI")
 HEARTBEAT, ACTIVATION, NEXT_TOKENS, END = 0, 1, 2, 3
-MAX_FRAME = 1 << 30
+# What a legitimate sender can put in one frame (node/transport/links.py splits its batches to fit): a peer's
+# frame header claiming more is refused before a byte of it is buffered.
+MAX_FRAME_ROWS = 1024  # hidden rows of one activation frame: several steps' worth at any max_batch in use
+MAX_FRAME_TOKENS = 1024  # fed-back tokens of one NextTokens frame: one per slot, with room to spare
+MAX_FRAME_META = 16 << 20  # the rest of a frame: ids, RequestStarts (prompt ids, sampling), logprobs, JSON
+
+
+def frame_limit(kind: int, hidden_dim: int) -> int:
+    """The most bytes (after the length prefix) a frame of `kind` may hold: rows x dim x 4 plus metadata for
+    an activation, the metadata alone otherwise; a heartbeat holds nothing; an unknown kind, nothing."""
+    if kind == ACTIVATION:
+        return _BODY_HEAD + MAX_FRAME_ROWS * hidden_dim * 4 + MAX_FRAME_META
+    if kind in (NEXT_TOKENS, END):
+        return _BODY_HEAD + MAX_FRAME_META
+    return _BODY_HEAD
 
 
 def encode(message, seq: int, sent_at: float) -> bytes:
@@ -92,7 +106,8 @@ def _next_tokens(msg: NextTokens) -> list[bytes]:
 class FrameReader:
     """Bytes in as they arrive, whole frames out: after `feed(chunk)`, `frames()` yields each whole frame as
     (seq, sent_at, message); heartbeats are read and dropped. A frame that cannot be parsed raises
-    WireError from `frames()`, after the frames before it were yielded."""
+    WireError from `frames()`, after the frames before it were yielded; so does a header claiming more than
+    frame_limit, as soon as it is in, so the buffer never holds more than one frame's limit and a chunk."""
 
     def __init__(self, hidden_dim: int):
         self.hidden_dim = hidden_dim
@@ -105,8 +120,8 @@ class FrameReader:
         buf = self._buffer
         while len(buf) >= HEADER.size:
             size, kind, seq, sent_at = HEADER.unpack_from(buf)
-            if not _BODY_HEAD <= size <= MAX_FRAME:
-                raise WireError(f"link frame of {size} bytes: outside {_BODY_HEAD}..{MAX_FRAME}")
+            if not _BODY_HEAD <= size <= (limit := frame_limit(kind, self.hidden_dim)):
+                raise WireError(f"link frame of kind {kind} and {size} bytes: outside {_BODY_HEAD}..{limit}")
             end = _PREFIX.size + size
             if len(buf) < end:
                 return

@@ -24,28 +24,62 @@ import collections
 import logging
 from typing import Awaitable, Callable
 
+import attrs
 import trio
 
 from roles.actions import Reply, Send
 from roles.messages import Activation, NextTokens
 
+from node.transport import frames
 from node.transport.client import PeerError
 
 log = logging.getLogger("pp.links")
 
 
-def coalesce(messages: list) -> list:
-    """Merge runs of activations, and runs of fed-back tokens, into one message each; order is kept."""
+def coalesce(messages: list, *, max_rows: int = frames.MAX_FRAME_ROWS,
+             max_tokens: int = frames.MAX_FRAME_TOKENS) -> list:
+    """Merge runs of activations, and runs of fed-back tokens, into as few messages as fit one link frame
+    each (at most `max_rows` hidden rows, `max_tokens` tokens: what a receiver takes, frames.frame_limit);
+    one larger than that is cut to fit. Order is kept, and so is each request's order of rows."""
     out: list = []
-    for m in messages:
-        prev = out[-1] if out else None
-        if isinstance(m, Activation) and isinstance(prev, Activation):
-            out[-1] = Activation.of(prev.split() + m.split())
-        elif isinstance(m, NextTokens) and isinstance(prev, NextTokens):
-            out[-1] = NextTokens(prev.tokens + m.tokens)
-        else:
-            out.append(m)
+    for message in messages:
+        for m in _fitted(message, max_rows, max_tokens):
+            prev = out[-1] if out else None
+            if isinstance(m, Activation) and isinstance(prev, Activation) and prev.meta.rows + m.meta.rows <= max_rows:
+                out[-1] = Activation.of(prev.split() + m.split())
+            elif (isinstance(m, NextTokens) and isinstance(prev, NextTokens)
+                  and len(prev.tokens) + len(m.tokens) <= max_tokens):
+                out[-1] = NextTokens(prev.tokens + m.tokens)
+            else:
+                out.append(m)
     return out
+
+
+def _fitted(message, max_rows: int, max_tokens: int) -> list:
+    """`message` as pieces that each fit one frame."""
+    if isinstance(message, NextTokens) and len(message.tokens) > max_tokens:
+        return [NextTokens(message.tokens[i:i + max_tokens]) for i in range(0, len(message.tokens), max_tokens)]
+    if isinstance(message, Activation) and message.meta.rows > max_rows:
+        return [Activation.of(rows) for rows in _cut_rows(message, max_rows)]
+    return [message]
+
+
+def _cut_rows(act: Activation, max_rows: int) -> list[list]:
+    """An activation's segments in groups of at most `max_rows` rows; a segment that does not fit is cut
+    in two at a position (its later part carries no start: it continues the request, as a prompt chunk does)."""
+    row_bytes = len(act.hidden) // act.meta.rows
+    groups, group, room = [], [], max_rows
+    for seg, hidden in act.split():
+        while seg.seq_len > room:
+            if room:
+                group.append((attrs.evolve(seg, seq_len=room), hidden[:room * row_bytes]))
+                seg = attrs.evolve(seg, position=seg.position + room, seq_len=seg.seq_len - room, start=None)
+                hidden = hidden[room * row_bytes:]
+            groups.append(group)
+            group, room = [], max_rows
+        group.append((seg, hidden))
+        room -= seg.seq_len
+    return [*groups, group] if group else groups
 
 
 class Outbox:

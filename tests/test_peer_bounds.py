@@ -1,0 +1,76 @@
+"""Peers are bounded too (issue 33): a link frame holds at most what a model can send (rows x dim x 4 plus
+metadata) and a header claiming more is refused before its body is buffered; a sender's batches are cut to
+fit; a receiver reads a bounded number of link streams; hop figures are labelled only by the chain's stages."""
+import itertools
+
+import pytest
+
+from node.observe import hops
+from node.transport import frames
+from node.transport.links import coalesce
+from node.transport.streams import inbound_link_refusal
+from roles.messages import Activation, NextTokens, SegmentMeta, Token, WireError
+
+DIM = 8
+
+
+@pytest.mark.parametrize("kind, limit", [
+    (frames.ACTIVATION, 17 + frames.MAX_FRAME_ROWS * DIM * 4 + frames.MAX_FRAME_META),
+    (frames.NEXT_TOKENS, 17 + frames.MAX_FRAME_META), (frames.END, 17 + frames.MAX_FRAME_META),
+    (frames.HEARTBEAT, 17), (9, 17)])
+def test_a_frame_of_each_kind_is_limited_to_what_the_model_can_send(kind, limit):
+    assert frames.frame_limit(kind, DIM) == limit
+
+
+@pytest.mark.parametrize("kind, size", [(frames.ACTIVATION, 1 << 30), (frames.NEXT_TOKENS, (16 << 20) + 18),
+                                        (frames.HEARTBEAT, 18), (frames.END, 1 << 31)])
+def test_a_header_claiming_more_than_its_limit_is_refused_before_its_body_is_buffered(kind, size):
+    reader = frames.FrameReader(DIM)
+    reader.feed(frames.HEADER.pack(size, kind, 1, 0.0))  # the header alone: nothing of the body sent yet
+    with pytest.raises(WireError, match="outside"):
+        list(reader.frames())
+
+
+def test_a_frame_at_its_limit_is_taken():
+    act = Activation.of([(SegmentMeta("r", 5, frames.MAX_FRAME_ROWS), b"\0" * frames.MAX_FRAME_ROWS * DIM * 4)])
+    reader = frames.FrameReader(DIM)
+    reader.feed(frames.encode(act, 1, 0.0))
+    [(seq, _, got)] = list(reader.frames())
+    assert seq == 1 and got == act
+
+
+def act(rid, position, rows):
+    return Activation.of([(SegmentMeta(rid, position, rows), bytes(range(rows)) * 4)])  # 4 bytes a row
+
+
+@pytest.mark.parametrize("rows, max_rows, frames_rows", [
+    ([3, 3], 8, [6]), ([3, 3, 3], 6, [6, 3]), ([10], 4, [4, 4, 2]), ([2, 7], 4, [2, 4, 3]), ([4, 4], 4, [4, 4])])
+def test_a_senders_activations_are_merged_and_cut_to_fit_a_frame(rows, max_rows, frames_rows):
+    messages = [act(f"r{i}", 5, n) for i, n in enumerate(rows)]  # rows after a request's first
+    out = coalesce(messages, max_rows=max_rows)
+    assert [m.meta.rows for m in out] == frames_rows
+    pieces = [p for m in out for p in m.split()]
+    for rid in {s.request_id for m in messages for s in m.meta.segments}:  # each request's rows, in order
+        mine = [(s, h) for s, h in pieces if s.request_id == rid]
+        assert [s.position for s, _ in mine] == list(itertools.accumulate([5] + [s.seq_len for s, _ in mine][:-1]))
+        assert b"".join(h for _, h in mine) == next(m.hidden for m in messages if m.meta.segments[0].request_id == rid)
+
+
+@pytest.mark.parametrize("counts, max_tokens, sizes", [([2, 2], 4, [4]), ([3, 3], 4, [3, 3]), ([9], 4, [4, 4, 1])])
+def test_a_senders_tokens_are_merged_and_cut_to_fit_a_frame(counts, max_tokens, sizes):
+    messages = [NextTokens(tuple(Token(f"r{i}{j}", 1, 5, False) for j in range(n))) for i, n in enumerate(counts)]
+    out = coalesce(messages, max_tokens=max_tokens)
+    assert [len(m.tokens) for m in out] == sizes
+    assert [t for m in out for t in m.tokens] == [t for m in messages for t in m.tokens]
+
+
+@pytest.mark.parametrize("reading, limit, refused", [(0, 32, False), (31, 32, False), (32, 32, True), (40, 32, True)])
+def test_a_receiver_reads_a_bounded_number_of_link_streams(reading, limit, refused):
+    why = inbound_link_refusal(reading, limit)
+    assert (why is not None) == refused and (why is None or f"({limit})" in why)
+
+
+@pytest.mark.parametrize("source, link", [("pp-stage-1", "from pp-stage-1"), ("pp-stage-9", hops.OTHER),
+                                         ("x" * 64, hops.OTHER), ("", hops.OTHER)])
+def test_hop_figures_are_labelled_only_by_the_chains_stages(source, link):
+    assert hops.source_link(source, frozenset({"pp-stage-0", "pp-stage-1", "pp-stage-2"})) == link
