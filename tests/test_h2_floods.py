@@ -65,7 +65,8 @@ def test_window_updates_then_pings_spend_what_the_servers_data_earned(earned, up
     (frame(0, b"x" * 40, stream_id=1), {Kind.DATA: 1}),
     (frame(0, b"\x03abc", flags=0x8, stream_id=1), {Kind.EMPTY_DATA: 1}),  # padding only
     (frame(0, b"\x02abc", flags=0x8, stream_id=1), {Kind.DATA: 1}),  # one byte of data
-    (frame(1, b"h" * 30, flags=4, stream_id=1) + frame(3, b"\0" * 4, stream_id=1), {}),  # HEADERS, RST_STREAM
+    (frame(1, b"h" * 30, flags=4, stream_id=1) + frame(3, b"\0" * 4, stream_id=1), {Kind.HEADERS: 1}),  # RST: none
+    (frame(9, b"h" * 3, flags=4, stream_id=1) + frame(7, b"\0" * 8), {}),  # CONTINUATION, GOAWAY
     (frame(0x42, b"?" * 3), {Kind.UNKNOWN: 1}),
 ])
 def test_a_chunk_is_counted_by_kind_from_its_frame_headers(data, kinds):
@@ -96,6 +97,12 @@ def test_window_updates_the_servers_data_explains_never_count_and_others_do():
         assert budget.charge(collections.Counter({Kind.WINDOW_UPDATE: 2000}), float(second)) is None
     assert budget.charge(collections.Counter({Kind.WINDOW_UPDATE: LIMITS[Kind.WINDOW_UPDATE].burst}), 3600.0) is None
     assert budget.charge(collections.Counter({Kind.WINDOW_UPDATE: 1}), 3600.0) is not None
+
+
+def test_each_stream_a_client_opens_earns_the_window_update_that_opens_its_window():
+    budget = ControlBudget(0.0)  # as httpx: 100 requests at once on a new connection, each with its window
+    assert budget.charge(collections.Counter({Kind.HEADERS: 100, Kind.WINDOW_UPDATE: 101}), 0.0) is None
+    assert budget.charge(collections.Counter({Kind.WINDOW_UPDATE: LIMITS[Kind.WINDOW_UPDATE].burst}), 0.0) is not None
 
 
 def test_credit_is_banked_only_up_to_a_cap():
@@ -189,22 +196,59 @@ def _streaming_app() -> QuartTrio:
                 yield b"x" * PIECE
         return pieces(), 200, {"content-type": "text/event-stream"}
 
+    @app.get("/ok")
+    async def ok():
+        return b"ok"
+
     @app.post("/echo")
     async def echo():
         return await request.get_data()
     return app
 
 
-async def test_a_long_streamed_answer_and_many_requests_on_one_h2_connection_are_never_calmed(nursery):
+async def test_a_long_streamed_answer_and_many_concurrent_requests_on_one_h2_connection_are_never_calmed(nursery):
     h2_guard.install()  # as make_app does
     port = await nursery.start(serve_app, _streaming_app(), "127.0.0.1", 0)
     calmed = sum(h2_guard.CALMED.values())
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", http1=False, http2=True, timeout=30) as client:
+        async with trio.open_nursery() as requests:  # httpx opens each stream's window: a WINDOW_UPDATE apiece,
+            for i in range(300):                        # 100 at once (the streams hypercorn allows) on a new connection
+                requests.start_soon(_echoed, client, b"%d" % i)
         for _ in range(2):  # ~500 WINDOW_UPDATEs from httpx: far past the unearned burst, all earned
             async with client.stream("GET", "/long") as r:
                 assert r.http_version == "HTTP/2"
                 assert sum([len(piece) async for piece in r.aiter_raw()]) == STREAMED_BYTES
-        for i in range(300):
-            assert (await client.post("/echo", content=b"%d" % i)).content == b"%d" % i
     assert sum(h2_guard.CALMED.values()) == calmed
     nursery.cancel_scope.cancel()
+
+
+async def _echoed(client: httpx.AsyncClient, body: bytes) -> None:
+    assert (await client.post("/echo", content=body)).content == body
+
+
+async def test_a_hundred_requests_at_once_each_opening_its_window_are_never_calmed(nursery):
+    h2_guard.install()
+    port = await nursery.start(serve_app, _streaming_app(), "127.0.0.1", 0)
+    conn = _client()
+    conn.increment_flow_control_window(2 ** 24)  # as httpx does: the connection's window, then each stream's
+    headers = [(b":method", b"GET"), (b":path", b"/ok"), (b":scheme", b"http"), (b":authority", b"node")]
+    async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+        for _ in range(3):
+            for _ in range(100):  # the streams hypercorn allows at once
+                sid = conn.get_next_available_stream_id()
+                conn.send_headers(sid, headers, end_stream=True)
+                conn.increment_flow_control_window(2 ** 24, stream_id=sid)
+            await stream.send_all(conn.data_to_send())
+            assert await _ended(stream, conn, 100) == 100
+
+
+async def _ended(stream, conn, streams: int) -> int:
+    """Read until `streams` answers have ended (or the connection does): how many ended."""
+    ended = 0
+    with trio.fail_after(10):
+        while ended < streams and (data := await stream.receive_some()):
+            for event in conn.receive_data(data):
+                assert not isinstance(event, h2.events.ConnectionTerminated), event
+                ended += isinstance(event, h2.events.StreamEnded)
+            await stream.send_all(conn.data_to_send())
+    return ended

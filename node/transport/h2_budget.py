@@ -13,10 +13,11 @@ reconnecting one on each new connection, while a client that pings every second 
 
 WINDOW_UPDATE is special: a client that reads a long answer grants credit as it goes, up to one
 WINDOW_UPDATE for the stream and one for the connection per DATA frame the server sent (h2 clients such as
-httpx send fewer, one per half window). So each DATA frame the server sends earns that client
-`EARNED_PER_DATA` WINDOW_UPDATEs (or PINGs: gRPC-style clients probe bandwidth with one per burst of data),
-and only frames beyond what it earned draw on the bucket. A streamed answer read for hours is never
-calmed; a flood of grants the server's data does not explain is.
+httpx send fewer, one per half window); and httpx opens each new stream's window with one as it sends the
+request. So each DATA frame the server sends earns that client `EARNED_PER_DATA` WINDOW_UPDATEs (or PINGs:
+gRPC-style clients probe bandwidth with one per burst of data), each stream it opens (a HEADERS frame)
+`EARNED_PER_STREAM`, and only frames beyond what it earned draw on the bucket. A streamed answer read for
+hours, or 100 requests sent at once, is never calmed; a flood of grants nothing explains is.
 
 Pure: no I/O, no clock of its own (the caller passes `now`).
 """
@@ -42,7 +43,8 @@ class Kind(enum.Enum):
     EMPTY_DATA = "empty DATA"  # no payload and no END_STREAM
     WINDOW_UPDATE = "WINDOW_UPDATE"
     UNKNOWN = "unknown-type"  # extension frames h2 parses and drops
-    DATA = "DATA"  # any DATA frame: not budgeted, counted for WINDOW_UPDATE credit
+    DATA = "DATA"  # any DATA frame: not budgeted; each we send earns credit
+    HEADERS = "HEADERS"  # not budgeted here (a stream's cost is the reset budget's); each received earns credit
 
     @classmethod
     def of(cls, kind: int, flags: int, payload: int) -> Kind | None:
@@ -52,7 +54,7 @@ class Kind(enum.Enum):
         return _BY_TYPE.get(kind, cls.UNKNOWN if kind > 0x9 else None)
 
 
-_BY_TYPE = {0x2: Kind.PRIORITY, 0x4: Kind.SETTINGS, 0x6: Kind.PING, 0x8: Kind.WINDOW_UPDATE, 0x10: Kind.PRIORITY}
+_BY_TYPE = {0x1: Kind.HEADERS, 0x2: Kind.PRIORITY, 0x4: Kind.SETTINGS, 0x6: Kind.PING, 0x8: Kind.WINDOW_UPDATE, 0x10: Kind.PRIORITY}
 
 
 @attrs.frozen
@@ -70,6 +72,7 @@ LIMITS = {
     Kind.UNKNOWN: Rate(100, 10.0),
 }
 EARNED_PER_DATA = 2  # the stream's WINDOW_UPDATE and the connection's, for each DATA frame we send
+EARNED_PER_STREAM = 1  # the window a client opens for the answer as it sends a request
 EARNED_CAP = 100_000  # credit a connection may bank: hours of reading, not an unbounded licence
 EARNS = (Kind.WINDOW_UPDATE, Kind.PING)  # the kinds that may spend what our DATA earned, in this order
 
@@ -109,6 +112,7 @@ class ControlBudget:
 
     def charge(self, received: collections.Counter, now: float) -> str | None:
         """Take a chunk's frames; why the connection is past its budget, or None."""
+        self.earned = min(EARNED_CAP, self.earned + EARNED_PER_STREAM * received[Kind.HEADERS])
         self.earned, counts = spend_earned(self.earned, received)
         why = None
         for kind, rate in self.limits.items():
