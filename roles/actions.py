@@ -127,6 +127,23 @@ def admit_segments(held: dict[str, Held], queue: StageQueue, act: Activation, st
     return taken
 
 
+def each_segment(taken: list[tuple], take: Callable[[SegmentMeta, bytes], None],
+                 fail: Callable[[str, str], list]) -> list:
+    """Middle and last stages: take each admitted segment on its own; one whose taking raises fails its
+    request alone (`fail(request_id, error)`: reported to stage 0, which ends it everywhere), and the
+    message's other requests go on. Returns what the failures send."""
+    actions, failed = [], set()
+    for s, hidden in taken:
+        if s.request_id in failed:
+            continue  # its later rows: the request is over here
+        try:
+            take(s, hidden)
+        except Exception as exc:  # noqa: BLE001 - whatever it is, it is this request's
+            failed.add(s.request_id)
+            actions += fail(s.request_id, f"could not take its rows: {type(exc).__name__}: {exc}")
+    return actions
+
+
 class Entries:
     """Middle and last stages: which stage 0 owns each request held here (RequestStart.entry). When a start
     from another stage 0 arrives, the one before was replaced and its requests are gone with it: they are

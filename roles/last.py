@@ -17,7 +17,8 @@ from worker.sampling import GREEDY, stop_set
 from worker.stage import StepItem
 from worker.stopping import generation_done
 
-from .actions import Entries, Held, Reply, Send, admit_segments, compute, error_reply, failure, from_cache, wrong_role
+from .actions import (Entries, Held, Reply, Send, admit_segments, compute, each_segment, error_reply, failure,
+                      from_cache, wrong_role)
 from .downstream import DownstreamActor
 from .messages import Activation, EndRequest, InferenceResponse, NextTokens, RequestStart, Token
 from .schedule import StageQueue, Step, Unit
@@ -75,19 +76,20 @@ class LastActor(DownstreamActor):
             raise wrong_role(self.stage, self.role, msg)
         if (msg := self.entries.admit(msg)) is None:
             return []
-        for s, hidden in admit_segments(self.expected, self.queue, msg, self.stage):
-            if s.start is not None:
-                if s.generation > 0:  # a replay: the slot of the earlier life is overwritten
-                    self.queue.restart(s.request_id)
-                now = self.clock()
-                self.progress[s.request_id] = _Progress(s.start, list(s.start.replayed), [0.0] * self.num_stages,
-                                                        stop_set(self.stop_ids, s.start.sampling),
-                                                        now, [now] * len(s.start.replayed))
-            prefill = self.progress[s.request_id].start.prefill_len
-            self.queue.add(Unit(s.request_id, s.position, s.seq_len, s.position >= prefill, hidden=hidden,
-                                stage_ms=s.stage_ms, start=s.start, sample=s.position + s.seq_len >= prefill,
-                                generation=s.generation))
-        return []
+        return each_segment(admit_segments(self.expected, self.queue, msg, self.stage), self._take, self._fail)
+
+    def _take(self, s, hidden: bytes) -> None:
+        if s.start is not None:
+            if s.generation > 0:  # a replay: the slot of the earlier life is overwritten
+                self.queue.restart(s.request_id)
+            now = self.clock()
+            self.progress[s.request_id] = _Progress(s.start, list(s.start.replayed), [0.0] * self.num_stages,
+                                                    stop_set(self.stop_ids, s.start.sampling),
+                                                    now, [now] * len(s.start.replayed))
+        prefill = self.progress[s.request_id].start.prefill_len
+        self.queue.add(Unit(s.request_id, s.position, s.seq_len, s.position >= prefill, hidden=hidden,
+                            stage_ms=s.stage_ms, start=s.start, sample=s.position + s.seq_len >= prefill,
+                            generation=s.generation))
 
     def finish(self, step: Step, outcome) -> list:
         results, ms = outcome
@@ -206,8 +208,9 @@ class LastActor(DownstreamActor):
     def _fail(self, request_id: str, error: str) -> list:
         """Computing the request failed: report it to stage 0, which ends it everywhere (never replaying it)
         and tells the asker."""
-        self.failed_reply_to[request_id] = self.progress[request_id].start.reply_to
-        generation = self.expected[request_id].generation
+        prog, held = self.progress.get(request_id), self.expected.get(request_id)
+        self.failed_reply_to[request_id] = prog.start.reply_to if prog is not None else None
+        generation = held.generation if held is not None else 0
         self._end_here(request_id)
         return [Send(self.feedback, failure(request_id, self.stage, error, generation, poison=True))]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from worker.partition import Role
 from worker.stage import StepItem
 
-from .actions import (Entries, Held, Send, admit_segments, compute, error_reply, failure, from_cache, lost, pass_on,
-                      wrong_role)
+from .actions import (Entries, Held, Send, admit_segments, compute, each_segment, error_reply, failure, from_cache,
+                      lost, pass_on, wrong_role)
 from .downstream import DownstreamActor
 from .messages import Activation, EndReason, EndRequest
 from .schedule import StageQueue, Step, Unit
@@ -36,16 +36,17 @@ class MiddleActor(DownstreamActor):
             raise wrong_role(self.stage, self.role, msg)
         if (msg := self.entries.admit(msg)) is None:
             return []
-        for s, hidden in admit_segments(self.expected, self.queue, msg, self.stage):
-            if s.start is not None:
-                if s.generation > 0:  # a replay: the slot of the earlier life is overwritten
-                    self.queue.restart(s.request_id)
-                self.reply_to[s.request_id] = s.start.reply_to
-                self.prompt_len[s.request_id] = s.start.prefill_len
-            decode = s.position >= self.prompt_len[s.request_id]
-            self.queue.add(Unit(s.request_id, s.position, s.seq_len, decode, hidden=hidden, stage_ms=s.stage_ms,
-                                start=s.start, generation=s.generation))
-        return []
+        return each_segment(admit_segments(self.expected, self.queue, msg, self.stage), self._take, self._fail)
+
+    def _take(self, s, hidden: bytes) -> None:
+        if s.start is not None:
+            if s.generation > 0:  # a replay: the slot of the earlier life is overwritten
+                self.queue.restart(s.request_id)
+            self.reply_to[s.request_id] = s.start.reply_to
+            self.prompt_len[s.request_id] = s.start.prefill_len
+        decode = s.position >= self.prompt_len[s.request_id]
+        self.queue.add(Unit(s.request_id, s.position, s.seq_len, decode, hidden=hidden, stage_ms=s.stage_ms,
+                            start=s.start, generation=s.generation))
 
     def finish(self, step: Step, outcome) -> list:
         return pass_on(step, outcome, dest=self.next, live=self.is_live, refused=self._refused)

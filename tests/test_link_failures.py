@@ -5,13 +5,18 @@ message, of the link and of the stage goes on; no slot stays held."""
 import pytest
 import trio
 
+import roles.actions
+import roles.last
+import roles.middle
+
 from cluster import slow_stub, start_cluster, stub_tokens
 from roles import make_actor
 from roles.actions import Progress, Refused, Reply, Send
 from roles.first import FirstActor
-from roles.messages import EndReason, EndRequest, InferenceRequest, NextTokens, Token
+from roles.messages import (Activation, EndReason, EndRequest, InferenceRequest, NextTokens, RequestStart, SegmentMeta,
+                            Token)
 from worker.models import open_worker, stub_model
-from worker.sampling import Sampling
+from worker.sampling import GREEDY, Sampling
 
 from test_hostile_requests import health, until_idle
 
@@ -105,3 +110,25 @@ async def test_a_request_failing_at_stage_0_over_a_link_fails_alone_and_eight_ot
             assert r.error is None and list(r.token_ids) == stub_tokens(prompt, 12), i
         await until_idle(urls)
     nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_segment_a_later_stage_cannot_take_fails_its_request_alone(stage, monkeypatch):
+    """Taking one request's rows raises at a middle or the last stage: that request is reported failed to
+    stage 0 and ended here; the other request of the same activation is queued as ever."""
+    real = roles.middle.Unit
+
+    def unit(request_id, *args, **kw):
+        if request_id == "poison":
+            raise RuntimeError("injected: this request's rows cannot be queued")
+        return real(request_id, *args, **kw)
+    monkeypatch.setattr(roles.middle if stage == 1 else roles.last, "Unit", unit)
+    w = open_worker(stub_model(), stage, N)
+    actor, dim = make_actor(stage, N, w), w.info.hidden_dim
+    start = RequestStart(4, GREEDY, (3, 4, 5), "http://runner")
+    segs = [(SegmentMeta(rid, 0, 3, (1.0,) * stage, start), b"\0" * 3 * dim * 4) for rid in ("poison", "good")]
+    [send] = actor.admit(Activation.of(segs))
+    assert send.dest == "pp-stage-0" and send.message.request_id == "poison"
+    assert send.message.reason is EndReason.FAILED and send.message.failed_stage == stage
+    assert "RuntimeError: injected" in send.message.error
+    assert [u.request_id for u in actor.queue.waiting] == ["good"] and set(actor.expected) == {"good"}
