@@ -6,9 +6,13 @@ import itertools
 import pytest
 
 from node.observe import hops
+from node.stage_node import StageNode
 from node.transport import frames
+from node.transport.app import make_app
+from node.transport.client import PeerClient
 from node.transport.links import coalesce
-from node.transport.streams import inbound_link_refusal
+from node.transport.streams import MAX_INBOUND_LINKS, LinkReceiver, inbound_link_refusal
+from roles.actions import Refused
 from roles.messages import Activation, NextTokens, SegmentMeta, Token, WireError
 
 DIM = 8
@@ -74,3 +78,38 @@ def test_a_receiver_reads_a_bounded_number_of_link_streams(reading, limit, refus
                                          ("x" * 64, hops.OTHER), ("", hops.OTHER)])
 def test_hop_figures_are_labelled_only_by_the_chains_stages(source, link):
     assert hops.source_link(source, frozenset({"pp-stage-0", "pp-stage-1", "pp-stage-2"})) == link
+
+
+def test_senders_a_peer_makes_up_share_one_hop_label_in_hops_and_metrics():
+    node = StageNode(1, 3, PeerClient("t"), node_id="n", model_name="m")
+    for i in range(50):  # a header or a link's `from` names the sender: anything a peer likes
+        with pytest.raises(Refused):  # still loading: timed all the same, before the refusal
+            node.deliver(NextTokens((Token("r", 1, 5, False),)), source=f"made-up-{i}", sent_at=hops.now())
+    with pytest.raises(Refused):  # the chain's own stage keeps its label
+        node.deliver(NextTokens((Token("r", 1, 5, False),)), source="pp-stage-0", sent_at=hops.now())
+    assert set(node.hops.summary()) == {hops.OTHER, "from pp-stage-0"}
+    assert b"made-up" not in node.metrics.render() and b'hop="from other"' in node.metrics.render()
+
+
+class _Loaded:
+    loading, hidden_dim, swim, serving = False, DIM, None, True
+
+    def __init__(self, links_in):
+        self.links_in = links_in
+
+    def health(self):
+        return {}
+
+
+@pytest.mark.parametrize("reading, status", [(MAX_INBOUND_LINKS, 503), (MAX_INBOUND_LINKS - 1, 200)])
+async def test_past_the_inbound_link_cap_a_link_open_and_its_state_are_refused_with_503(reading, status):
+    links_in = LinkReceiver()
+    links_in.streams = reading
+    app = make_app(_Loaded(links_in), token="t", max_body_bytes=1 << 20, link_streams=True)
+    client, auth = app.test_client(), {"Authorization": "Bearer t"}
+    r = await client.get("/v1/link/abc", headers=auth)
+    assert r.status_code == status
+    if status == 503:
+        r = await client.post("/v1/link?link=abc&from=pp-stage-0", headers=auth, data=b"")
+        assert r.status_code == 503 and "link streams" in (await r.get_json())["error"]
+        assert r.headers["Retry-After"] == "1"
