@@ -19,7 +19,7 @@ from quart_trio import QuartTrio
 from cluster import start_cluster
 from node.transport import h2_budget, h2_guard
 from node.transport.app import serve_app
-from node.transport.h2_budget import LIMITS, Bucket, ControlBudget, FrameScan, Kind, Rate, drawn, spend_earned
+from node.transport.h2_budget import BUDGET, Bucket, ControlBudget, FrameScan, Kind, Rate, drawn, spend_earned
 
 FLOOD = 5_000  # frames: ten times the largest burst
 
@@ -43,16 +43,18 @@ def test_a_bucket_refills_at_its_rate_up_to_its_burst(tokens, elapsed, frames, l
     assert drawn(Bucket(tokens, 7.0), Rate(100, 10.0), 7.0 + elapsed, frames) == Bucket(left, 7.0 + elapsed)
 
 
-@pytest.mark.parametrize("earned, updates, pings, left, charged_updates, charged_pings", [
-    (0, 5, 0, 0, 5, 0),  # nothing sent, nothing earned
-    (10, 4, 0, 6, 0, 0),
-    (10, 12, 3, 0, 2, 3),  # WINDOW_UPDATE spends first
-    (10, 4, 3, 3, 0, 0),  # then PINGs (bandwidth probes) take what is left
+@pytest.mark.parametrize("earned, sent, left, charged", [
+    (0, (5, 0, 0), 0, (5, 0, 0)),  # nothing sent, nothing earned
+    (10, (4, 0, 0), 6, (0, 0, 0)),
+    (10, (12, 0, 3), 0, (2, 0, 3)),  # WINDOW_UPDATE spends first
+    (10, (4, 2, 3), 1, (0, 0, 0)),  # then PRIORITY, then PINGs (bandwidth probes)
+    (10, (4, 5, 3), 0, (0, 0, 2)),
+    (100, (0, 0, 0), 100, (0, 0, 0)),
 ])
-def test_window_updates_then_pings_spend_what_the_servers_data_earned(earned, updates, pings, left, charged_updates,
-                                                                      charged_pings):
-    remaining, counts = spend_earned(earned, collections.Counter({Kind.WINDOW_UPDATE: updates, Kind.PING: pings}))
-    assert (remaining, counts[Kind.WINDOW_UPDATE], counts[Kind.PING]) == (left, charged_updates, charged_pings)
+def test_window_updates_then_priority_then_pings_spend_what_was_earned(earned, sent, left, charged):
+    kinds = (Kind.WINDOW_UPDATE, Kind.PRIORITY, Kind.PING)
+    remaining, counts = spend_earned(earned, collections.Counter(dict(zip(kinds, sent))))
+    assert (remaining, tuple(counts[kind] for kind in kinds)) == (left, charged)
 
 
 @pytest.mark.parametrize("data, kinds", [
@@ -83,11 +85,19 @@ def test_frames_split_across_chunks_anywhere_are_counted_once(cut):
 
 def test_a_connection_is_past_its_budget_one_frame_past_the_burst_and_refilled_in_time():
     budget = ControlBudget(0.0)
-    assert budget.charge(collections.Counter({Kind.PING: LIMITS[Kind.PING].burst}), 0.0) is None
-    assert budget.charge(collections.Counter({Kind.PING: 1}), 0.0).startswith("PING frames past their budget")
+    assert budget.charge(collections.Counter({Kind.PING: BUDGET.burst}), 0.0) is None
+    assert budget.charge(collections.Counter({Kind.PING: 1}), 0.0).startswith("control frames past the budget")
     budget = ControlBudget(0.0)
     for second in range(1, 3600):  # a ping a second for an hour, and a SETTINGS a minute
         assert budget.charge(collections.Counter({Kind.PING: 1, Kind.SETTINGS: second % 60 == 0}), second) is None
+
+
+@pytest.mark.parametrize("kinds", [(Kind.PING, Kind.SETTINGS), (Kind.EMPTY_DATA, Kind.UNKNOWN),
+                                   (Kind.PRIORITY, Kind.WINDOW_UPDATE)])
+def test_kinds_share_one_budget_so_mixing_them_buys_nothing(kinds):
+    half = collections.Counter({kind: BUDGET.burst // 2 for kind in kinds})
+    assert ControlBudget(0.0).charge(half, 0.0) is None
+    assert ControlBudget(0.0).charge(half + collections.Counter({kinds[0]: 1}), 0.0) is not None
 
 
 def test_window_updates_the_servers_data_explains_never_count_and_others_do():
@@ -95,14 +105,16 @@ def test_window_updates_the_servers_data_explains_never_count_and_others_do():
     for second in range(3600):  # an hour of a streamed answer: a grant per DATA frame, on stream and connection
         budget.earn(collections.Counter({Kind.DATA: 1000}))
         assert budget.charge(collections.Counter({Kind.WINDOW_UPDATE: 2000}), float(second)) is None
-    assert budget.charge(collections.Counter({Kind.WINDOW_UPDATE: LIMITS[Kind.WINDOW_UPDATE].burst}), 3600.0) is None
+    assert budget.charge(collections.Counter({Kind.WINDOW_UPDATE: BUDGET.burst}), 3600.0) is None
     assert budget.charge(collections.Counter({Kind.WINDOW_UPDATE: 1}), 3600.0) is not None
 
 
 def test_each_stream_a_client_opens_earns_the_window_update_that_opens_its_window():
     budget = ControlBudget(0.0)  # as httpx: 100 requests at once on a new connection, each with its window
     assert budget.charge(collections.Counter({Kind.HEADERS: 100, Kind.WINDOW_UPDATE: 101}), 0.0) is None
-    assert budget.charge(collections.Counter({Kind.WINDOW_UPDATE: LIMITS[Kind.WINDOW_UPDATE].burst}), 0.0) is not None
+    assert budget.earned == h2_budget.EARNED_PER_STREAM * 100 - 101
+    assert budget.charge(collections.Counter({Kind.WINDOW_UPDATE: budget.earned + BUDGET.burst}), 0.0) is None
+    assert budget.charge(collections.Counter({Kind.WINDOW_UPDATE: 1}), 0.0) is not None
 
 
 def test_credit_is_banked_only_up_to_a_cap():
@@ -206,18 +218,19 @@ def _streaming_app() -> QuartTrio:
     return app
 
 
-async def test_a_long_streamed_answer_and_many_concurrent_requests_on_one_h2_connection_are_never_calmed(nursery):
+async def test_a_long_streamed_answer_and_many_concurrent_requests_on_one_h2_connection_each_are_never_calmed(nursery):
     h2_guard.install()  # as make_app does
-    port = await nursery.start(serve_app, _streaming_app(), "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{await nursery.start(serve_app, _streaming_app(), '127.0.0.1', 0)}"
     calmed = sum(h2_guard.CALMED.values())
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", http1=False, http2=True, timeout=30) as client:
-        async with trio.open_nursery() as requests:  # httpx opens each stream's window: a WINDOW_UPDATE apiece,
-            for i in range(300):                        # 100 at once (the streams hypercorn allows) on a new connection
-                requests.start_soon(_echoed, client, b"%d" % i)
-        for _ in range(2):  # ~500 WINDOW_UPDATEs from httpx: far past the unearned burst, all earned
+    async with httpx.AsyncClient(base_url=url, http1=False, http2=True, timeout=30) as client:
+        for _ in range(2):  # ~500 WINDOW_UPDATEs from httpx: far past the burst, all earned by our DATA
             async with client.stream("GET", "/long") as r:
                 assert r.http_version == "HTTP/2"
                 assert sum([len(piece) async for piece in r.aiter_raw()]) == STREAMED_BYTES
+    async with httpx.AsyncClient(base_url=url, http1=False, http2=True, timeout=30) as client:
+        async with trio.open_nursery() as requests:  # httpx opens each stream's window: a WINDOW_UPDATE apiece,
+            for i in range(300):                        # 100 at once (the streams hypercorn allows) on a new connection
+                requests.start_soon(_echoed, client, b"%d" % i)
     assert sum(h2_guard.CALMED.values()) == calmed
     nursery.cancel_scope.cancel()
 
@@ -252,3 +265,27 @@ async def _ended(stream, conn, streams: int) -> int:
                 ended += isinstance(event, h2.events.StreamEnded)
             await stream.send_all(conn.data_to_send())
     return ended
+
+
+async def test_a_long_answer_read_by_a_client_granting_credit_as_h2_does_is_never_calmed(nursery):
+    """h2's own client keeps the default 64 KiB windows and grants credit per half window read, on the stream
+    and the connection: ~500 WINDOW_UPDATEs for 8 MiB, each explained by our DATA."""
+    h2_guard.install()
+    port = await nursery.start(serve_app, _streaming_app(), "127.0.0.1", 0)
+    conn, got = _client(), 0
+    conn.send_headers(1, [(b":method", b"GET"), (b":path", b"/long"), (b":scheme", b"http"), (b":authority", b"node")],
+                      end_stream=True)
+    async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+        await stream.send_all(conn.data_to_send())
+        with trio.fail_after(30):
+            while data := await stream.receive_some():
+                events = conn.receive_data(data)
+                for event in events:
+                    assert not isinstance(event, h2.events.ConnectionTerminated), event
+                    if isinstance(event, h2.events.DataReceived):
+                        got += len(event.data)
+                        conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                await stream.send_all(conn.data_to_send())
+                if any(isinstance(event, h2.events.StreamEnded) for event in events):
+                    break
+    assert got == STREAMED_BYTES

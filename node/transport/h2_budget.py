@@ -7,16 +7,16 @@ frames). So each received chunk is counted here before h2 sees a byte of it: `Fr
 9-byte frame headers (and a padded DATA frame's pad length), and `ControlBudget.charge` says whether the
 chunk takes the connection past its budget; if it does, not one frame of the chunk is parsed.
 
-The budget is a token bucket per kind of frame (`LIMITS`): a burst a connection may send at once, refilled
-at a rate, so a flooder is caught within its first chunk (a 64 KiB read holds ~3,800 PINGs) and a
-reconnecting one on each new connection, while a client that pings every second for hours never is.
+The budget is one token bucket for all these kinds together (`BUDGET`): a burst a connection may send at
+once, refilled at a rate, so a flooder is caught within its first chunk (a 64 KiB read holds ~3,800 PINGs)
+and a reconnecting one on each new connection, while a client that pings every second for hours never is.
 
-WINDOW_UPDATE is special: a client that reads a long answer grants credit as it goes, up to one
+WINDOW_UPDATE (and PRIORITY) are special: a client that reads a long answer grants credit as it goes, up to one
 WINDOW_UPDATE for the stream and one for the connection per DATA frame the server sent (h2 clients such as
 httpx send fewer, one per half window); and httpx opens each new stream's window with one as it sends the
 request. So each DATA frame the server sends earns that client `EARNED_PER_DATA` WINDOW_UPDATEs (or PINGs:
 gRPC-style clients probe bandwidth with one per burst of data), each stream it opens (a HEADERS frame)
-`EARNED_PER_STREAM`, and only frames beyond what it earned draw on the bucket. A streamed answer read for
+`EARNED_PER_STREAM` (its window and a PRIORITY), and only frames beyond what it earned draw on the bucket. A streamed answer read for
 hours, or 100 requests sent at once, is never calmed; a flood of grants nothing explains is.
 
 Pure: no I/O, no clock of its own (the caller passes `now`).
@@ -63,18 +63,15 @@ class Rate:
     per_s: float  # and then this many a second
 
 
-LIMITS = {
-    Kind.PING: Rate(100, 10.0),  # a keep-alive ping is one every few seconds
-    Kind.SETTINGS: Rate(100, 10.0),  # one at the start, an ACK per SETTINGS of ours (we send one)
-    Kind.PRIORITY: Rate(500, 50.0),  # browsers send a few per page, some one per stream
-    Kind.EMPTY_DATA: Rate(100, 10.0),  # an empty chunk of a streamed body, now and then
-    Kind.WINDOW_UPDATE: Rate(100, 10.0),  # beyond those our DATA earned: opening the windows at the start
-    Kind.UNKNOWN: Rate(100, 10.0),
-}
+# Control frames nothing explains, all kinds together: a client's SETTINGS and its ACK of ours, a keep-alive
+# PING every few seconds, now and then an empty chunk of a streamed body. One bucket, not one per kind, so
+# that a flooder cannot mix kinds for six budgets' worth.
+BUDGET = Rate(100, 10.0)
+BUDGETED = (Kind.PING, Kind.SETTINGS, Kind.PRIORITY, Kind.EMPTY_DATA, Kind.WINDOW_UPDATE, Kind.UNKNOWN)
 EARNED_PER_DATA = 2  # the stream's WINDOW_UPDATE and the connection's, for each DATA frame we send
-EARNED_PER_STREAM = 1  # the window a client opens for the answer as it sends a request
-EARNED_CAP = 100_000  # credit a connection may bank: hours of reading, not an unbounded licence
-EARNS = (Kind.WINDOW_UPDATE, Kind.PING)  # the kinds that may spend what our DATA earned, in this order
+EARNED_PER_STREAM = 2  # the window a client opens for the answer as it sends a request, and its PRIORITY
+EARNED_CAP = 4096  # credit a connection may bank: DATA frames still to be acknowledged, not a licence to flood
+EARNS = (Kind.WINDOW_UPDATE, Kind.PRIORITY, Kind.PING)  # the kinds credit pays for, in this order
 
 
 @attrs.frozen
@@ -91,7 +88,7 @@ def drawn(bucket: Bucket, rate: Rate, now: float, frames: int) -> Bucket:
 
 
 def spend_earned(earned: int, counts: collections.Counter) -> tuple[int, collections.Counter]:
-    """Pay for WINDOW_UPDATEs (then PINGs) from credit our DATA earned: (credit left, what still counts)."""
+    """Pay for WINDOW_UPDATEs, then PRIORITY, then PINGs from credit: (credit left, what still counts)."""
     left = collections.Counter(counts)
     for kind in EARNS:
         paid = min(earned, left[kind])
@@ -100,12 +97,10 @@ def spend_earned(earned: int, counts: collections.Counter) -> tuple[int, collect
 
 
 class ControlBudget:
-    """One connection's buckets and earned credit; `charge` each received chunk's counts, `earn` each sent one's."""
+    """One connection's bucket and earned credit; `charge` each received chunk's counts, `earn` each sent one's."""
 
-    def __init__(self, now: float, limits: dict[Kind, Rate] = LIMITS):
-        self.limits = limits
-        self.buckets = {kind: Bucket(float(rate.burst), now) for kind, rate in limits.items()}
-        self.earned = 0
+    def __init__(self, now: float, rate: Rate = BUDGET):
+        self.rate, self.bucket, self.earned = rate, Bucket(float(rate.burst), now), 0
 
     def earn(self, sent: collections.Counter) -> None:
         self.earned = min(EARNED_CAP, self.earned + EARNED_PER_DATA * sent[Kind.DATA])
@@ -114,14 +109,15 @@ class ControlBudget:
         """Take a chunk's frames; why the connection is past its budget, or None."""
         self.earned = min(EARNED_CAP, self.earned + EARNED_PER_STREAM * received[Kind.HEADERS])
         self.earned, counts = spend_earned(self.earned, received)
-        why = None
-        for kind, rate in self.limits.items():
-            if counts[kind]:
-                self.buckets[kind] = drawn(self.buckets[kind], rate, now, counts[kind])
-                if self.buckets[kind].tokens < 0 and why is None:
-                    why = (f"{kind.value} frames past their budget ({rate.burst} at once, {rate.per_s:g}/s"
-                           f"{' beyond what our DATA earned' if kind in EARNS else ''})")
-        return why
+        frames = sum(counts[kind] for kind in BUDGETED)
+        if not frames:
+            return None
+        self.bucket = drawn(self.bucket, self.rate, now, frames)
+        if self.bucket.tokens >= 0:
+            return None
+        what = ", ".join(f"{counts[kind]} {kind.value}" for kind in BUDGETED if counts[kind])
+        return (f"control frames past the budget of {self.rate.burst} at once and {self.rate.per_s:g}/s beyond what"
+                f" its requests and our DATA explain ({what} in the slice that crossed it)")
 
 
 class FrameScan:

@@ -11,14 +11,14 @@ Frames that carry no request still cost: h2 parses each (~40 us on a loaded core
 PING or SETTINGS with an ACK, all on the event loop. PING or SETTINGS at ~190k/s from 8 connections, no
 token needed, stalled /health 2.4 s and got stage 0 declared dead. Go's net/http bounds the ACKs it has
 queued, nghttp2 likewise, Apache Traffic Server counts SETTINGS, PING and PRIORITY frames per minute;
-here each received chunk is counted before h2 parses it (node/transport/h2_budget.py: a token bucket
-per kind, from the frame headers alone, 2 KiB of the chunk at a time), and a connection past its budget
+here each received chunk is counted before h2 parses it (node/transport/h2_budget.py: one token bucket
+for all these kinds, from the frame headers alone, 2 KiB of the chunk at a time), and a connection past its budget
 gets GOAWAY ENHANCE_YOUR_CALM and is closed with the rest of the chunk unparsed: a flooder costs about a
-slice's count, and one that reconnects is calmed again within its first chunk. Limits (h2_budget.LIMITS):
-100 at once then 10/s each for PING, SETTINGS, empty DATA, unknown types and unearned WINDOW_UPDATE; 500
-then 50/s for PRIORITY. Each DATA frame the server sends earns 2 WINDOW_UPDATEs (or PINGs) and each stream
-the client opens 1 (httpx opens each stream's window so), banked up to 100,000: a client reading a long
-streamed answer, a peer's link stream for hours, or 100 requests sent at once is never calmed.
+slice's count, and one that reconnects is calmed again within its first chunk. The limit (h2_budget.BUDGET):
+100 such frames at once, then 10/s, all kinds together, beyond those the connection's own traffic explains:
+each DATA frame the server sends earns 2 WINDOW_UPDATEs (or PRIORITY, or PINGs) and each stream the client
+opens 2 (httpx opens each stream's window so), banked up to 4,096. A client reading a long streamed answer,
+a peer's link stream for hours, or 100 requests sent at once is never calmed.
 Calmed connections are counted in `CALMED` and logged sparsely (a reconnecting flooder is not a log flood).
 
 Rapid reset (CVE-2023-44487):
