@@ -16,6 +16,11 @@ are lost: the stages after it still hold those requests' beginnings, so a resent
 there twice (and a refused batch fails every request in it); their requests fail, naming it. So do they
 when the window no longer reaches back far enough. A receiver that refuses a frame reports the failure
 of its requests to stage 0 itself, since nobody reads its answer (StageNode.refused_on_link).
+
+A stream the receiver ends early (a malformed frame, a handler that failed) is reset by its HTTP/2 layer
+(node/transport/h2_early_answer.py); the sender sees the reset at its next write once its connection has
+read it, which a probe of the link's state each second makes sure of, and reopens: the frames after the
+last one the receiver delivered are resent. A receiver reads at most MAX_INBOUND_LINKS streams at once.
 """
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ MAX_INBOUND_LINKS = 32  # link streams a receiver reads at once; a stage's own p
 HEARTBEAT_AFTER_S = 0.25  # after a frame, if nothing follows: soon enough to resend it, rare enough to cost nothing
 HEARTBEAT_IDLE_S = 1.0
 PROBE_S = 1.0  # how soon a sender learns that its stream was reset: ~ a heartbeat's rhythm, one GET a second
+PROBE_TIMEOUT_S = 2.0  # the longest a probe holds up a link that is reopening
 
 
 class LinkLost(Exception):
@@ -150,13 +156,16 @@ class LinkStream:
         the stream early (a frame it could not take) resets it (node/transport/h2_early_answer.py), but httpcore
         reads a connection only for a request that waits on it, and the stream's own request reads nothing
         until its body is over: a reset would lie unread while frames went into a stream nobody reads. The
-        probe's read takes the reset in, and the stream's next write fails. Its answer is not needed."""
+        probe's read takes the reset in, and the stream's next write fails. Its answer is not needed.
+        A probe in flight is not cancelled, only bounded: httpcore's HTTP/2 can lose count of a connection's
+        streams when a request is cancelled mid-flight (see node/transport/client.py's gossip_client)."""
         while True:
             await trio.sleep(PROBE_S)
-            try:
-                await self._client.get(f"{addr}/v1/link/{self.link_id}")
-            except httpx.HTTPError:
-                pass  # the stream finds out for itself
+            with trio.CancelScope(shield=True):
+                try:
+                    await self._client.get(f"{addr}/v1/link/{self.link_id}", timeout=PROBE_TIMEOUT_S)
+                except httpx.HTTPError:
+                    pass  # the stream finds out for itself
 
     async def _stream(self, addr: str, resend: list, outbox: Outbox) -> None:
         url = f"{addr}/v1/link?link={self.link_id}&from={self.source}"
