@@ -6,7 +6,9 @@ Stage 0 itself is where clients connect: when it goes, their streams go with it;
 new requests, and the other stages free the slots of the old entry's requests (StageNode._follow_entry).
 
 A holder that was only frozen is not killed here: once it wakes it learns it was declared dead and exits
-by itself (node.main.step_aside_when_replaced); the run's teardown stops whatever is left."""
+by itself (node.main.step_aside_when_replaced); the run's teardown stops whatever is left. The exception is
+whatever `retire` does first: a local stage on a fixed port is stopped, so that its replacement can listen
+there (runner/ports.py). A retire that fails ends the run: no replacement could take the stage."""
 from __future__ import annotations
 
 from typing import Awaitable, Callable, Protocol, TypeVar
@@ -22,6 +24,14 @@ from .common import RunFailed
 
 T = TypeVar("T")
 REPLACE_ATTEMPTS = 3  # a replacement that dies before it is ready is retried; then the run fails
+
+
+class NotReady(RunFailed):
+    """A replacement that ended, or was not ready in time; it is retired before the next try."""
+
+    def __init__(self, holder: Holder, why: str):
+        super().__init__(f"{holder.url} {why} before it was ready")
+        self.holder = holder
 
 
 class Holder(Protocol):
@@ -90,11 +100,12 @@ async def _keep(swim, stage, holder, member_id, replace, ready_timeout_s, progre
         for _ in range(REPLACE_ATTEMPTS):
             attempt += 1
             try:
-                holder, member_id = await _start_ready(swim, stage, replace, attempt, ready_timeout_s, retired,
-                                                       retire)
+                holder, member_id = await _start_ready(swim, stage, replace, attempt, ready_timeout_s, retired)
                 break
             except (StageExited, RunFailed) as exc:
                 progress(f"stage {stage}: replacement {attempt} failed: {str(exc).splitlines()[0]}")
+                if isinstance(exc, NotReady) and retire is not None:
+                    await retire(exc.holder)  # outside the try: a retire that fails ends the run
         else:
             raise RunFailed(f"stage {stage} could not be replaced: {REPLACE_ATTEMPTS} replacements in a row "
                             f"failed (see the logs above)")
@@ -103,9 +114,9 @@ async def _keep(swim, stage, holder, member_id, replace, ready_timeout_s, progre
         on_replaced(stage, holder)
 
 
-async def _start_ready(swim, stage, replace, attempt, ready_timeout_s, retired, retire) -> tuple[Holder, str]:
-    """A new holder for the stage and its member id, once it is ready; RunFailed if it ends first or
-    takes too long (it is retired then)."""
+async def _start_ready(swim, stage, replace, attempt, ready_timeout_s, retired) -> tuple[Holder, str]:
+    """A new holder for the stage and its member id, once it is ready; NotReady if it ends first or takes too
+    long."""
     holder = await replace(stage, attempt)
 
     async def ready():
@@ -114,8 +125,5 @@ async def _start_ready(swim, stage, replace, attempt, ready_timeout_s, retired, 
     with trio.move_on_after(ready_timeout_s) as scope:
         outcome = await race(ready, holder.ended)
     if scope.cancelled_caught or isinstance(outcome, str):
-        if retire is not None:
-            await retire(holder)
-        why = f"not ready within {ready_timeout_s:.0f} s" if scope.cancelled_caught else outcome
-        raise RunFailed(f"{holder.url} {why} before it was ready")
+        raise NotReady(holder, f"not ready within {ready_timeout_s:.0f} s" if scope.cancelled_caught else outcome)
     return holder, outcome.id

@@ -2,7 +2,8 @@
 each non-first one with its predecessor as PEER_DIRECT; the runner is the gossip seed and pp-orchestrator. One nursery
 owns everything, so any failure — a child exiting, a timeout, a dead stage, a signal — stops it all.
 With --serve, once the cluster has converged a stage that dies is replaced instead (runner/keeper.py):
-a new process for the same stage, its log beside the first one's."""
+a new process for the same stage, its log beside the first one's; on a fixed port (stage 0 with --port)
+only once the old process is stopped and the port is free (runner/ports.py)."""
 from __future__ import annotations
 
 import functools
@@ -16,12 +17,14 @@ from typing import Callable
 import attrs
 import trio
 
+from node.config import LOOPBACK
 from .orchestrator import Orchestrator, run_orchestrator
 from worker.sampling import Sampling
 
 from .children import Child, child_env, log_tail, run_child
 from .common import RunFailed, RunResult, fail_on_signals, first_failure
 from .keeper import keep_stages, race
+from .ports import stop_and_free_port
 from .session import Use, announce_entry, answer_once, serve
 
 
@@ -69,7 +72,8 @@ async def run_seed(opts: SeedOptions, progress: Callable[[str], None], *, on_tex
                 holders = {c.stage: LocalHolder(c) for c in children}
                 await serve(orch, use, keep=functools.partial(
                     keep_stages, orch.swim, holders, replace, ready_timeout_s=opts.converge_timeout_s,
-                    progress=progress, on_replaced=functools.partial(announce_entry, use)))
+                    progress=progress, on_replaced=functools.partial(announce_entry, use),
+                    retire=functools.partial(_retire, opts, progress)))
             result = await answer_once(orch, use, converged=converged, started=started,
                                        num_stages=opts.num_stages, run_dir=run_dir)
             nursery.cancel_scope.cancel()  # done: stop every node
@@ -107,6 +111,23 @@ class LocalHolder:
         return f"(pid {self.child.process.pid}) exited with code {self.child.process.returncode}"
 
 
+def fixed_address(opts: SeedOptions, stage: int) -> tuple[str, int] | None:
+    """Where a stage must listen, if it is not a port of its own choosing: stage 0 with --port."""
+    if stage == 0 and opts.port is not None:
+        return (opts.host or LOOPBACK, opts.port)
+    return None
+
+
+async def _retire(opts: SeedOptions, progress: Callable[[str], None], holder: LocalHolder) -> None:
+    """Before a holder that is gone is replaced: on a fixed port, the old process is stopped and the port freed
+    (runner/ports.py), so that the replacement never races it; on any other port it is left to step aside."""
+    where = fixed_address(opts, holder.child.stage)
+    if where is not None:
+        took_s = await stop_and_free_port(holder.child.process, *where, grace_s=opts.grace_s, progress=progress)
+        progress(f"stage {holder.child.stage}: pid {holder.child.process.pid} stopped and {where[0]}:{where[1]} "
+                 f"free after {took_s:.1f} s")
+
+
 async def _start_children(nursery, opts, token, seed_url, run_dir, children, progress) -> None:
     prev = None
     for stage in range(opts.num_stages):
@@ -128,8 +149,8 @@ def node_env(opts: SeedOptions, token: str, seed_url: str, stage: int, peer: str
     127.0.0.1 and any free port, which only the cluster dials."""
     env = child_env(opts.base_env, stage=stage, num_stages=opts.num_stages, token=token, model=opts.model,
                     seed=seed_url, peer=peer, api_keys=opts.api_keys)
-    if stage == 0 and opts.port is not None:
-        env["PP_PORT"] = str(opts.port)
+    if (where := fixed_address(opts, stage)) is not None:
+        env["PP_PORT"] = str(where[1])
     if stage == 0 and opts.host is not None:
         env["PP_BIND"] = opts.host  # a wildcard is advertised to the cluster as 127.0.0.1 (node/config.py)
     env["PP_MODEL_NAME"] = opts.model_name or opts.model

@@ -144,3 +144,37 @@ async def test_a_replacement_that_never_gets_ready_counts_as_failed(nursery, aut
         await c.keep()
     assert c.retired == ["u1", "u1.1", "u1.2", "u1.3"]
     assert "not ready within 60 s" in c.lines[1]
+
+
+async def test_a_retire_that_fails_ends_the_run_with_its_reason_and_starts_no_further_replacement(
+        nursery, autojump_clock):
+    c = Cluster(nursery, fail_first=1)
+
+    async def port_still_taken(holder):  # as runner/ports.py's PortHeld: the next try could not listen either
+        c.retired.append(holder.url)
+        if holder.url == "u1.1":
+            raise RunFailed(f"port of {holder.url} is still taken")
+    c.retire = port_still_taken
+    c.holders[1].gone.set()
+    with trio.fail_after(60), pytest.raises(RunFailed, match="port of u1.1 is still taken"):
+        await c.keep()
+    assert c.retired == ["u1", "u1.1"] and c.started == [(1, 1)]
+
+
+async def test_a_replacement_that_is_not_ready_is_retired_before_the_next_one_starts(nursery, autojump_clock):
+    c = Cluster(nursery, fail_first=1)
+    events = []
+    replace, retire = c.replace, c.retire
+
+    async def logged_replace(stage, attempt):
+        events.append(("start", attempt))
+        return await replace(stage, attempt)
+
+    async def logged_retire(holder):
+        events.append(("retire", holder.url))
+        await retire(holder)
+    c.replace, c.retire = logged_replace, logged_retire
+    nursery.start_soon(c.keep)
+    c.holders[1].gone.set()
+    await trio.sleep(10)
+    assert events == [("retire", "u1"), ("start", 1), ("retire", "u1.1"), ("start", 2)]
