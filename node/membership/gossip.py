@@ -36,6 +36,17 @@ was heard lets it (Heard):
    stage: a stage changes hands only by its holder's death. The runner replaces only a stage whose holder is
    gone (runner/keeper.py).
 
+Bounds
+------
+Whatever a token holder sends, a member's work and memory stay bounded. A message carries at most MAX_ENTRIES
+records and is refused whole past it, before any record is looked at (the wire types' validator: a sync pushes a
+whole view, so the cap is the view's). A view holds at most MAX_MEMBERS records (merge_all): a member never seen
+before takes the place of the oldest dead or gone record, or, with none, is refused; a live member is never
+pushed out. Merging a message costs O(view + records) and choosing what to piggyback O(queue log k), and the
+queue keeps at most MAX_MEMBERS updates (Dissemination). Within the caps a token holder can still fill a view
+with live members of its own: newcomers are refused until some are declared dead, and each probe round (one
+probe per member per period) and suspicion timeout (log10 n) grows with them.
+
 What a token holder can still do, since nothing tells members apart but what they claim: register members of
 its own, at origins of its choosing, which are dialled like any member, and as such a member answer falsely
 (tell a stage that probes it that it is dead, and that stage steps aside); queue a member behind a stage's

@@ -1,0 +1,43 @@
+"""A token holder's gossip over real HTTP (issue 33): a sync naming more members than one message may carry is a
+400 naming the limit, syncs within it leave every view capped, and every stage stays alive and held."""
+import json
+
+import httpx
+import trio
+
+from cluster import TOKEN, start_cluster
+from node.membership import gossip
+from node.transport import wire
+
+TOKEN_AUTH = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+
+
+def strangers(first: int, n: int) -> bytes:
+    """A sync body naming n members nobody runs (port 9 refuses): as many as a token holder likes."""
+    members = [gossip.Member(f"stranger-{i}", "http://127.0.0.1:9", 1) for i in range(first, first + n)]
+    return json.dumps({"members": wire.converter.unstructure(members)}).encode()
+
+
+async def test_a_token_holder_s_syncs_are_refused_past_the_cap_and_leave_views_capped_and_stages_held(
+        nursery, tmp_path):
+    orch, urls, _ = await start_cluster(nursery, 2, tmp_path)
+    holders = {name: orch.swim.resolve(name).id for name in ("pp-stage-0", "pp-stage-1")}
+    async with httpx.AsyncClient(timeout=30) as client:
+        for url in urls:
+            r = await client.post(url + "/swim/sync", headers=TOKEN_AUTH, content=strangers(0, 4 * gossip.MAX_ENTRIES))
+            assert r.status_code == 400, r.text[:300]
+            assert f"over the limit of {gossip.MAX_ENTRIES}" in r.json()["error"]
+        for batch in range(1, 4):  # within the entry cap, ever more members: 3 * MAX_ENTRIES in all
+            r = await client.post(urls[0] + "/swim/sync", headers=TOKEN_AUTH,
+                                  content=strangers(batch * gossip.MAX_ENTRIES, gossip.MAX_ENTRIES))
+            assert r.status_code == 200 and len(r.json()["members"]) <= gossip.MAX_MEMBERS
+        await trio.sleep(1.0)  # several protocol periods: the strangers are probed, and gossiped on
+        for url in urls:
+            view = (await client.get(url + "/v1/members", headers=TOKEN_AUTH)).json()["members"]
+            states = {m["id"]: m["state"] for m in view}
+            assert len(view) <= gossip.MAX_MEMBERS
+            assert all(states[i] == "alive" for i in holders.values()), states
+            assert (await client.get(url + "/health")).status_code == 200
+    assert {name: orch.swim.resolve(name).id for name in holders} == holders
+    assert len(orch.swim.members()) <= gossip.MAX_MEMBERS
+    nursery.cancel_scope.cancel()
