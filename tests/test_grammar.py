@@ -262,10 +262,20 @@ def test_a_recursive_schema_with_a_way_out_is_taken_and_walked(compiler, schema,
     assert matcher.complete
 
 
+def test_a_schema_the_parser_cannot_start_is_refused_at_admission_not_at_the_last_stage(compiler):
+    """Validation alone took an object of 600 optional properties, whose first token then failed its request at
+    the last stage: the parser's row of alternatives is past llguidance's 2000 items."""
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(600)}}
+    with pytest.raises(GrammarError, match=r"^response_format\.json_schema\.schema: a document starting b'\{': .*row"):
+        canonical_format(schema_format(wide))
+    narrow = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(50)}}
+    walk(compiler.matcher(canonical_format(schema_format(narrow))), '{"p7":"x"}')
+
+
 @pytest.mark.parametrize("schema,message", [
     ({"type": "integer", "minimum": -10 ** 30, "maximum": 10 ** 30}, "the grammar library refused it"),  # ValueError
     ({"type": "integer", "minimum": -1e300, "maximum": 1e300}, "integer range"),
-    ({"type": "string", "pattern": "a" * (200 * 1024)}, "characters of JSON, more than"),
+    ({"type": "string", "pattern": "a" * (65 * 1024)}, "characters of JSON, more than 65536"),
     (functools.reduce(lambda inner, _: {"type": "array", "items": inner}, range(70), {"type": "string"}),
      "nested deeper than"),
 ])

@@ -47,6 +47,7 @@ key order (the envelope alone is sorted): sorting it would reorder the propertie
 """
 from __future__ import annotations
 
+import functools
 import json
 import operator
 import threading
@@ -59,7 +60,7 @@ import numpy as np
 
 TEXT, JSON_OBJECT, JSON_SCHEMA = "text", "json_object", "json_schema"
 DEFAULT_MAX_CACHED = 64  # compiled grammars kept per worker
-MAX_SCHEMA_CHARS = 128 * 1024  # a schema's JSON text (OpenAI caps a schema's names and values at 120,000 chars)
+MAX_SCHEMA_CHARS = 64 * 1024  # a schema's JSON text: compiling one at the cap costs about a second of CPU
 MAX_SCHEMA_DEPTH = 64  # objects and arrays in a schema's JSON, nested (OpenAI: 10 levels of schemas)
 # the matcher's errors go back to the client: no parser state or grammar dump in them
 _LIMITS = llguidance.LLParserLimits(verbose_errors=False)
@@ -95,22 +96,44 @@ def canonical_format(response_format) -> str:
         raise GrammarError(f"{where}: {len(text)} characters of JSON, more than {MAX_SCHEMA_CHARS}")
     if (ref := _unsatisfiable_ref(schema)) is not None:
         raise GrammarError(f"{where}: $ref {ref!r} has no finite instance: each way through it requires itself")
-    problem = _library_problem(schema)
+    problem = _library_problem(text)
     if problem:
         raise GrammarError(f"{where}: {problem}")
     return '{"schema":' + text + ',"type":"json_schema"}'  # sorted envelope, the schema's own order kept
 
 
-def _library_problem(schema: dict) -> str:
-    """What llguidance says is wrong with the schema, "" for nothing. A value the library cannot take (an
-    integer past 64 bits) raises rather than answering: that is a problem with the schema too, and so is a
-    panic of its Rust code (pyo3's PanicException, a BaseException)."""
+@functools.lru_cache(maxsize=DEFAULT_MAX_CACHED)  # a client sends its schema again with each request
+def _library_problem(schema_text: str) -> str:
+    """What llguidance says is wrong with a schema (its JSON text), "" for nothing: compiled against a
+    vocabulary of single bytes, it must take each byte it allows first, as some limits bind only once the
+    parser runs (validation alone took a schema of 1,300 optional properties that then failed its request at
+    the first token at the last stage, "Current row has 4495 items; max is 2000"; a required recursion fails
+    there too, as the text it forces never ends). A value the library cannot take (an integer past 64 bits)
+    raises rather than answering: that is the schema's problem too, and so is a panic of its Rust code (pyo3's
+    PanicException, a BaseException). The library releases the GIL while it compiles."""
     try:
-        return llguidance.LLMatcher.validate_grammar(_library_grammar(schema), limits=_LIMITS)
+        matcher = llguidance.LLMatcher(_byte_tokenizer(), _library_grammar(json.loads(schema_text)), log_level=0,
+                                       limits=_LIMITS)
+        if matcher.is_error():
+            return matcher.get_error()
+        for byte in np.flatnonzero(Matcher(matcher, _BYTE_EOS + 1).allowed()[:_BYTE_EOS]):
+            first = matcher.deep_copy()
+            if not first.consume_token(int(byte)):
+                return f"a document starting {bytes([byte])!r}: {first.get_error()}"
+        return ""
     except BaseException as exc:
         if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
             raise
         return f"the grammar library refused it: {str(exc)[:200]}"
+
+
+_BYTE_EOS = 256  # the byte vocabulary's stop token: bytes 0..255 are ids 0..255
+
+
+@functools.cache
+def _byte_tokenizer() -> llguidance.LLTokenizer:
+    vocab = _Vocabulary([bytes([b]) for b in range(256)] + [b"<eos>"], frozenset({_BYTE_EOS}), _BYTE_EOS, None)
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocab), n_vocab=_BYTE_EOS + 1, eos_token=[_BYTE_EOS])
 
 
 def _depth(value) -> int:
