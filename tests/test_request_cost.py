@@ -100,20 +100,23 @@ def test_a_template_that_writes_past_the_render_limit_is_stopped_as_it_writes():
 
 
 async def test_at_most_prepare_threads_prepare_requests_at_once():
-    running, most, release = [0], [0], threading.Event()
+    running, most, full, release = [0], [0], threading.Event(), threading.Event()
     lock = threading.Lock()
 
     def work():
         with lock:
             running[0] += 1
             most[0] = max(most[0], running[0])
+            if running[0] == openai_api.PREPARE_THREADS:
+                full.set()
         release.wait(10)
         with lock:
             running[0] -= 1
     async with trio.open_nursery() as nursery:
         for _ in range(8):
             nursery.start_soon(openai_api.prepared, work)
-        await trio.sleep(0.3)
+        assert await trio.to_thread.run_sync(full.wait, 10)
+        await trio.sleep(0.2)  # room for a third to start, were there no limit
         release.set()
     assert most[0] == openai_api.PREPARE_THREADS
 

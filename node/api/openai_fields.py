@@ -8,7 +8,7 @@ Every value of a parsed body is one the rest of the system can take, whichever f
 each string is text (JSON's \\ud800 escapes can spell a lone surrogate, which no encoder takes: one in a
 cache_salt once failed deep in stage 0's prefix cache), and each number finite (1e400 parses as inf, and
 Python reads NaN and Infinity, which JSON does not have). Both are checked once, here, naming the field; a
-body can only hold either where its text shows a \\u escape or its parser met such a number, so a plain body
+body can only hold either where its text shows a \\ud.. escape or its parser met such a number, so a plain body
 is not walked. Integers are bounded where they are read: `field` refuses one past MAX_INT.
 """
 from __future__ import annotations
@@ -68,15 +68,15 @@ def parse_body(raw: bytes):
 
 
 def checked_values(body) -> None:
-    """Refuse (400, naming the field) the first string in `body`, a key or a value, that is not text, and the
-    first number that is not finite."""
+    """Refuse (400, naming the field) a string in `body`, a key or a value, that is not text, or a number that is
+    not finite: the first met, walking without recursion."""
     stack = [(body, "")]
     while stack:
         value, where = stack.pop()
         if isinstance(value, str):
-            checked_text(value, where or "the body")
+            checked_text(value, where or "body")
         elif isinstance(value, float) and not math.isfinite(value):
-            raise ApiError(400, f"{where or 'the body'}: {value} is not a finite number", param=_param(where),
+            raise ApiError(400, f"{where or 'body'}: {value} is not a finite number", param=_param(where),
                            code="invalid_value")
         elif isinstance(value, dict):
             for key, item in value.items():
