@@ -33,7 +33,7 @@ from node.membership import gossip
 from node.membership.swim import Swim, WrongTargetError
 from node.observe.log import error_event
 from node.observe.metrics import CONTENT_TYPE as node_metrics_content_type
-from node.transport import auth, conn_guard, frames, h1_guard, h2_early_answer, h2_guard, wire
+from node.transport import auth, conn_guard, frames, h1_guard, h2_early_answer, h2_flow, h2_guard, wire
 
 log = logging.getLogger("pp.http")
 MAX_WAIT_S = 30.0  # longest long poll; proxies drop idle requests not much later
@@ -70,6 +70,7 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_st
     h1_guard.install()
     h2_guard.install()
     h2_early_answer.install()  # an answer before the body is in resets the stream: the sender stops
+    h2_flow.install()  # a stream holds at most a window unsent; a stalled one ends
     app = QuartTrio("pp")
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     app.config["BODY_TIMEOUT"] = 120
