@@ -85,18 +85,20 @@ class BoundedStreamBuffer(hypercorn_h2.StreamBuffer):
 
 async def _end_stalled_stream(protocol, stream_id: int, why: Stalled, send) -> None:
     """Reset a stalled stream: the client gets RST_STREAM CANCEL, the app http.disconnect; its buffer is emptied
-    and the send task forgets it (h2 now calls the stream closed)."""
+    and the send task forgets it (h2 now calls the stream closed). Shielded: the disconnect cancels the app's task,
+    this one, which must not stop half way with the reset unsent (the flush is bounded by the write timeout)."""
     log.warning("reset stream %d of %s: its answer stalled (%s)", stream_id, protocol.client, why)
-    buffer = protocol.stream_buffers.get(stream_id)
-    if buffer is not None:
-        await buffer.close()
-    try:
-        protocol.connection.reset_stream(stream_id, error_code=h2.errors.ErrorCodes.CANCEL)
-        protocol.priority.unblock(stream_id)  # the send task's next pass meets the closed stream and drops it
-    except (h2.exceptions.ProtocolError, priority.MissingStreamError):
-        pass  # already closed, or never in the tree
-    await send(protocol, StreamClosed(stream_id=stream_id))  # http.disconnect to the app, the idle timer
-    await protocol._flush()
+    with trio.CancelScope(shield=True):
+        buffer = protocol.stream_buffers.get(stream_id)
+        if buffer is not None:
+            await buffer.close()
+        try:
+            protocol.connection.reset_stream(stream_id, error_code=h2.errors.ErrorCodes.CANCEL)
+            protocol.priority.unblock(stream_id)  # the send task's next pass meets the closed stream and drops it
+        except (h2.exceptions.ProtocolError, priority.MissingStreamError):
+            pass  # already closed, or never in the tree
+        await protocol._flush()
+        await send(protocol, StreamClosed(stream_id=stream_id))  # http.disconnect to the app, the idle timer
 
 
 def write_pieces(data: bytes, piece: int = WRITE_PIECE) -> list[memoryview]:
