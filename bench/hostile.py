@@ -263,7 +263,8 @@ async def _flood(urls: list[str], frame: bytes, orch) -> dict:
     healthy = [await _answers(u + "/health") for u in urls]
     # frames written to sockets, most never read by a node that closes the connection: the flood offered
     return {"frames_offered_per_s": round(tally["frames"] / FLOOD_S), "connections": tally["connections"],
-            "calmed": tally["calmed"], "refused": tally["refused"], "stages_not_alive": not_alive, "stage_members_unchanged": after == members,
+            "calmed": tally["calmed"], "refused": tally["refused"], "stages_not_alive": not_alive,
+            "stage_members_unchanged": after == members,
             "stages_health_200": all(healthy)}
 
 

@@ -11,13 +11,15 @@ The budget is one token bucket for all these kinds together (`BUDGET`): a burst 
 once, refilled at a rate, so a flooder is caught within its first chunk (a 64 KiB read holds ~3,800 PINGs)
 and a reconnecting one on each new connection, while a client that pings every second for hours never is.
 
-WINDOW_UPDATE (and PRIORITY) are special: a client that reads a long answer grants credit as it goes, up to one
-WINDOW_UPDATE for the stream and one for the connection per DATA frame the server sent (h2 clients such as
-httpx send fewer, one per half window); and httpx opens each new stream's window with one as it sends the
-request. So each DATA frame the server sends earns that client `EARNED_PER_DATA` WINDOW_UPDATEs (or PINGs:
-gRPC-style clients probe bandwidth with one per burst of data), each stream it opens (a HEADERS frame)
-`EARNED_PER_STREAM` (its window and a PRIORITY), and only frames beyond what it earned draw on the bucket. A streamed answer read for
-hours, or 100 requests sent at once, is never calmed; a flood of grants nothing explains is.
+WINDOW_UPDATE (and PRIORITY) are special. A client that reads a long answer grants credit as it goes, at
+most one WINDOW_UPDATE for the stream and one for the connection per DATA frame the server sent (h2's own
+client sends them per half window read; httpx opens 16 MiB windows and sends few); and httpx opens each new
+stream's window with one as it sends the request. So each DATA frame the server sends earns the client
+`EARNED_PER_DATA` frames of credit, each stream it opens (a HEADERS frame) `EARNED_PER_STREAM` (its window and
+a PRIORITY), spent on WINDOW_UPDATE, then PRIORITY, then PING (gRPC-style clients probe bandwidth with one per
+burst of data); only frames beyond the credit draw on the bucket. A streamed answer read for hours, or 100
+requests sent at once, is never calmed; a flood of grants nothing explains is. The credit banked is capped
+(`EARNED_CAP`) so that a long download does not buy a flood later.
 
 Pure: no I/O, no clock of its own (the caller passes `now`).
 """
@@ -54,7 +56,8 @@ class Kind(enum.Enum):
         return _BY_TYPE.get(kind, cls.UNKNOWN if kind > 0x9 else None)
 
 
-_BY_TYPE = {0x1: Kind.HEADERS, 0x2: Kind.PRIORITY, 0x4: Kind.SETTINGS, 0x6: Kind.PING, 0x8: Kind.WINDOW_UPDATE, 0x10: Kind.PRIORITY}
+_BY_TYPE = {0x1: Kind.HEADERS, 0x2: Kind.PRIORITY, 0x4: Kind.SETTINGS, 0x6: Kind.PING, 0x8: Kind.WINDOW_UPDATE,
+            0x10: Kind.PRIORITY}
 
 
 @attrs.frozen
