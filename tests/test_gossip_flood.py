@@ -41,3 +41,19 @@ async def test_a_token_holder_s_syncs_are_refused_past_the_cap_and_leave_views_c
     assert {name: orch.swim.resolve(name).id for name in holders} == holders
     assert len(orch.swim.members()) <= gossip.MAX_MEMBERS
     nursery.cancel_scope.cancel()
+
+
+async def test_a_gossip_body_past_its_cap_is_refused_before_it_is_decoded(nursery, tmp_path, monkeypatch):
+    decoded = []
+    real_decode = wire.decode
+    monkeypatch.setattr(wire, "decode", lambda kind, body: decoded.append(kind) or real_decode(kind, body))
+    _, urls, _ = await start_cluster(nursery, 2, tmp_path)
+    body = strangers(0, 20 * gossip.MAX_ENTRIES)  # about a MiB: well within the app's body limit for prompts
+    async with httpx.AsyncClient(timeout=30) as client:
+        for path in ("/swim/sync", "/swim/ping", "/swim/ping-req"):
+            decoded.clear()
+            r = await client.post(urls[0] + path, headers=TOKEN_AUTH, content=body)
+            assert r.status_code == 413 and "gossip message is at most" in r.json()["error"], r.text[:300]
+            assert not [kind for kind in decoded if kind.__module__ == gossip.__name__]
+        assert (await client.get(urls[0] + "/health")).status_code == 200
+    nursery.cancel_scope.cancel()

@@ -36,6 +36,7 @@ from node.observe.metrics import CONTENT_TYPE as node_metrics_content_type
 from node.transport import auth, conn_guard, frames, h1_guard, h2_early_answer, h2_flow, h2_guard, wire
 
 log = logging.getLogger("pp.http")
+GOSSIP_MAX_BODY = 1 << 19  # a gossip message of gossip.MAX_ENTRIES member records is about 64 KiB
 MAX_WAIT_S = 30.0  # longest long poll; proxies drop idle requests not much later
 STILL_LOADING = "this stage is still loading its weights"  # the one answer (a 503) to what needs a model too early
 RefusalShape = Callable[[int, str], dict]  # (status, message) -> a refusal's JSON body
@@ -304,7 +305,7 @@ async def _read_link(dispatcher: Dispatcher, link_id: str, source: str) -> int:
 def _gossip_routes(app: QuartTrio, dispatcher: Dispatcher) -> None:
     @app.post("/swim/ping")
     async def ping():
-        msg = wire.decode(gossip.Ping, await request.get_data())
+        msg = wire.decode(gossip.Ping, await _gossip_body())
         try:
             ack = await _swim(dispatcher).on_ping(msg)
         except WrongTargetError as exc:
@@ -313,15 +314,30 @@ def _gossip_routes(app: QuartTrio, dispatcher: Dispatcher) -> None:
 
     @app.post("/swim/ping-req")
     async def ping_req():
-        msg = wire.decode(gossip.PingReq, await request.get_data())
+        msg = wire.decode(gossip.PingReq, await _gossip_body())
         answer = await _swim(dispatcher).on_ping_req(msg)
         key = "ack" if isinstance(answer, gossip.Ack) else "nack"
         return jsonify({key: wire.converter.unstructure(answer)})
 
     @app.post("/swim/sync")
     async def sync():
-        msg = wire.decode(gossip.Sync, await request.get_data())
+        msg = wire.decode(gossip.Sync, await _gossip_body())
         return Response(wire.encode(_swim(dispatcher).on_sync(msg)), content_type="application/json")
+
+
+async def _gossip_body() -> bytes:
+    """A gossip message's body, refused (413) past GOSSIP_MAX_BODY as it arrives: decoding costs about 30 µs a
+    member record on the event loop, and the app's body limit (what a prompt may need) would let a token holder
+    send hundreds of thousands, refused only once decoded."""
+    too_large = Refused(413, f"a gossip message is at most {GOSSIP_MAX_BODY} bytes")
+    if (request.content_length or 0) > GOSSIP_MAX_BODY:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.body:
+        body += chunk
+        if len(body) > GOSSIP_MAX_BODY:
+            raise too_large
+    return bytes(body)
 
 
 def _swim(dispatcher: Dispatcher) -> Swim:
