@@ -77,7 +77,7 @@ class Fuzz:
         if pick < 0.6:
             return r.choice([0x7FFFFFFF, 0xFFFFFFFF])
         sid = (max(opened) + 2) if opened and r.random() < 0.7 else r.randrange(1, 2 ** 20, 2)
-        return sid
+        return sid & 0xFFFFFFFF
 
     def h2_frame(self, opened: list[int]) -> bytes:
         r = self.rng

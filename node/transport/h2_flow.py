@@ -117,7 +117,8 @@ async def _timed_send_all(server, data: bytes) -> None:
                     await server.stream.send_all(piece)
                 if scope.cancelled_caught:
                     break
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
+            # Busy: hypercorn's close is half way through its send_eof, outside the lock; the connection is closing
             await server.protocol.handle(Closed())
             return
     if scope.cancelled_caught:
