@@ -62,7 +62,7 @@ async def main_async(args) -> None:
                     await api.post("/v1/completions", json={"model": args.model, "prompt": "warm", "max_tokens": 4})
                     await _all_serving(urls)
                 phase = functools.partial(PHASES[name], orch=orch)
-                figures, polled = await under_poll(urls[0], phase, api, urls, args.model)
+                figures, polled = await under_poll(urls[0], functools.partial(phase, api, urls, args.model))
             print(json.dumps({"phase": name, **health_figures(polled), **figures}), flush=True)
         nursery.cancel_scope.cancel()
 
@@ -77,15 +77,15 @@ async def _all_serving(urls: list[str], timeout_s: float = 120) -> None:
                     await trio.sleep(0.5)
 
 
-async def under_poll(url: str, phase, api, urls, model) -> tuple[dict, dict]:
-    """Run `phase` while /health is polled from another process (this one's event loop is busy with the
+async def under_poll(url: str, phase) -> tuple[dict, dict]:
+    """Run `phase()` while /health is polled from another process (this one's event loop is busy with the
     phase's own clients); its figures, and every /health latency (s) with the count of polls not answered."""
     async with trio.open_nursery() as nursery:
         poller = await nursery.start(functools.partial(
             trio.run_process, [sys.executable, "-m", "bench.hostile", "--poll", url], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE))
         first = await poller.stdout.receive_some()  # "ready" once its first /health is answered
-        figures = await phase(api, urls, model)
+        figures = await phase()
         await poller.stdin.aclose()
         out = first
         while chunk := await poller.stdout.receive_some():

@@ -6,7 +6,7 @@ per phase on stdout.
   python -m bench.hostile_api                 # tiny, 3 stages
   python -m bench.hostile_api --model smollm2:135m --phases empty-turns
 
-Phases (each while another process polls stage 0's /health every 20 ms):
+Phases (each while another process polls stage 0's /health every 20 ms: bench.hostile's poller):
   idle          nothing else
   empty-turns   8 clients at once, each 9,000 empty messages (297 KB): the audit's; refused on the count
   most-turns    8 clients at once, each as many short messages as a conversation may have here: rendered and
@@ -21,10 +21,7 @@ import argparse
 import functools
 import json
 import secrets
-import statistics
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 
@@ -35,8 +32,8 @@ from node.api.openai_messages import MAX_MESSAGES
 from worker.grammar import MAX_SCHEMA_CHARS
 
 from .cluster import start_local_cluster
+from .hostile import health_figures, under_poll
 
-POLL_S = 0.02
 CLIENTS = 8
 ROUNDS = 5  # bursts of CLIENTS per phase, one after another: enough /health polls to see a stall
 
@@ -50,45 +47,9 @@ async def main_async(args) -> None:
             await api.post("/v1/completions", json={"model": args.model, "prompt": "warm", "max_tokens": 4})
             context = (await api.get("/v1/models")).json()["data"][0]["max_model_len"]
             for name in args.phases:
-                figures, latencies = await under_poll(urls[0], PHASES[name], api, args.model, context)
-                print(json.dumps({"phase": name, **health_figures(latencies), **figures}), flush=True)
+                figures, polled = await under_poll(urls[0], functools.partial(PHASES[name], api, args.model, context))
+                print(json.dumps({"phase": name, **health_figures(polled), **figures}), flush=True)
         nursery.cancel_scope.cancel()
-
-
-async def under_poll(url: str, phase, api, model: str, context: int) -> tuple[dict, list[float]]:
-    """Run `phase` while /health is polled from another process; its figures and every /health latency (s)."""
-    async with trio.open_nursery() as nursery:
-        poller = await nursery.start(functools.partial(
-            trio.run_process, [sys.executable, "-m", "bench.hostile_api", "--poll", url], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE))
-        first = await poller.stdout.receive_some()  # "ready" once its first /health is answered
-        figures = await phase(api, model, context)
-        await poller.stdin.aclose()
-        out = first
-        while chunk := await poller.stdout.receive_some():
-            out += chunk
-    return figures, json.loads(out.decode().split("\n", 1)[1])
-
-
-def poll(url: str) -> None:
-    """--poll: GET url/health every POLL_S until stdin closes; then print every latency (s) as JSON."""
-    latencies, stop = [], threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-    with httpx.Client(timeout=30) as client:
-        client.get(url + "/health").raise_for_status()
-        print("ready", flush=True)
-        while not stop.is_set():
-            sent = time.perf_counter()
-            client.get(url + "/health").raise_for_status()
-            latencies.append(time.perf_counter() - sent)
-            stop.wait(POLL_S)
-    print(json.dumps(latencies), flush=True)
-
-
-def health_figures(latencies: list[float]) -> dict:
-    ms = sorted(1000 * s for s in latencies)
-    return {"health_polls": len(ms), "health_p50_ms": round(statistics.median(ms), 1),
-            "health_p99_ms": round(ms[int(0.99 * (len(ms) - 1))], 1), "health_max_ms": round(ms[-1], 1)}
 
 
 async def at_once(api, body: bytes | Callable[[int], bytes]) -> dict:
@@ -154,11 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="tiny")
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--phases", nargs="+", choices=list(PHASES), default=list(PHASES), help="which, in order (all)")
-    p.add_argument("--poll", help=argparse.SUPPRESS)  # the /health poller's own process
     args = p.parse_args(argv)
-    if args.poll:
-        poll(args.poll)
-        return 0
     trio.run(main_async, args)
     return 0
 

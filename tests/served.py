@@ -13,9 +13,11 @@ from test_smoke_seed import assert_all_gone, start, wait_for_line
 
 
 class Served:
-    def __init__(self, proc, base_url: str, api_key: str, stage_urls: list[str], mark: str, printed: str):
+    def __init__(self, proc, base_url: str, api_key: str, stage_urls: list[str], mark: str, printed: str,
+                 booted: str = ""):
         self.proc, self.base_url, self.api_key, self.stage_urls, self.mark = proc, base_url, api_key, stage_urls, mark
         self.printed = printed  # what ppsmoke printed on stdout until the cluster was ready
+        self.booted = booted  # and on stderr (each stage's address and pid)
 
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, timeout=120, **kw)
@@ -37,7 +39,7 @@ def serving(args: list[str], *, stages: int, env_extra: dict | None = None, read
         err = wait_for_line(proc.stderr, "pp-entry is ready", 30)
         stage_urls = [line.split(" listening at ")[1].split()[0] for line in err if " listening at " in line]
         assert len(stage_urls) == stages
-        yield Served(proc, base_url, api_key, stage_urls, mark, "".join(out))
+        yield Served(proc, base_url, api_key, stage_urls, mark, "".join(out), "".join(err))
     finally:
         proc.send_signal(signal.SIGINT)
         try:

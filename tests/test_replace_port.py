@@ -5,12 +5,12 @@ import os
 import re
 import signal
 import socket
-import uuid
 
 import httpx
 import pytest
 
-from test_smoke_seed import assert_all_gone, start, wait_for_line
+from served import serving
+from test_smoke_seed import wait_for_line
 
 
 def free_port() -> int:
@@ -29,24 +29,13 @@ def pid_alive(pid: int) -> bool:
 
 @pytest.mark.slow
 def test_a_stage_0_frozen_on_its_fixed_port_is_stopped_and_its_replacement_serves_on_that_port():
-    port, mark = free_port(), uuid.uuid4().hex
-    proc = start(["-n", "2", "--serve", "--model", "stub", "--port", str(port)], mark)
-    try:
-        wait_for_line(proc.stdout, "curl -N", 120)
-        booted = "".join(wait_for_line(proc.stderr, "pp-entry is ready", 30))
-        pid = int(re.search(rf"stage 0/1 listening at http://127.0.0.1:{port} \(pid (\d+)\)", booted).group(1))
+    port = free_port()
+    with serving(["--model", "stub", "--port", str(port)], stages=2) as served:
+        pid = int(re.search(rf"stage 0/1 listening at http://127.0.0.1:{port} \(pid (\d+)\)", served.booted).group(1))
         os.kill(pid, signal.SIGSTOP)  # frozen: declared dead in seconds, yet it holds the port until it is killed
-        after = "".join(wait_for_line(proc.stderr, "stage 0 replaced in", 120))
+        after = "".join(wait_for_line(served.proc.stderr, "stage 0 replaced in", 120))
         assert "replacement 1 failed" not in after and "Address already in use" not in after, after
         assert f"pid {pid} still holds 127.0.0.1:{port}" in after and "SIGKILL" in after, after
         assert not pid_alive(pid)
         health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
         assert health.status_code == 200
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            assert proc.wait(timeout=30) == 0, proc.stderr.read()[-2000:]
-        finally:
-            proc.stdout.close()
-            proc.stderr.close()
-    assert_all_gone(mark)
