@@ -33,7 +33,7 @@ from node.membership import gossip
 from node.membership.swim import Swim, WrongTargetError
 from node.observe.log import error_event
 from node.observe.metrics import CONTENT_TYPE as node_metrics_content_type
-from node.transport import auth, conn_guard, frames, h1_guard, h2_early_answer, h2_flow, h2_guard, wire
+from node.transport import auth, conn_guard, frames, h1_guard, h2_early_answer, h2_flow, h2_guard, stream_guard, wire
 
 log = logging.getLogger("pp.http")
 GOSSIP_MAX_BODY = 1 << 19  # a gossip message of gossip.MAX_ENTRIES member records is about 64 KiB
@@ -72,6 +72,7 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_st
     h2_guard.install()
     h2_early_answer.install()  # an answer before the body is in resets the stream: the sender stops
     h2_flow.install()  # a stream holds at most a window unsent; a stalled one ends
+    stream_guard.install()  # requests in flight from non-members, per address and in all
     app = QuartTrio("pp")
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     app.config["BODY_TIMEOUT"] = 120
@@ -79,6 +80,7 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_st
     app.body_bytes = collections.Counter()  # request body bytes received per path: bytes on the wire
     app.refusal_shapes = _Shapes()  # see shape_refusals
     keys = auth.Keys.of(token, api_keys, token_is_api_key=token_is_api_key)
+    app.pp_is_member = keys.is_token  # serve_app's stream_guard counts everyone else's requests
 
     @app.before_request
     async def authorize():
@@ -376,6 +378,7 @@ async def serve_app(app: QuartTrio, host: str, port: int, *, task_status=trio.TA
     config.keep_alive_max_requests = 2 ** 31
     config.graceful_timeout = 1.0
     conn_guard.install(config)  # connections per peer address and in all
+    config.pp_streams = app.pp_streams = stream_guard.GuestStreams(getattr(app, "pp_is_member", lambda header: False))
 
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(functools.partial(serve, app, config))

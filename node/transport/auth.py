@@ -65,6 +65,10 @@ class Keys:
             client |= hmac.compare_digest(given, key)
         return Credential.CLUSTER if cluster else Credential.CLIENT if client else Credential.NONE
 
+    def is_token(self, authorization: bytes) -> bool:
+        """Whether a raw Authorization header carries the cluster token (before any request is made of it)."""
+        return hmac.compare_digest(authorization, self.token)
+
 
 def bearer(secret: str) -> bytes:
     return f"Bearer {secret}".encode()

@@ -25,6 +25,7 @@ import attrs
 import trio
 from hypercorn.trio import run as hypercorn_run
 from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.utils import parse_socket_addr
 
 PER_PEER = 256
 TOTAL = 1024
@@ -75,7 +76,7 @@ class _GuardedTCPServer(TCPServer):
         admission: Admission | None = getattr(self.config, "pp_admission", None)
         if admission is None:
             return await super().run()
-        peer = _peer(self.stream)
+        peer, connection = _peer(self.stream), _connection(self.stream)
         why = admission.take(peer)
         if why is not None:
             if admission.refused in (1, 10, 100) or admission.refused % 1000 == 0:  # a flood logs a few lines
@@ -91,6 +92,9 @@ class _GuardedTCPServer(TCPServer):
                     await self.stream.aclose()
         finally:
             admission.release(peer)
+            streams = getattr(self.config, "pp_streams", None)
+            if streams is not None and connection is not None:  # however the connection ended: an exception
+                streams.release_connection(connection)             # contained above skips hypercorn's closing
 
     async def _read_data(self) -> None:
         # hypercorn leaves a connection's keep-alive timer running once the peer has closed it, so the
@@ -141,6 +145,15 @@ async def _first_byte(stream, timeout_s: float) -> bool:
         except OSError:  # reset by the peer
             return False
     return False
+
+
+def _connection(stream) -> tuple | None:
+    """The peer's (host, port), as hypercorn's protocol names the connection (node/transport/stream_guard.py counts
+    its streams under it); taken while the socket is open."""
+    try:
+        return parse_socket_addr(stream.socket.family, stream.socket.getpeername())
+    except (AttributeError, OSError):  # a TLS stream, or a peer already gone
+        return None
 
 
 def _peer(stream) -> str:

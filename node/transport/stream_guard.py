@@ -1,0 +1,133 @@
+"""Requests in flight over HTTP/2 for whoever is not a member: at most so many from one address, and in all.
+
+hypercorn lets each connection open 100 streams at once, and conn_guard.py lets an address hold 256
+connections: 25,600 requests in flight from one address, each an app task, before a byte of them is
+authenticated. The audit's burst (200 connections × 100 `GET /health`, ~10 bytes a request with HPACK) had the
+event loop run thousands of tasks while gossip's pings waited behind them; stage 0 missed its pings, was
+declared dead and replaced, and every request in flight died with it. Here a stream whose request does not
+carry the cluster token is admitted only while its address has fewer than `per_peer` such streams in flight,
+and the node fewer than `total`; past that it is refused with RST_STREAM REFUSED_STREAM (RFC 9113 §8.7: the
+client may retry it), before hypercorn makes it a task. Members (the cluster token) are not counted: on
+loopback, and behind one NAT, the cluster's own traffic shares an address with whoever else is there, and
+gossip must get through.
+
+The counts are kept per connection as well, so a connection that ends however it ends (closed, reset, or on
+an exception conn_guard.py contained) gives back what it held.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Callable
+
+import attrs
+import h2.errors
+import h2.exceptions
+from hypercorn.protocol import h2 as hypercorn_h2
+
+PER_PEER = 128  # a client's concurrency: the entry queues 64 and runs --max-seqs; past that it answers 429
+TOTAL = 512
+
+log = logging.getLogger("pp.hypercorn")
+Connection = tuple  # (host, port) of the peer: one TCP connection
+
+
+@attrs.frozen
+class StreamLimits:
+    per_peer: int = PER_PEER
+    total: int = TOTAL
+
+
+LIMITS = StreamLimits()
+
+
+def stream_refusal(limits: StreamLimits, from_peer: int, in_all: int) -> str | None:
+    """Why one more guest stream is refused, given the guest streams in flight (None: it is taken)."""
+    if in_all >= limits.total:
+        return f"{in_all} requests in flight from non-members, the most this node takes"
+    if from_peer >= limits.per_peer:
+        return f"{from_peer} requests in flight from this address, the most it may have"
+    return None
+
+
+class GuestStreams:
+    """The HTTP/2 streams in flight of requests that do not carry the cluster token, by connection."""
+
+    def __init__(self, is_member: Callable[[bytes], bool], limits: StreamLimits | None = None):
+        self.is_member, self.limits = is_member, limits or LIMITS
+        self.by_peer: collections.Counter[str] = collections.Counter()
+        self.by_connection: dict[Connection, set[int]] = {}
+        self.refused = 0
+
+    def take(self, connection: Connection, stream_id: int) -> str | None:
+        peer = str(connection[0])
+        why = stream_refusal(self.limits, self.by_peer[peer], sum(self.by_peer.values()))
+        if why is not None:
+            self.refused += 1
+            return why
+        self.by_connection.setdefault(connection, set()).add(stream_id)
+        self.by_peer[peer] += 1
+        return None
+
+    def release(self, connection: Connection, stream_id: int) -> None:
+        held = self.by_connection.get(connection)
+        if held is None or stream_id not in held:
+            return
+        held.discard(stream_id)
+        if not held:
+            del self.by_connection[connection]
+        self._give_back(str(connection[0]), 1)
+
+    def release_connection(self, connection: Connection) -> None:
+        self._give_back(str(connection[0]), len(self.by_connection.pop(connection, ())))
+
+    def _give_back(self, peer: str, n: int) -> None:
+        self.by_peer[peer] -= n
+        if self.by_peer[peer] <= 0:
+            del self.by_peer[peer]
+
+
+def authorization(headers) -> bytes:
+    return next((value for name, value in headers if name == b"authorization"), b"")
+
+
+def install() -> None:
+    """Count and limit guest streams on servers whose hypercorn config has `pp_streams` (serve_app sets it)."""
+    protocol = hypercorn_h2.H2Protocol
+    if getattr(protocol, "_pp_stream_guard", False):
+        return
+    original_create, original_close = protocol._create_stream, protocol._close_stream
+
+    async def _create_stream(self, request) -> None:
+        guests: GuestStreams | None = getattr(self.config, "pp_streams", None)
+        if guests is None or self.client is None or guests.is_member(authorization(request.headers)):
+            return await original_create(self, request)
+        why = guests.take(self.client, request.stream_id)
+        if why is not None:
+            return await _refuse(self, guests, request.stream_id, why)
+        try:
+            await original_create(self, request)
+        except BaseException:
+            guests.release(self.client, request.stream_id)
+            raise
+
+    async def _close_stream(self, stream_id: int) -> None:
+        try:
+            await original_close(self, stream_id)
+        finally:
+            guests: GuestStreams | None = getattr(self.config, "pp_streams", None)
+            if guests is not None and self.client is not None:
+                guests.release(self.client, stream_id)
+
+    protocol._create_stream, protocol._close_stream = _create_stream, _close_stream
+    protocol._pp_stream_guard = True
+
+
+async def _refuse(protocol, guests: GuestStreams, stream_id: int, why: str) -> None:
+    if guests.refused in (1, 10, 100) or guests.refused % 1000 == 0:  # a burst logs a few lines
+        log.warning("refusing a stream from %s: %s (%d refused so far)", protocol.client, why, guests.refused)
+    try:
+        protocol.connection.reset_stream(stream_id, error_code=h2.errors.ErrorCodes.REFUSED_STREAM)
+    except h2.exceptions.ProtocolError:
+        return
+    await protocol._flush()
