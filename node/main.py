@@ -31,6 +31,7 @@ from worker.weights.rangefetch import fetch_stage_slice
 
 from node.api.chat_page import add_chat_page
 from node.api.openai_api import add_openai_routes
+from node.api.pipeline_view import HOPS_TIMEOUT_S
 from node.api.tokenize_api import add_tokenize_routes
 from node.compute import ComputeThread, open_compute_thread
 from node.config import NodeConfig, advertised_url
@@ -39,7 +40,7 @@ from node.membership.swim import Swim
 from node.observe.log import event
 from node.stage_node import StageNode
 from node.transport.app import make_app, serve_app
-from node.transport.client import HttpTransport, PeerClient, gossip_client
+from node.transport.client import HttpTransport, PeerClient, gossip_client, http1_client
 
 log = logging.getLogger("pp.node")
 PROGRESS_EVERY_S = 5.0
@@ -149,7 +150,7 @@ async def run_node(config: NodeConfig, *, swim_config: SwimConfig = SwimConfig()
 async def _serve(config, swim_config, on_listening, compute, task_status) -> None:
     stage, n = config.stage, config.num_stages
     async with PeerClient(config.cluster_token) as client, gossip_client(config.cluster_token) as gossip, \
-            trio.open_nursery() as nursery:
+            http1_client(config.cluster_token, HOPS_TIMEOUT_S) as view, trio.open_nursery() as nursery:
         node = StageNode(stage, n, client, node_id=config.node_id, max_queue=config.max_queue,
                          link_streams=config.link_streams, faults=config.faults,
                          prompt_rows=config.chunked_prefill_size, model_name=config.model_name,
@@ -159,7 +160,7 @@ async def _serve(config, swim_config, on_listening, compute, task_status) -> Non
         if stage == 0:  # pp-entry serves the OpenAI API too (and vLLM's /tokenize), and a chat page that uses it
             add_openai_routes(app, node, model_name=config.model_name)
             add_tokenize_routes(app, node, config.model_name)
-            add_chat_page(app, node, http=client.http, token=config.cluster_token, model_name=config.model_name)
+            add_chat_page(app, node, http=view.http, token=config.cluster_token, model_name=config.model_name)
         url = advertised_url(config, await nursery.start(serve_app, app, config.bind_host, config.port))
         if stage == 0 and not config.api_keys and not config.token_is_api_key:  # after listening: see ppnode.py
             log.warning("no client API key (PP_API_KEY, PP_API_KEY_FILE): the OpenAI API answers 401 to everyone")

@@ -14,7 +14,7 @@ import httpx
 from quart import Response, jsonify
 
 from node.api.entry import Entry
-from node.api.pipeline_view import pipeline_view
+from node.api.pipeline_view import HopFigures, pipeline_view
 from node.transport.app import STILL_LOADING
 
 PAGE = Path(__file__).resolve().parent / "static" / "chat.html"
@@ -37,9 +37,11 @@ def page_headers(html: str) -> dict[str, str]:
 
 
 def add_chat_page(app, node: Entry, *, http: httpx.AsyncClient, token: str, model_name: str) -> None:
-    """`http` asks the other stages for their hop figures (with the cluster token `token`)."""
+    """`http` asks the other stages for their hop figures (with the cluster token `token`): an HTTP/1.1 client
+    (node/api/pipeline_view.py says why)."""
     html = PAGE.read_text().replace("{{MODEL}}", html_escape(model_name, quote=True))
     headers = page_headers(html)
+    hops = HopFigures(http, token)
 
     @app.get("/")
     async def chat_page():
@@ -49,4 +51,4 @@ def add_chat_page(app, node: Entry, *, http: httpx.AsyncClient, token: str, mode
     async def pipeline():
         if node.loading or node.swim is None:  # membership runs before the weights load: no swim, no view
             return jsonify({"error": STILL_LOADING}), 503
-        return jsonify(await pipeline_view(node, http, token))
+        return jsonify(await pipeline_view(node, hops))

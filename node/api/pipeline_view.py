@@ -1,7 +1,12 @@
 """What pp-entry's chat page shows of the pipeline (`GET /v1/pipeline`): one entry per stage with the state
 gossip gives its node (alive, suspect, dead, loading with its download progress), the blocks it holds, its
 compute per token in the last answer, and the median time a message spent on the wire into it (asked of
-the stage itself, `GET /v1/hops`, with a short timeout: a stage that does not answer shows none)."""
+the stage itself, `GET /v1/hops`, with a short timeout: a stage that does not answer shows none).
+
+The asks are HopFigures': at most one gathering at a time, shared by the views that come meanwhile and kept for
+HOPS_FRESH_S, so a key holder's flood of views makes no more internal traffic than one viewer; and they go
+through an HTTP/1.1 client of their own (node/transport/client.py's http1_client), never the pipeline's HTTP/2
+one: an ask cut off by its timeout there would wedge the connection the link stream uses."""
 from __future__ import annotations
 
 import httpx
@@ -13,7 +18,8 @@ from worker.partition import layer_range
 from node.api.entry import Entry
 from node.membership.gossip import State
 
-HOPS_TIMEOUT_S = 0.5
+HOPS_TIMEOUT_S = 0.5  # an ask for a stage's hop figures; a stage slower than that shows none
+HOPS_FRESH_S = 1.0  # hop figures gathered this recently serve every view
 
 
 def stage_state(member) -> str:
@@ -43,23 +49,67 @@ def stages_view(node: Entry, last_ms_per_token: list[float] | None) -> list[dict
     return out
 
 
-async def pipeline_view(node: Entry, client: httpx.AsyncClient, token: str) -> dict:
-    stages = stages_view(node, node.last_answer.get("stage_ms_per_token"))
+def askable(entry: dict) -> bool:
+    """Pure: whether the view asks this stage for its hop figures (the hop into it; stage 0 has none)."""
+    return entry["stage"] != 0 and entry["addr"] is not None and entry["state"] in ("alive", "suspect")
 
-    async def hop_into(entry: dict) -> None:
-        if entry["stage"] == 0 or entry["addr"] is None or entry["state"] not in ("alive", "suspect"):
-            return
-        with trio.move_on_after(HOPS_TIMEOUT_S):
+
+def fresh(gathered: tuple[float, tuple] | None, asked: tuple, now: float) -> bool:
+    """Pure: whether figures gathered (at, of which stages) still serve a view that would ask `asked` now."""
+    return gathered is not None and gathered[1] == asked and now - gathered[0] < HOPS_FRESH_S
+
+
+class HopFigures:
+    """The median wire time into each stage, asked of the stages: one gathering at a time, shared and kept
+    for HOPS_FRESH_S. `client` must be one whose requests may be cancelled (HTTP/1.1; see the module doc)."""
+
+    def __init__(self, client: httpx.AsyncClient, token: str):
+        self._client, self._token = client, token
+        self._gathered: tuple[float, tuple] | None = None  # (when, of which (stage, addr)) of self._figures
+        self._figures: dict[int, float | None] = {}
+        self._gathering: trio.Event | None = None
+
+    async def of(self, stages: list[dict]) -> dict[int, float | None]:
+        """stage -> the median ms its messages spent on the wire into it, for the askable `stages`."""
+        asked, began = tuple((e["stage"], e["addr"]) for e in stages if askable(e)), trio.current_time()
+        if fresh(self._gathered, asked, began):
+            return self._figures
+        while self._gathering is not None:  # another view is gathering: take what it gathers, if of these stages
+            await self._gathering.wait()
+            if self._gathered is not None and self._gathered[1] == asked and self._gathered[0] >= began:
+                return self._figures
+        self._gathering = done = trio.Event()
+        try:  # if this view is cancelled half way, a waiting one gathers next
+            figures = await self._gather(asked)
+            self._gathered, self._figures = (trio.current_time(), asked), figures
+        finally:
+            self._gathering = None
+            done.set()
+        return figures
+
+    async def _gather(self, asked: tuple) -> dict[int, float | None]:
+        figures: dict[int, float | None] = {}
+
+        async def ask(stage: int, addr: str) -> None:
             try:
-                r = await client.get(entry["addr"] + "/v1/hops", headers={"Authorization": f"Bearer {token}"})
-                wire = r.json().get(f"from {stage_name(entry['stage'] - 1)}", {}).get("wire")
-            except (httpx.HTTPError, ValueError):
+                r = await self._client.get(addr + "/v1/hops", headers={"Authorization": f"Bearer {self._token}"})
+                wire = r.json().get(f"from {stage_name(stage - 1)}", {}).get("wire")
+            except (httpx.HTTPError, ValueError, AttributeError):
                 return
-            entry["hop_in_ms"] = round(wire["median_ms"], 2) if wire else None
+            figures[stage] = round(wire["median_ms"], 2) if wire else None
 
-    async with trio.open_nursery() as nursery:
-        for entry in stages:
-            nursery.start_soon(hop_into, entry)
+        with trio.move_on_after(HOPS_TIMEOUT_S):
+            async with trio.open_nursery() as nursery:
+                for stage, addr in asked:
+                    nursery.start_soon(ask, stage, addr)
+        return figures
+
+
+async def pipeline_view(node: Entry, hops: HopFigures) -> dict:
+    stages = stages_view(node, node.last_answer.get("stage_ms_per_token"))
+    figures = await hops.of(stages)
+    for entry in stages:
+        entry["hop_in_ms"] = figures.get(entry["stage"])
     health = node.health()
     return {"stages": stages, "admitting": health.get("admitting"), "running": health.get("slots", {}).get("active"),
             "queued": health.get("queue", {}).get("waiting"), "last_answer": node.last_answer}

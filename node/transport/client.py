@@ -97,12 +97,19 @@ class _AckOrNack:
     nack: gossip.Nack | None = None
 
 
+def http1_client(token: str, timeout_s: float) -> PeerClient:
+    """HTTP/1.1, for requests that are cancelled by design when they time out (gossip's probes, the pipeline
+    view's asks for hop figures). httpcore's HTTP/2 loses count of a connection's streams when a request is
+    cancelled mid-flight (encode/httpcore#943, #1022: it frees the stream's permit but never resets the stream,
+    so h2 soon counts 100 open and every new request on that connection fails: "Max outbound streams is 100").
+    A cancelled HTTP/1.1 request just closes its own connection. Pipeline messages and link streams stay on
+    HTTP/2, where no timeout of ours cuts a request off mid-flight (a link probe is bounded, not cancelled)."""
+    return PeerClient(token, timeout_s=timeout_s, http2=False)
+
+
 def gossip_client(token: str) -> PeerClient:
-    """HTTP/1.1 for gossip. Its probes are cancelled by design when they time out, and httpcore's
-    HTTP/2 loses count of a connection's streams when a request is cancelled mid-flight
-    (encode/httpcore#943, #1022: "semaphore released too many times", then a wedged connection).
-    A cancelled HTTP/1.1 request just closes its connection. Pipeline messages stay on HTTP/2."""
-    return PeerClient(token, timeout_s=10.0, http2=False)
+    """Gossip's own client: its probes are cut off at the probe timeout (see http1_client)."""
+    return http1_client(token, 10.0)
 
 
 class HttpTransport:
