@@ -15,7 +15,8 @@ the pipeline's messages one after another, each length-prefixed, since HTTP/2 ke
 The per-token path (decode rows and fed-back tokens) is fixed binary; JSON is left for the rare
 messages. `seq` numbers a link's frames so a re-opened stream can skip what already arrived; `sent_at`
 is the sender's clock when the frame was written (see node/observe/hops.py on clocks). A frame that cannot be
-parsed raises WireError naming what is wrong; nothing of it is delivered.
+parsed raises WireError naming what is wrong; nothing of it is delivered. A sender cuts what it sends to
+frame_limit, the receiver's limit (`bodies`); a request's part that alone is over it is not sent.
 """
 from __future__ import annotations
 
@@ -40,7 +41,12 @@ HEARTBEAT, ACTIVATION, NEXT_TOKENS, END = 0, 1, 2, 3
 # frame header claiming more is refused before a byte of it is buffered.
 MAX_FRAME_ROWS = 1024  # hidden rows of one activation frame: several steps' worth at any max_batch in use
 MAX_FRAME_TOKENS = 1024  # fed-back tokens of one NextTokens frame: one per slot, with room to spare
-MAX_FRAME_META = 16 << 20  # the rest of a frame: ids, RequestStarts (prompt ids, sampling), logprobs, JSON
+# The rest of a frame: ids, RequestStarts (prompt ids, sampling), logprobs, JSON. Kept at 16 MiB rather than
+# raised to what a full context's prompt logprobs could take (131072 tokens x ~610 B at logprobs=20 = ~80 MB):
+# a receiver buffers up to one frame per inbound link (MAX_INBOUND_LINKS of them), so this bounds what peers
+# can make it hold. Senders cut batches to fit (bodies below); a single request whose part alone is over it
+# (echo + logprobs=20 past ~27,000 prompt tokens) fails alone, naming this limit.
+MAX_FRAME_META = 16 << 20
 
 
 def frame_limit(kind: int, hidden_dim: int) -> int:
@@ -51,6 +57,80 @@ def frame_limit(kind: int, hidden_dim: int) -> int:
     if kind in (NEXT_TOKENS, END):
         return _BODY_HEAD + MAX_FRAME_META
     return _BODY_HEAD
+
+
+def meta_room(kind: int) -> int:
+    """The most bytes a frame of `kind` may hold besides hidden rows: frame_limit's, for senders' cutting."""
+    return frame_limit(kind, hidden_dim=0)
+
+
+@attrs.frozen
+class Body:
+    """A message encoded as one frame's body, but for its header (seq, sent_at: given when it is sent)."""
+
+    message: object
+    kind: int
+    payload: tuple[bytes, ...]
+
+    @property
+    def size(self) -> int:
+        return _BODY_HEAD + sum(len(p) for p in self.payload)
+
+    def frame(self, seq: int, sent_at: float) -> bytes:
+        return b"".join([HEADER.pack(self.size, self.kind, seq, sent_at), *self.payload])
+
+
+@attrs.frozen
+class TooLarge:
+    """A part of a message (one request's) that alone is more than a frame takes: it is not sent."""
+
+    message: object
+    error: str  # the same for each part of one request
+
+
+def bodies(message) -> tuple[list[Body], list[TooLarge]]:
+    """`message` as frame bodies that each fit frame_limit, each piece (a request's segment, a token)
+    encoded once; a piece too large alone for any frame comes back as TooLarge, so that only its request
+    fails. Pieces keep their order; hidden rows are not counted (links.coalesce bounds their number)."""
+    if isinstance(message, EndRequest):
+        body = Body(message, END, (wire.encode(message),))
+        return ([body], []) if body.size <= meta_room(END) else ([], [TooLarge(message, _too_large(body.size))])
+    if isinstance(message, Activation):
+        kind, build, items = ACTIVATION, Activation.of, message.meta.segments
+        parts = [_segment(seg) for seg in items]
+    elif isinstance(message, NextTokens):
+        kind, build, items = NEXT_TOKENS, lambda tokens: NextTokens(tuple(tokens)), message.tokens
+        parts = [_token(t) for t in items]
+    else:
+        raise TypeError(f"{type(message).__name__} does not travel on a link stream")
+    sizes, room = [sum(map(len, p)) for p in parts], meta_room(kind) - _BODY_HEAD - _U16.size
+    if sum(sizes) <= room:  # the common case: as it is, its rows not copied
+        return [_body(kind, message, parts)], []
+    pieces = message.split() if kind == ACTIVATION else items
+    out, too_large, group, used, failed = [], [], [], 0, {}
+    for piece, item, piece_parts, size in zip(pieces, items, parts, sizes):
+        if size > room or item.request_id in failed:  # a request's later rows go where its start went
+            failed.setdefault(item.request_id, _too_large(_BODY_HEAD + _U16.size + size))
+            too_large.append(TooLarge(build([piece]), failed[item.request_id]))
+            continue
+        if group and used + size > room:
+            out.append(_body(kind, build([p for p, _ in group]), [pp for _, pp in group]))
+            group, used = [], 0
+        group.append((piece, piece_parts))
+        used += size
+    if group:
+        out.append(_body(kind, build([p for p, _ in group]), [pp for _, pp in group]))
+    return out, too_large
+
+
+def _body(kind: int, message, parts: list[list[bytes]]) -> Body:
+    payload = [_U16.pack(len(parts)), *(p for piece_parts in parts for p in piece_parts)]
+    return Body(message, kind, tuple(payload + [message.hidden] if kind == ACTIVATION else payload))
+
+
+def _too_large(size: int) -> str:
+    return (f"this request's part of a link frame is {size} bytes besides hidden rows, more than a frame takes "
+            f"({MAX_FRAME_META}, frames.MAX_FRAME_META; a long prompt's logprobs or start can be): not sent")
 
 
 def encode(message, seq: int, sent_at: float) -> bytes:
@@ -76,13 +156,13 @@ def _str(text: str) -> bytes:
 
 
 def _activation(act: Activation) -> list[bytes]:
-    parts = [_U16.pack(len(act.meta.segments))]
-    for s in act.meta.segments:
-        start = b"" if s.start is None else wire.encode(s.start)
-        parts += [_str(s.request_id), _SEGMENT.pack(s.position, s.seq_len, s.generation),
-                  _U8.pack(len(s.stage_ms)), struct.pack(f">{len(s.stage_ms)}d", *s.stage_ms), _U32.pack(len(start)), start]
-    parts.append(act.hidden)
-    return parts
+    return [_U16.pack(len(act.meta.segments)), *(p for s in act.meta.segments for p in _segment(s)), act.hidden]
+
+
+def _segment(s: SegmentMeta) -> list[bytes]:
+    start = b"" if s.start is None else wire.encode(s.start)
+    return [_str(s.request_id), _SEGMENT.pack(s.position, s.seq_len, s.generation),
+            _U8.pack(len(s.stage_ms)), struct.pack(f">{len(s.stage_ms)}d", *s.stage_ms), _U32.pack(len(start)), start]
 
 
 @attrs.frozen
@@ -94,13 +174,12 @@ class _Logprobs:
 
 
 def _next_tokens(msg: NextTokens) -> list[bytes]:
-    parts = [_U16.pack(len(msg.tokens))]
-    for t in msg.tokens:
-        extra = b"" if t.logprob is None and not t.prompt_logprobs else wire.encode(
-            _Logprobs(t.logprob, t.prompt_logprobs))
-        parts += [_str(t.request_id), _TOKEN.pack(t.token_id, t.position, t.done, t.generation),
-                  _U32.pack(len(extra)), extra]
-    return parts
+    return [_U16.pack(len(msg.tokens)), *(p for t in msg.tokens for p in _token(t))]
+
+
+def _token(t: Token) -> list[bytes]:
+    extra = b"" if t.logprob is None and not t.prompt_logprobs else wire.encode(_Logprobs(t.logprob, t.prompt_logprobs))
+    return [_str(t.request_id), _TOKEN.pack(t.token_id, t.position, t.done, t.generation), _U32.pack(len(extra)), extra]
 
 
 class FrameReader:

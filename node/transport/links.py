@@ -40,7 +40,8 @@ def coalesce(messages: list, *, max_rows: int = frames.MAX_FRAME_ROWS,
              max_tokens: int = frames.MAX_FRAME_TOKENS) -> list:
     """Merge runs of activations, and runs of fed-back tokens, into as few messages as fit one link frame
     each (at most `max_rows` hidden rows, `max_tokens` tokens: what a receiver takes, frames.frame_limit);
-    one larger than that is cut to fit. Order is kept, and so is each request's order of rows."""
+    one larger than that is cut to fit. Order is kept, and so is each request's order of rows. Their bytes
+    besides rows (starts, logprobs) are cut to fit where they are encoded once, by the link (frames.bodies)."""
     out: list = []
     for message in messages:
         for m in _fitted(message, max_rows, max_tokens):

@@ -48,6 +48,7 @@ HEARTBEAT_AFTER_S = 0.25  # after a frame, if nothing follows: soon enough to re
 HEARTBEAT_IDLE_S = 1.0
 PROBE_S = 1.0  # how soon a sender learns that its stream was reset: ~ a heartbeat's rhythm, one GET a second
 PROBE_TIMEOUT_S = 2.0  # the longest a probe holds up a link that is reopening
+REFUSED_AFTER = 3  # opens in a row, the peer reached each time, that found the same first frame not taken
 
 
 class LinkLost(Exception):
@@ -70,8 +71,12 @@ class LinkStream:
     def __init__(self, dest: str, *, source: str, resolve: Callable[[str], str | None], client: httpx.AsyncClient,
                  on_lost: Callable[[list, str], None], stats: hops.HopStats,
                  still_live: Callable[[object], object | None] = lambda message: message, faults: Faults = NO_FAULTS,
-                 moved: Callable[[str, str], Awaitable[None]] | None = None):
+                 moved: Callable[[str, str], Awaitable[None]] | None = None,
+                 on_refused: Callable[[object, str], None] | None = None):
         self.dest, self.source, self._resolve, self._client = dest, source, resolve, client
+        # A message part the peer would refuse (too large) or refuses (resent, never taken): resending or
+        # replaying it would fail the same way, so its requests fail (on_refused); without one, as if lost.
+        self._on_refused = on_refused
         self.faults, self._moved = faults, moved
         self._on_lost, self._stats, self._still_live = on_lost, stats, still_live
         self.link_id = secrets.token_hex(8)
@@ -79,6 +84,8 @@ class LinkStream:
         self._seq = 0
         self._kept: collections.deque[tuple[int, object, int]] = collections.deque()  # (seq, message, bytes)
         self._kept_bytes = 0
+        self._head, self._head_tries = None, 0  # the first frame resent at the last opens, and how often
+        self._refused: set[int] = set()  # frames dropped as refused, after the peer's last taken one
         self.opened = 0  # streams opened so far (for /health and tests)
 
     async def run(self, outbox: Outbox) -> None:
@@ -127,14 +134,33 @@ class LinkStream:
         self._peer_boot = state["boot"]
         if restarted and self._kept:
             raise LinkLost(f"{self.dest} restarted: what it held of this link's requests is gone")
-        if last is None:  # nothing of this link reached the peer yet
+        if last is None:  # nothing of this link reached the peer yet (or it forgot the link, refusing a frame)
             self._keep_live_only()
+            self._drop_refused()
             return [(seq, message) for seq, message, _ in self._kept]
         while self._kept and self._kept[0][0] <= last:
             self._drop_oldest()
-        if self._kept and self._kept[0][0] != last + 1:
+        self._refused = {seq for seq in self._refused if seq > last}
+        if self._kept and any(seq not in self._refused for seq in range(last + 1, self._kept[0][0])):
             raise LinkLost(f"{self.dest} last took frame {last}; the oldest kept is {self._kept[0][0]}")
+        self._drop_refused()
         return [(seq, message) for seq, message, _ in self._kept]
+
+    def _drop_refused(self) -> None:
+        """The peer was reached, but the frame it was sent first has not been taken, REFUSED_AFTER opens in a
+        row: it refuses that frame (a header over its limit, a malformed body), and would refuse it again
+        each time. Only that frame's requests fail; the frames after it go on. (A receiver that forgets the
+        link on a refusal answers last_seq None: then the first kept frame may be one it took before; each
+        drop still moves the head on, so the refused frame is reached and the link cannot loop.)"""
+        head = self._kept[0][0] if self._kept else None
+        self._head_tries = self._head_tries + 1 if head is not None and head == self._head else 0
+        self._head = head
+        if self._head_tries >= REFUSED_AFTER:
+            seq, message, _ = self._kept[0]
+            self._drop_oldest()
+            self._head, self._head_tries = None, 0
+            self._refused.add(seq)  # a gap the peer's last frame may stay behind
+            self._refuse(message, f"frame {seq} was resent {REFUSED_AFTER} times and never taken: the peer refuses it")
 
     async def _stream_while_there(self, addr: str, resend: list, outbox: Outbox) -> None:
         """Stream to `addr` until it breaks, or until gossip says `addr` no longer holds the destination
@@ -181,13 +207,27 @@ class LinkStream:
         raise PeerError(addr, f"link stream ended by the peer: HTTP {r.status_code} {r.text[:200]}", r.status_code)
 
     def frame(self, message) -> bytes:
-        """The next frame of the link, kept for a resend until the peer is known to have it."""
-        self._seq += 1
+        """The message as the link's next frames, each kept for a resend until the peer is known to have it.
+        Cut to fit frames.frame_limit, which the receiver holds them to; a request's part too large for
+        any frame is not sent: that request alone fails (on_refused), the others of the message go on."""
         started = hops.now()
-        data = frames.encode(message, self._seq, started)
+        fitted, too_large = frames.bodies(message)
+        data = []
+        for body in fitted:
+            self._seq += 1
+            data.append(body.frame(self._seq, started))
+            self._keep(self._seq, body.message, len(data[-1]))
         self._stats.record(f"to {self.dest}", "encode", hops.now() - started)
-        self._keep(self._seq, message, len(data))
-        return data
+        for part in too_large:
+            self._refuse(part.message, part.error)
+        return b"".join(data)
+
+    def _refuse(self, message, error: str) -> None:
+        log.warning("link to %s: %s", self.dest, error)
+        if self._on_refused is None:
+            self._lose([message], error)
+        else:
+            self._on_refused(message, f"link to {self.dest}: {error}")
 
     def _keep(self, seq: int, message, size: int) -> None:
         self._kept.append((seq, message, size))
