@@ -311,7 +311,8 @@ class StageNode:
             return None
         return LinkStream(dest, source=self.name, resolve=self._addr_of, client=self.client.http, stats=self.hops,
                           on_lost=lambda messages, error: self.links.lost(dest, messages, error),
-                          still_live=self._still_live, faults=self.faults, moved=self._moved)
+                          still_live=self._still_live, faults=self.faults, moved=self._moved,
+                          on_refused=lambda message, error: self._refused_on_link(self.name, message, error))
 
     def _addr_of(self, name: str) -> str | None:
         """The address of the member holding `name` (a registry name), or None."""

@@ -47,16 +47,16 @@ async def test_tiny_model_cluster_of_3_equals_generate_full(nursery, tmp_path):
 @pytest.mark.parametrize("n", [2, 3, 4])
 async def test_every_message_crosses_every_hop_intact_over_http2(nursery, tmp_path, monkeypatch, n, links):
     sent, received = [], []
-    real_body_of, real_frame, real_deliver = wire.body_of, frames.encode, StageNode.deliver
+    real_body_of, real_bodies, real_deliver = wire.body_of, frames.bodies, StageNode.deliver
     ended = trio.Event()  # the EndRequest may still be on its way down the chain when the response lands
 
     def recording_body_of(message):
         sent.append(message)
         return real_body_of(message)
 
-    def recording_frame(message, seq, sent_at):
+    def recording_bodies(message):  # what a link stream frames
         sent.append(message)
-        return real_frame(message, seq, sent_at)
+        return real_bodies(message)
 
     def recording_deliver(self, message, **kw):
         real_deliver(self, message, **kw)
@@ -66,7 +66,7 @@ async def test_every_message_crosses_every_hop_intact_over_http2(nursery, tmp_pa
             ended.set()
 
     monkeypatch.setattr(wire, "body_of", recording_body_of)
-    monkeypatch.setattr(frames, "encode", recording_frame)
+    monkeypatch.setattr(frames, "bodies", recording_bodies)
     monkeypatch.setattr(StageNode, "deliver", recording_deliver)
     # the prompt in one step (no smaller prefill chunks): the count below is one message per step and hop
     orch, urls, _ = await start_cluster(nursery, n, tmp_path, link_streams=links == "stream", chunked_prefill_size=64)
