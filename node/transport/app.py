@@ -74,6 +74,7 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_st
     h2_flow.install()  # a stream holds at most a window unsent; a stalled one ends
     stream_guard.install()  # requests in flight from non-members, per address and in all
     app = QuartTrio("pp")
+    app.asgi_app = _refuse_websockets(app.asgi_app)
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     app.config["BODY_TIMEOUT"] = 120
     app.http_versions = collections.Counter()  # requests served per HTTP version, for tests and /health
@@ -179,6 +180,18 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_st
         body, status = _refusal(exc.status, exc.message)
         return body, status, headers
 
+    return app
+
+
+def _refuse_websockets(asgi_app):
+    """ASGI middleware: pp serves no WebSocket, so every upgrade is closed before Quart sees it (hypercorn answers
+    403). Quart would run its before_websocket hooks, not `authorize`, and its 404 handler would read `request`
+    outside a request context: a 500 and a logged traceback per upgrade."""
+    async def app(scope, receive, send):
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        await asgi_app(scope, receive, send)
     return app
 
 
