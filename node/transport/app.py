@@ -304,10 +304,11 @@ async def _read_link(dispatcher: Dispatcher, link_id: str, source: str) -> int:
                 dispatcher.take_frame(link_id, source, seq, sent_at, message)
                 taken += 1
     except wire.WireError as exc:
-        # The frame was not delivered, and resending it would fail the same way: the link is forgotten,
-        # and the sender's next open finds it lost.
-        dispatcher.links_in.forget(link_id)
-        error_event(log, "link_frame_refused", link=link_id, source=source, error=str(exc))
+        # The frame was not delivered. The link's last delivered frame stays as it was, so the sender resends
+        # from the refused one, and drops it alone once it is refused again (streams.LinkStream._drop_refused);
+        # forgetting the link would have it resend frames delivered already, delivered twice.
+        error_event(log, "link_frame_refused", link=link_id, source=source, error=str(exc),
+                    last_seq=dispatcher.links_in.last_seq(link_id))
         raise
     except Exception as exc:
         # Frames up to the last delivered count as taken: the sender resends only those after it.

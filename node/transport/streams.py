@@ -149,9 +149,8 @@ class LinkStream:
     def _drop_refused(self) -> None:
         """The peer was reached, but the frame it was sent first has not been taken, REFUSED_AFTER opens in a
         row: it refuses that frame (a header over its limit, a malformed body), and would refuse it again
-        each time. Only that frame's requests fail; the frames after it go on. (A receiver that forgets the
-        link on a refusal answers last_seq None: then the first kept frame may be one it took before; each
-        drop still moves the head on, so the refused frame is reached and the link cannot loop.)"""
+        each time. Only that frame's requests fail; the frames after it go on. (The receiver keeps the link's last
+        delivered frame through a refusal, so the head is the refused frame itself.)"""
         head = self._kept[0][0] if self._kept else None
         self._head_tries = self._head_tries + 1 if head is not None and head == self._head else 0
         self._head = head
@@ -312,9 +311,6 @@ class LinkReceiver:
         """Whether frame `seq` of the link is new (deliver it), or a resend of one already delivered."""
         last = self._last.get(link_id)
         return last is None or seq > last
-
-    def forget(self, link_id: str) -> None:
-        self._last.pop(link_id, None)
 
     def delivered(self, link_id: str, seq: int) -> None:
         self._last[link_id] = seq
