@@ -15,6 +15,8 @@ Phases (each while another process polls stage 0's /health every 20 ms):
                declared dead); also whether every stage stayed alive in the runner's gossip view (none
                suspect or dead, the same member and incarnation after): no replacement
   settings-flood  the same with SETTINGS frames, each of which the server must acknowledge
+  stream-burst 200 HTTP/2 connections each open 100 `GET /health` at once, no key (the second audit's), and
+               hold them 20 s: /health, the requests answered and refused, and whether any stage was suspected
   conn-flood   300 idle TCP connections from one address (the cap is 256)
   walk-away    20 HTTP/1.1 clients close their socket 0-5 ms after sending a 400-token request: the time
                until no stage holds a slot (the audit saw half of them run to max_tokens)
@@ -37,6 +39,7 @@ import time
 import urllib.parse
 from pathlib import Path
 
+import hpack
 import httpx
 import trio
 
@@ -320,9 +323,64 @@ async def _drain(sock, tally: collections.Counter, scope: trio.CancelScope) -> N
     scope.cancel()
 
 
+BURST_CONNECTIONS, BURST_STREAMS, BURST_HOLD_S = 200, 100, 20.0
+REFUSED_STREAM = 0x7
+
+
+async def stream_burst(api, urls, model, *, orch) -> dict:
+    """The second audit's burst: BURST_CONNECTIONS connections each open BURST_STREAMS `GET /health` at once, with
+    no key (about 10 bytes a request with HPACK), then stay open BURST_HOLD_S reading what comes; the runner's view
+    of the stages is watched all along (before issue 33's stream cap, stage 0 was declared dead and replaced)."""
+    parts, tally = urllib.parse.urlsplit(urls[0]), collections.Counter()
+    members = {m.meta.stage: (m.id, m.incarnation) for m in orch.stages()}
+    not_alive: list[str] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_watch_stages, orch, not_alive)
+        with trio.move_on_after(BURST_HOLD_S):
+            async with trio.open_nursery() as bursts:
+                for _ in range(BURST_CONNECTIONS):
+                    bursts.start_soon(_burst, parts.hostname, parts.port, tally)
+        await trio.sleep(1.0)
+        nursery.cancel_scope.cancel()
+    after = {m.meta.stage: (m.id, m.incarnation) for m in orch.stages()}
+    return {"connections": tally["connections"], "requests": BURST_CONNECTIONS * BURST_STREAMS,
+            "answered": tally["answered"], "refused_stream": tally["refused"], "stages_not_alive": not_alive,
+            "stage_members_unchanged": after == members, "stages_health_200": all([await _answers(u + "/health")
+                                                                                    for u in urls])}
+
+
+async def _burst(host: str, port: int, tally: collections.Counter) -> None:
+    encoder = hpack.Encoder()
+    headers = [(b":method", b"GET"), (b":path", b"/health"), (b":scheme", b"http"), (b":authority", b"node")]
+    requests = b"".join(_frame(1, encoder.encode(headers), 0x5, 2 * j + 1) for j in range(BURST_STREAMS))
+    try:
+        sock = await trio.open_tcp_stream(host, port)
+    except OSError:
+        tally["not_connected"] += 1
+        return
+    async with sock:
+        tally["connections"] += 1
+        await sock.send_all(PREFACE + _frame(4, b"") + requests)
+        buffer = b""
+        try:
+            while data := await sock.receive_some(1 << 16):
+                buffer += data
+                while len(buffer) >= 9 and len(buffer) >= 9 + int.from_bytes(buffer[:3], "big"):
+                    length, kind, flags = int.from_bytes(buffer[:3], "big"), buffer[3], buffer[4]
+                    if kind == 4 and not flags & 0x1:
+                        await sock.send_all(_frame(4, b"", 0x1))  # acknowledge the node's SETTINGS
+                    elif kind == 1:
+                        tally["answered"] += 1
+                    elif kind == 3 and int.from_bytes(buffer[9:13], "big") == REFUSED_STREAM:
+                        tally["refused"] += 1
+                    buffer = buffer[9 + length:]
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+
 PHASES = {"idle": idle, "long-prompt": long_prompt, "long-stops": long_stops, "rapid-reset": reset_flood,
           "conn-flood": conn_flood, "walk-away": walk_away, "ping-flood": ping_flood,
-          "settings-flood": settings_flood}
+          "settings-flood": settings_flood, "stream-burst": stream_burst}
 
 
 def main(argv: list[str] | None = None) -> int:
