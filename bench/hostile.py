@@ -249,25 +249,34 @@ async def settings_flood(api, urls, model, *, orch) -> dict:
 
 
 async def _flood(urls: list[str], frame: bytes, orch) -> dict:
-    """FLOODERS connections to stage 0 send `frame` back to back for FLOOD_S, each reconnecting when closed;
-    then a second of quiet, all the while watching the runner's view of the stages."""
+    """FLOODERS connections to stage 0 send `frame` back to back for FLOOD_S, each reconnecting when closed."""
     parts, tally, blob = urllib.parse.urlsplit(urls[0]), collections.Counter(), frame * ((1 << 16) // len(frame))
+
+    async def attack() -> None:
+        async with trio.open_nursery() as flooders:
+            for _ in range(FLOODERS):
+                flooders.start_soon(_flooder, parts.hostname, parts.port, blob, len(blob) // len(frame), tally)
+    stages = await _watched(attack, FLOOD_S, urls, orch)
+    # frames written to sockets, most never read by a node that closes the connection: the flood offered
+    return {"frames_offered_per_s": round(tally["frames"] / FLOOD_S), "connections": tally["connections"],
+            "calmed": tally["calmed"], "refused": tally["refused"], **stages}
+
+
+async def _watched(attack, seconds: float, urls: list[str], orch) -> dict:
+    """Run `attack()` for `seconds`, then a second of quiet, all the while watching the runner's view of the
+    stages: any stage member it held as anything but alive, whether the members are the same after (no
+    replacement), and whether every stage then answers /health."""
     members = {m.meta.stage: (m.id, m.incarnation) for m in orch.stages()}
     not_alive: list[str] = []
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_watch_stages, orch, not_alive)
-        with trio.move_on_after(FLOOD_S):
-            async with trio.open_nursery() as flooders:
-                for _ in range(FLOODERS):
-                    flooders.start_soon(_flooder, parts.hostname, parts.port, blob, len(blob) // len(frame), tally)
+        with trio.move_on_after(seconds):
+            await attack()
         await trio.sleep(1.0)
         nursery.cancel_scope.cancel()
     after = {m.meta.stage: (m.id, m.incarnation) for m in orch.stages()}
     healthy = [await _answers(u + "/health") for u in urls]
-    # frames written to sockets, most never read by a node that closes the connection: the flood offered
-    return {"frames_offered_per_s": round(tally["frames"] / FLOOD_S), "connections": tally["connections"],
-            "calmed": tally["calmed"], "refused": tally["refused"], "stages_not_alive": not_alive,
-            "stage_members_unchanged": after == members,
+    return {"stages_not_alive": not_alive, "stage_members_unchanged": after == members,
             "stages_health_200": all(healthy)}
 
 
@@ -329,24 +338,17 @@ REFUSED_STREAM = 0x7
 
 async def stream_burst(api, urls, model, *, orch) -> dict:
     """The second audit's burst: BURST_CONNECTIONS connections each open BURST_STREAMS `GET /health` at once, with
-    no key (about 10 bytes a request with HPACK), then stay open BURST_HOLD_S reading what comes; the runner's view
-    of the stages is watched all along (before issue 33's stream cap, stage 0 was declared dead and replaced)."""
+    no key (about 10 bytes a request with HPACK), then stay open BURST_HOLD_S reading what comes (before issue 33's
+    stream cap, stage 0 was declared dead and replaced)."""
     parts, tally = urllib.parse.urlsplit(urls[0]), collections.Counter()
-    members = {m.meta.stage: (m.id, m.incarnation) for m in orch.stages()}
-    not_alive: list[str] = []
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(_watch_stages, orch, not_alive)
-        with trio.move_on_after(BURST_HOLD_S):
-            async with trio.open_nursery() as bursts:
-                for _ in range(BURST_CONNECTIONS):
-                    bursts.start_soon(_burst, parts.hostname, parts.port, tally)
-        await trio.sleep(1.0)
-        nursery.cancel_scope.cancel()
-    after = {m.meta.stage: (m.id, m.incarnation) for m in orch.stages()}
+
+    async def attack() -> None:
+        async with trio.open_nursery() as bursts:
+            for _ in range(BURST_CONNECTIONS):
+                bursts.start_soon(_burst, parts.hostname, parts.port, tally)
+    stages = await _watched(attack, BURST_HOLD_S, urls, orch)
     return {"connections": tally["connections"], "requests": BURST_CONNECTIONS * BURST_STREAMS,
-            "answered": tally["answered"], "refused_stream": tally["refused"], "stages_not_alive": not_alive,
-            "stage_members_unchanged": after == members, "stages_health_200": all([await _answers(u + "/health")
-                                                                                    for u in urls])}
+            "answered": tally["answered"], "refused_stream": tally["refused"], **stages}
 
 
 async def _burst(host: str, port: int, tally: collections.Counter) -> None:

@@ -39,12 +39,14 @@ class ConnectionLimits:
     total: int = TOTAL
 
 
-def refusal(limits: ConnectionLimits, open_from_peer: int, open_in_all: int) -> str | None:
-    """Why a new connection is refused, given what is open already (None: it is taken)."""
+def refusal(limits: ConnectionLimits, open_from_peer: int, open_in_all: int, what: str = "connections open"
+            ) -> str | None:
+    """Why one more is refused, given what is held already (None: it is taken): connections here, requests in
+    flight in node/transport/stream_guard.py."""
     if open_in_all >= limits.total:
-        return f"{open_in_all} connections open, the most this node takes"
+        return f"{open_in_all} {what}, the most this node takes"
     if open_from_peer >= limits.per_peer:
-        return f"{open_from_peer} connections open from this address, the most it may hold"
+        return f"{open_from_peer} {what} from this address, the most it may hold"
     return None
 
 

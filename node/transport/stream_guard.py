@@ -20,10 +20,11 @@ import collections
 import logging
 from typing import Callable
 
-import attrs
 import h2.errors
 import h2.exceptions
 from hypercorn.protocol import h2 as hypercorn_h2
+
+from node.transport.conn_guard import ConnectionLimits, refusal
 
 PER_PEER = 128  # a client's concurrency: the entry queues 64 and runs --max-seqs; past that it answers 429
 TOTAL = 512
@@ -32,28 +33,18 @@ log = logging.getLogger("pp.hypercorn")
 Connection = tuple  # (host, port) of the peer: one TCP connection
 
 
-@attrs.frozen
-class StreamLimits:
-    per_peer: int = PER_PEER
-    total: int = TOTAL
+LIMITS = ConnectionLimits(per_peer=PER_PEER, total=TOTAL)
 
 
-LIMITS = StreamLimits()
-
-
-def stream_refusal(limits: StreamLimits, from_peer: int, in_all: int) -> str | None:
+def stream_refusal(limits: ConnectionLimits, from_peer: int, in_all: int) -> str | None:
     """Why one more guest stream is refused, given the guest streams in flight (None: it is taken)."""
-    if in_all >= limits.total:
-        return f"{in_all} requests in flight from non-members, the most this node takes"
-    if from_peer >= limits.per_peer:
-        return f"{from_peer} requests in flight from this address, the most it may have"
-    return None
+    return refusal(limits, from_peer, in_all, "requests in flight without the cluster token")
 
 
 class GuestStreams:
     """The HTTP/2 streams in flight of requests that do not carry the cluster token, by connection."""
 
-    def __init__(self, is_member: Callable[[bytes], bool], limits: StreamLimits | None = None):
+    def __init__(self, is_member: Callable[[bytes], bool], limits: ConnectionLimits | None = None):
         self.is_member, self.limits = is_member, limits or LIMITS
         self.by_peer: collections.Counter[str] = collections.Counter()
         self.by_connection: dict[Connection, set[int]] = {}
