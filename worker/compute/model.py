@@ -44,7 +44,8 @@ from tinygrad import Context, Device, Tensor, TinyJit, UOp, dtypes
 from tinygrad.device import Buffer
 from tinygrad.uop.ops import KernelInfo
 
-from . import cpu_attention, kernel_cache, whole_graphs
+from . import cpu_attention, device_wait, kernel_cache, whole_graphs
+from .replay import Replay
 from ..batching import DEFAULT_MAX_SEQS, Segment, bucket_sizes, default_max_batch, split_rows, unmeasured_cost
 from ..config import ModelConfig
 from .linear import DeviceWeight, linear, to_device
@@ -211,6 +212,7 @@ class StageModel:
         self.cos, self.sin = rope_tables(config)
         kernel_cache.install()
         whole_graphs.install()  # before the first capture
+        device_wait.install()
         self._graphs, self._head_graphs = self._new_graphs(), self._new_head_graphs()
         self._inputs = {b: _StepInputs(b, config.dim, config.head_dim) for b in self.buckets}
         self._head_inputs = {b: Tensor.zeros(b, config.dim).contiguous().realize() for b in self._head_graphs}
@@ -220,11 +222,12 @@ class StageModel:
     def max_batch(self) -> int:
         return self.buckets[-1]
 
-    def _new_graphs(self) -> dict[int, TinyJit]:
-        return {b: _capture_on_first_call(TinyJit(self._step)) for b in self.buckets}
+    def _new_graphs(self) -> dict[int, Replay]:
+        kv_len = {"kv_len": (1, self.config.max_context)}
+        return {b: Replay(_capture_on_first_call(TinyJit(self._step)), kv_len) for b in self.buckets}
 
-    def _new_head_graphs(self) -> dict[int, TinyJit]:
-        return {b: _capture_on_first_call(TinyJit(self._head_step)) for b in self.buckets} if self.head else {}
+    def _new_head_graphs(self) -> dict[int, Replay]:
+        return {b: Replay(_capture_on_first_call(TinyJit(self._head_step))) for b in self.buckets} if self.head else {}
 
     def _on_device(self, weight: np.ndarray | Packed) -> Tensor | DeviceWeight:
         return to_device(weight, self._put) if isinstance(weight, Packed) else self._put(weight)
@@ -347,8 +350,7 @@ class StageModel:
         ints = np.stack([positions, slots, slots * c.max_context + positions]).astype(np.int32)
         inputs = self._inputs[bucket]
         inputs.write(floats, ints)
-        kv_len = UOp.variable("kv_len", 1, c.max_context).bind(int(positions.max()) + 1)
-        return _read(self._graphs[bucket](inputs.floats, inputs.ints, kv_len))[:n]
+        return _read(self._graphs[bucket](inputs.floats, inputs.ints, kv_len=int(positions.max()) + 1))[:n]
 
     def warm_up(self, beam: int = 0) -> None:
         """Compile and capture every bucket's graph now, so that no request pays a compile, and time each

@@ -1,0 +1,65 @@
+"""Waiting for the CPU device without holding the GIL.
+
+tinygrad 0.14's CPU device runs a submitted graph on a worker thread of its own (native code, no GIL), and
+whoever reads a result waits for it in `HCQ2Compiled._wait_signal`: a Python loop re-reading the signal,
+holding the GIL all the while (the interpreter hands it over only every `sys.getswitchinterval()`, 5 ms).
+In a stage that is the compute thread, so while a step's kernels run the event loop can neither read the
+next frame nor send the last step's result, and the compute thread itself, woken for the next step, waits
+for the GIL the loop holds. A py-spy profile of a 5-stage cluster put ~45% of the compute thread's samples in
+that wait and in the GIL hand-overs around it (issue 34, docs/benchmarks.md).
+
+Here the wait gives the GIL up between reads: it sleeps in steps of 20 µs, with the thread's timer slack cut
+to 1 µs (Linux adds 50 µs to every sleep by default). Not `sched_yield`: on a busy box a yield can hand the
+core to another process for a whole time slice (ms). Nor a spin: a spinning thread takes a core from the
+device's own worker and from the other stages sharing the machine. tinygrad's hang detection is kept: no
+progress for `wait_timeout_ms` still ends in `on_device_hang`.
+"""
+from __future__ import annotations
+
+import ctypes
+import sys
+import threading
+import time
+
+SLEEP_S = 20e-6  # each sleep after that; a step's result is read at most this late
+_PR_SET_TIMERSLACK = 29
+_slack = threading.local()
+_installed = False
+
+
+def _cut_timer_slack() -> None:
+    """Once per thread: sleeps of 20 µs take ~20 µs, not 70 (timer slack is per thread on Linux)."""
+    if getattr(_slack, "cut", False):
+        return
+    _slack.cut = True
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_TIMERSLACK, 1000, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # only slower wake-ups
+
+
+def wait_signal(device, sig, value: int, timeout: int | None = None) -> None:
+    """tinygrad's `_wait_signal`, the GIL released between reads of `sig` (see the module's docstring)."""
+    if sig[0] >= value:
+        return
+    limit_s = ((timeout if timeout is not None and device.can_recover else None) or device.wait_timeout_ms) / 1000
+    seen, since = sig[0], time.perf_counter()
+    _cut_timer_slack()
+    while (done := sig[0]) < value:
+        if done != seen:
+            seen, since = done, time.perf_counter()
+        elif time.perf_counter() - since > limit_s:
+            device.on_device_hang()
+        time.sleep(SLEEP_S)
+
+
+def install() -> bool:
+    """Wait for the CPU device this way (once per process); returns whether it does. Other devices' waits
+    are left as tinygrad has them (a GPU's signal is read over MMIO; its hang handling is its own)."""
+    global _installed
+    if not _installed:
+        from tinygrad.runtime.ops_cpu import CPUDevice
+        CPUDevice._wait_signal = wait_signal
+        _installed = True
+    return True
