@@ -59,8 +59,8 @@ def llama_prompt(binary: Path, gguf: Path, threads: int, tokens: int) -> dict:
             "peak_rss_mb": None, "command": " ".join(cmd)}
 
 
-def llama_batched(binary: Path, gguf: Path, threads: int, parallel: int, tokens: int) -> dict:
-    cmd = [str(binary), "-m", str(gguf), "-c", "4096", "-npp", "128", "-ntg", str(tokens), "-npl", str(parallel),
+def llama_batched(binary: Path, gguf: Path, threads: int, parallel: int, tokens: int, prompt: int = 128) -> dict:
+    cmd = [str(binary), "-m", str(gguf), "-c", "4096", "-npp", str(prompt), "-ntg", str(tokens), "-npl", str(parallel),
            "-t", str(threads), "--output-format", "jsonl"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     row = [json.loads(line) for line in out.splitlines() if line.startswith("{") and '"speed_tg"' in line][-1]

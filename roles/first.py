@@ -38,7 +38,7 @@ from .actions import (PROMPT_INVALID, PROMPT_TOO_LONG, Progress, Refused, Send, 
                       from_cache, pass_on, step_failed, wrong_role)
 from .messages import Activation, CancelRequest, EndReason, EndRequest, InferenceRequest, NextTokens, RequestStart
 from .prefix import DEFAULT_BLOCK_SIZE, PrefixIndex, Start, plan_start
-from .schedule import StageQueue, Step, Unit
+from .schedule import StageQueue, Step, Unit, decode_group
 from .topology import stage_name
 
 RETRY_AFTER_S = 1
@@ -103,7 +103,9 @@ class FirstActor:
         raise wrong_role(self.stage, self.role, msg)
 
     def plan(self) -> Step | None:
-        return None if self.paused else self.queue.next_step()
+        if self.paused:
+            return None
+        return self.queue.next_step(decode_group(len(self.live), self.num_stages))
 
     def finish(self, step: Step, outcome) -> list:
         return pass_on(step, outcome, dest=self.next, live=self.is_live, refused=self._refused)

@@ -15,6 +15,13 @@ and the next step takes as many as fit in one batch of `max_rows`. The planner i
 
 So the bound on a decode's wait is one step of at most `max_rows` rows, whatever the prompts' length.
 
+4. Stage 0 caps a step's decode rows at its share of the requests it has running (`decode_group`): with N
+   stages and R requests, ceil(R / N) each. So the requests in flight travel as N micro-batches, one at each
+   stage, and every stage has one to compute while the others do theirs; without the cap, rows that come
+   back together from the last stage leave together again, as one batch that keeps one stage busy at a
+   time (issue 34: at N = 2 under 8 streams each stage's device was ~50% busy). A decode row left over by
+   the cap goes in the next step, right after.
+
 StageQueue holds the waiting rows, the requests that ended here (late rows for them are dropped), and
 the slots to release in the worker before the next step.
 """
@@ -62,15 +69,23 @@ class Step:
     release: tuple[tuple[str, str], ...]
 
 
-def plan_rows(waiting: Sequence[Unit], max_rows: int, prompt_rows: int | None = None) -> list[int]:
+def decode_group(running: int, num_stages: int) -> int:
+    """Stage 0's cap on a step's decode rows (rule 4): its share of `running` requests over the stages."""
+    return max(1, -(-running // num_stages))
+
+
+def plan_rows(waiting: Sequence[Unit], max_rows: int, prompt_rows: int | None = None,
+              decode_rows: int | None = None) -> list[int]:
     """How many rows of each waiting unit the next step takes (0: none), by the rules above; `prompt_rows`
-    caps the prompt rows of one step (the chunked prefill size) below what the decode rows leave."""
+    caps the prompt rows of one step (the chunked prefill size) below what the decode rows leave, and
+    `decode_rows` its decode rows (stage 0's micro-batch)."""
     take = [0] * len(waiting)
     budget = max_rows
+    decodes = max_rows if decode_rows is None else decode_rows
     seen: set[str] = set()
     for i, u in enumerate(waiting):
-        if u.decode and budget > 0 and u.request_id not in seen:  # never ahead of the request's own rows
-            take[i], budget = 1, budget - 1
+        if u.decode and budget > 0 and decodes > 0 and u.request_id not in seen:  # never ahead of its own rows
+            take[i], budget, decodes = 1, budget - 1, decodes - 1
         seen.add(u.request_id)
     if prompt_rows is not None:
         budget = min(budget, prompt_rows)
@@ -124,9 +139,10 @@ class StageQueue:
         """Free these slots before the next step: those of a step whose compute failed before freeing them."""
         self._release.extend(releases)
 
-    def next_step(self) -> Step | None:
-        """Take the next step's rows off the queue, or None when there is nothing to do."""
-        take = plan_rows(self.waiting, self.max_rows, self.prompt_rows)
+    def next_step(self, decode_rows: int | None = None) -> Step | None:
+        """Take the next step's rows off the queue, or None when there is nothing to do; `decode_rows`: at
+        most this many decode rows (plan_rows)."""
+        take = plan_rows(self.waiting, self.max_rows, self.prompt_rows, decode_rows)
         units, rest = [], []
         for unit, k in zip(self.waiting, take):
             if k == unit.rows:

@@ -64,20 +64,23 @@ def test_first_tokenizes_embeds_and_sends_the_prompt_to_stage_1_with_its_start()
 
 
 def test_first_batches_the_fed_back_tokens_of_several_requests_into_one_step():
-    w, ref = worker(0), worker(0)
-    actor = make_actor(0, N, w)
-    for rid, prompt in [("a", "one"), ("b", "two words")]:
+    w, ref = worker(0, 2), worker(0, 2)
+    actor = make_actor(0, 2, w)
+    rids = [("a", "one"), ("b", "two words"), ("c", "three"), ("d", "four")]
+    lens = {}
+    for rid, prompt in rids:
         actor.admit(request(rid, prompt=prompt))
-    [prefill] = step(actor, w)  # both prompts in one step
-    assert [s.request_id for s in prefill.message.meta.segments] == ["a", "b"]
-    lens = {s.request_id: s.seq_len for s in prefill.message.meta.segments}
-    actor.admit(NextTokens((Token("a", 7, lens["a"], False), Token("b", 9, lens["b"], False))))
-    [out] = step(actor, w)
+        [prefill] = step(actor, w)
+        lens[rid] = prefill.message.meta.segments[0].seq_len
+    actor.admit(NextTokens(tuple(Token(rid, 7 + i, lens[rid], False) for i, (rid, _) in enumerate(rids))))
+    [out], [rest] = step(actor, w), step(actor, w)  # two stages: two micro-batches of two (roles/schedule.py)
     assert [(s.request_id, s.position, s.seq_len) for s in out.message.meta.segments] == [
         ("a", lens["a"], 1), ("b", lens["b"], 1)]
-    for rid, prompt in [("a", "one"), ("b", "two words")]:
+    assert [s.request_id for s in rest.message.meta.segments] == ["c", "d"]
+    for rid, prompt in rids:
         ref.embed_and_forward(rid, ref.tokenize(prompt), 0)
-    assert out.message.hidden == ref.decode_step("a", 7, lens["a"]) + ref.decode_step("b", 9, lens["b"])
+    assert out.message.hidden == ref.decode_step("a", 7, lens["a"]) + ref.decode_step("b", 8, lens["b"])
+    assert rest.message.hidden == ref.decode_step("c", 9, lens["c"]) + ref.decode_step("d", 10, lens["d"])
 
 
 def test_a_done_token_ends_the_request_down_the_chain_and_frees_its_slot():

@@ -2,7 +2,7 @@
 import pytest
 
 from roles.messages import RequestStart
-from roles.schedule import StageQueue, Unit, plan_rows
+from roles.schedule import StageQueue, Unit, decode_group, plan_rows
 from worker.sampling import GREEDY
 
 
@@ -40,6 +40,30 @@ def test_a_step_takes_waiting_rows_oldest_first_up_to_its_size_and_in_each_reque
 ])
 def test_the_chunked_prefill_size_caps_a_step_s_prompt_rows_beside_its_decodes(waiting, max_rows, prompt_rows, want):
     assert plan_rows(waiting, max_rows, prompt_rows) == want
+
+
+@pytest.mark.parametrize("waiting,decode_rows,want", [
+    ([d("a"), d("b"), d("c"), d("d")], 2, [1, 1, 0, 0]),  # oldest first, up to the cap
+    ([d("a"), d("b"), p("c", 5)], 1, [1, 0, 5]),  # the room the cap leaves goes to prompts
+    ([d("a"), d("b")], None, [1, 1]),  # no cap: the step's room
+    ([p("a", 3), d("a", pos=3), d("b"), d("c")], 1, [3, 0, 1, 0]),  # a blocked decode does not use the cap
+])
+def test_stage_0_s_micro_batch_caps_a_step_s_decode_rows(waiting, decode_rows, want):
+    assert plan_rows(waiting, 8, None, decode_rows) == want
+
+
+@pytest.mark.parametrize("running,stages,want", [(0, 2, 1), (1, 5, 1), (8, 2, 4), (9, 2, 5), (8, 5, 2), (16, 3, 6)])
+def test_the_requests_running_are_split_into_one_micro_batch_per_stage(running, stages, want):
+    assert decode_group(running, stages) == want
+
+
+def test_rows_that_come_back_together_leave_stage_0_as_micro_batches():
+    queue = StageQueue(max_rows=16)
+    for rid in "abcdefgh":
+        queue.add(d(rid))
+    first, second = queue.next_step(decode_group(8, 2)), queue.next_step(decode_group(8, 2))
+    assert [u.request_id for u in first.units] == list("abcd") and [u.request_id for u in second.units] == list("efgh")
+    assert queue.next_step(decode_group(8, 2)) is None
 
 
 def test_a_decode_waits_at_most_one_step_whatever_the_prompts_waiting():
