@@ -38,7 +38,7 @@ from .actions import (PROMPT_INVALID, PROMPT_TOO_LONG, Progress, Refused, Send, 
                       from_cache, pass_on, step_failed, wrong_role)
 from .messages import Activation, CancelRequest, EndReason, EndRequest, InferenceRequest, NextTokens, RequestStart
 from .prefix import DEFAULT_BLOCK_SIZE, PrefixIndex, Start, plan_start
-from .schedule import StageQueue, Step, Unit, decode_group
+from .schedule import StageQueue, Step, Unit, decode_group, prompts_ride
 from .topology import stage_name
 
 RETRY_AFTER_S = 1
@@ -105,7 +105,10 @@ class FirstActor:
     def plan(self) -> Step | None:
         if self.paused:
             return None
-        return self.queue.next_step(decode_group(len(self.live), self.num_stages))
+        waiting = {u.request_id for u in self.queue.waiting}
+        elsewhere = any(live.generated and not live.lost and rid not in waiting for rid, live in self.live.items())
+        ride = prompts_ride(elsewhere, self.queue.waiting)
+        return self.queue.next_step(decode_group(len(self.live), self.num_stages), prompts=not ride)
 
     def finish(self, step: Step, outcome) -> list:
         return pass_on(step, outcome, dest=self.next, live=self.is_live, refused=self._refused)

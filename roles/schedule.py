@@ -21,6 +21,11 @@ So the bound on a decode's wait is one step of at most `max_rows` rows, whatever
    back together from the last stage leave together again, as one batch that keeps one stage busy at a
    time (issue 34: at N = 2 under 8 streams each stage's device was ~50% busy). A decode row left over by
    the cap goes in the next step, right after.
+5. While a request decodes beyond stage 0 (its row is further down the chain), stage 0 takes no prompt rows
+   in a step without decode rows: prompt chunks ride with the decode rows (`prompts_ride`). Otherwise stage 0
+   fills the chain with chunks as fast as it computes them, every stage is busy with prompt rows, and a
+   decode row waits behind one at each stage: at N = 3 on 2 cores a stream ran 8-9x slower while a 450-token
+   prompt was read (issue 34, `bench.stall`). With no request decoding, prompts run as fast as they can.
 
 StageQueue holds the waiting rows, the requests that ended here (late rows for them are dropped), and
 the slots to release in the worker before the next step.
@@ -72,6 +77,11 @@ class Step:
 def decode_group(running: int, num_stages: int) -> int:
     """Stage 0's cap on a step's decode rows (rule 4): its share of `running` requests over the stages."""
     return max(1, -(-running // num_stages))
+
+
+def prompts_ride(decoding_elsewhere: bool, waiting: Sequence[Unit]) -> bool:
+    """Rule 5: whether the next step takes prompt rows only beside decode rows (none are waiting: none)."""
+    return decoding_elsewhere and not any(u.decode for u in waiting)
 
 
 def plan_rows(waiting: Sequence[Unit], max_rows: int, prompt_rows: int | None = None,
@@ -139,10 +149,10 @@ class StageQueue:
         """Free these slots before the next step: those of a step whose compute failed before freeing them."""
         self._release.extend(releases)
 
-    def next_step(self, decode_rows: int | None = None) -> Step | None:
+    def next_step(self, decode_rows: int | None = None, *, prompts: bool = True) -> Step | None:
         """Take the next step's rows off the queue, or None when there is nothing to do; `decode_rows`: at
-        most this many decode rows (plan_rows)."""
-        take = plan_rows(self.waiting, self.max_rows, self.prompt_rows, decode_rows)
+        most this many decode rows (plan_rows); without `prompts`, no prompt rows."""
+        take = plan_rows(self.waiting, self.max_rows, self.prompt_rows if prompts else 0, decode_rows)
         units, rest = [], []
         for unit, k in zip(self.waiting, take):
             if k == unit.rows:

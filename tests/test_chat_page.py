@@ -19,6 +19,7 @@ import signal
 import httpx
 import pytest
 from selenium import webdriver
+from selenium.common.exceptions import TimeoutException
 from selenium.webdriver.chrome.options import Options
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
@@ -135,7 +136,19 @@ def test_the_chat_page_streams_an_answer_shows_the_pipeline_and_stops_a_long_ans
         wait(browser, lambda: len(answers(browser)) == 1 and len(answers(browser)[-1].text) > 5)
         _, pid = cluster.holders()[1]
         os.kill(pid, signal.SIGKILL)
-        wait(browser, lambda: stages(browser)[1][0] in ("dead", "missing", "loading"), 30)
+        seen = []  # stage 1's states as the page showed them, for the failure's message
+
+        def shown_lost() -> bool:
+            state = stages(browser)[1][0]
+            if not seen or seen[-1] != state:
+                seen.append(state)
+            # suspect counts: a replacement that is ready before stage 0 hears the old node declared dead takes
+            # over from "suspect" (it failed once in ~7 full runs, never alone); the end checks it was replaced
+            return state in ("suspect", "dead", "missing", "loading")
+        try:
+            wait(browser, shown_lost, 30)
+        except TimeoutException:
+            pytest.fail(f"the page never showed stage 1 lost within 30 s of its SIGKILL; it showed {seen}")
         wait(browser, lambda: [s for s, _ in stages(browser)] == ["alive"] * N, 90)
         resumed_from = len(answers(browser)[-1].text)
         wait(browser, lambda: len(answers(browser)[-1].text) > resumed_from + 5, 30)

@@ -83,6 +83,22 @@ def test_first_batches_the_fed_back_tokens_of_several_requests_into_one_step():
     assert rest.message.hidden == ref.decode_step("c", 9, lens["c"]) + ref.decode_step("d", 10, lens["d"])
 
 
+def test_a_long_prompt_at_stage_0_rides_with_the_rows_of_a_request_decoding_down_the_chain():
+    w = worker(0, 2)
+    actor = make_actor(0, 2, w, prompt_rows=4)
+    actor.admit(request("s", prompt="one", max_tokens=50))
+    pos = 0
+    while (sent := step(actor, w)):  # the prompt in chunks of 4
+        pos += sent[0].message.meta.segments[0].seq_len
+    actor.admit(NextTokens((Token("s", 7, pos, False),)))
+    [first] = step(actor, w)  # s's first decode row goes down the chain
+    actor.admit(request("long", prompt=" ".join(["word"] * 40)))
+    assert actor.plan() is None  # s decodes down the chain: the prompt waits for its row
+    actor.admit(NextTokens((Token("s", 8, pos + 1, False),)))
+    [out] = step(actor, w)
+    assert sorted((s.request_id, s.seq_len) for s in out.message.meta.segments) == [("long", 4), ("s", 1)]
+
+
 def test_a_done_token_ends_the_request_down_the_chain_and_frees_its_slot():
     w = worker(0)
     actor = make_actor(0, N, w)

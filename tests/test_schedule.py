@@ -2,7 +2,7 @@
 import pytest
 
 from roles.messages import RequestStart
-from roles.schedule import StageQueue, Unit, decode_group, plan_rows
+from roles.schedule import StageQueue, Unit, decode_group, plan_rows, prompts_ride
 from worker.sampling import GREEDY
 
 
@@ -64,6 +64,25 @@ def test_rows_that_come_back_together_leave_stage_0_as_micro_batches():
     first, second = queue.next_step(decode_group(8, 2)), queue.next_step(decode_group(8, 2))
     assert [u.request_id for u in first.units] == list("abcd") and [u.request_id for u in second.units] == list("efgh")
     assert queue.next_step(decode_group(8, 2)) is None
+
+
+@pytest.mark.parametrize("elsewhere,waiting,want", [
+    (True, [p("a", 10)], True),  # a stream's row is down the chain: the prompt waits for it
+    (True, [p("a", 10), d("b")], False),  # a decode row is here: the prompt rides with it
+    (False, [p("a", 10)], False),  # nobody decoding: the prompt runs as fast as it can
+    (False, [], False),
+])
+def test_prompt_rows_ride_with_decode_rows_while_a_request_decodes_down_the_chain(elsewhere, waiting, want):
+    assert prompts_ride(elsewhere, waiting) is want
+
+
+def test_a_step_without_prompts_takes_only_the_decode_rows_and_releases():
+    queue = StageQueue(max_rows=16, prompt_rows=4)
+    queue.add(p("a", 10))
+    assert queue.next_step(prompts=False) is None
+    queue.add(d("b"))
+    step = queue.next_step(prompts=True)
+    assert [(u.request_id, u.rows) for u in step.units] == [("a", 4), ("b", 1)]
 
 
 def test_a_decode_waits_at_most_one_step_whatever_the_prompts_waiting():
