@@ -118,6 +118,7 @@ class Answer:
     sent: float
     times: tuple[float, ...]  # each chunk with text, its arrival (monotonic)
     prompt_tokens: int | None  # from the stream's usage chunk
+    completion_tokens: int | None = None
 
     @property
     def ttft_s(self) -> float:
@@ -129,10 +130,11 @@ class Answer:
 
 
 async def chat(client: httpx.AsyncClient, api: Api, messages: list[dict], max_tokens: int,
-               on_chunk: Callable[[int], None] = lambda count: None) -> Answer:
-    """One streamed greedy chat completion; `on_chunk(count)` after each chunk with text."""
+               on_chunk: Callable[[int], None] = lambda count: None, extra: dict | None = None) -> Answer:
+    """One streamed greedy chat completion; `on_chunk(count)` after each chunk with text; `extra`: more fields
+    of the request's body."""
     body = {"model": api.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **(extra or {})}
     sent, texts, times, usage = time.monotonic(), [], [], {}
     async with client.stream("POST", api.url + "/v1/chat/completions", json=body, headers=api.headers) as r:
         if r.status_code != 200:
@@ -151,7 +153,7 @@ async def chat(client: httpx.AsyncClient, api: Api, messages: list[dict], max_to
                     on_chunk(len(times))
     if not times:
         raise RuntimeError("the stream ended before any text")
-    return Answer("".join(texts), sent, tuple(times), usage.get("prompt_tokens"))
+    return Answer("".join(texts), sent, tuple(times), usage.get("prompt_tokens"), usage.get("completion_tokens"))
 
 
 async def served_model(client: httpx.AsyncClient, url: str) -> Api:

@@ -13,7 +13,6 @@ llama.cpp. The gap between tokens pools every stream's gaps between chunks as th
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -26,41 +25,22 @@ import trio
 
 from .cluster import start_served_cluster
 from .llamacpp import llama_batched
-from .prefix import API_KEY, QUESTIONS, TIMEOUT, Api, served_model
-
-
-async def stream(client: httpx.AsyncClient, api: Api, question: str, max_tokens: int) -> dict:
-    """One streamed greedy chat: its completion tokens and the arrival of each chunk with text."""
-    body = {"model": api.model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    times, usage = [], {}
-    async with client.stream("POST", api.url + "/v1/chat/completions", json=body, headers=api.headers) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(f"the stream failed: {event['error']}")
-            usage = event.get("usage") or usage
-            if any((c.get("delta") or {}).get("content") for c in event.get("choices", ())):
-                times.append(time.monotonic())
-    return {"tokens": usage["completion_tokens"], "times": times}
+from .prefix import API_KEY, QUESTIONS, TIMEOUT, Answer, Api, chat, served_model
 
 
 async def one_round(client: httpx.AsyncClient, api: Api, streams: int, max_tokens: int) -> dict:
-    results: list[dict] = []
+    results: list[Answer] = []
 
     async def one(i: int) -> None:
-        results.append(await stream(client, api, QUESTIONS[i % len(QUESTIONS)], max_tokens))
+        messages = [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
+        results.append(await chat(client, api, messages, max_tokens, extra={"ignore_eos": True}))
     started = time.monotonic()
     async with trio.open_nursery() as nursery:
         for i in range(streams):
             nursery.start_soon(one, i)
     wall = time.monotonic() - started
-    gaps = [b - a for r in results for a, b in zip(r["times"], r["times"][1:])]
-    tokens = sum(r["tokens"] for r in results)
+    gaps = [b - a for r in results for a, b in zip(r.times, r.times[1:])]
+    tokens = sum(r.completion_tokens for r in results)
     return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
             "gap_p50_ms": 1000 * statistics.median(gaps), "gap_p99_ms": 1000 * sorted(gaps)[int(0.99 * (len(gaps) - 1))]}
 

@@ -107,7 +107,8 @@ class FirstActor:
             return None
         waiting = {u.request_id for u in self.queue.waiting}
         elsewhere = any(live.generated and not live.lost and rid not in waiting for rid, live in self.live.items())
-        ride = prompts_ride(elsewhere, self.queue.waiting)
+        replaying = frozenset(rid for rid in waiting if rid in self.live and self.live[rid].generated)
+        ride = prompts_ride(elsewhere, self.queue.waiting, replaying)
         return self.queue.next_step(decode_group(len(self.live), self.num_stages), prompts=not ride)
 
     def finish(self, step: Step, outcome) -> list:

@@ -25,7 +25,8 @@ So the bound on a decode's wait is one step of at most `max_rows` rows, whatever
    in a step without decode rows: prompt chunks ride with the decode rows (`prompts_ride`). Otherwise stage 0
    fills the chain with chunks as fast as it computes them, every stage is busy with prompt rows, and a
    decode row waits behind one at each stage: at N = 3 on 2 cores a stream ran 8-9x slower while a 450-token
-   prompt was read (issue 34, `bench.stall`). With no request decoding, prompts run as fast as they can.
+   prompt was read (issue 34, `bench.stall`). With no request decoding, prompts run as fast as they can; so
+   do they while a replay's rows wait (roles/messages.py), since its stream is stopped until they are through.
 
 StageQueue holds the waiting rows, the requests that ended here (late rows for them are dropped), and
 the slots to release in the worker before the next step.
@@ -79,9 +80,10 @@ def decode_group(running: int, num_stages: int) -> int:
     return max(1, -(-running // num_stages))
 
 
-def prompts_ride(decoding_elsewhere: bool, waiting: Sequence[Unit]) -> bool:
-    """Rule 5: whether the next step takes prompt rows only beside decode rows (none are waiting: none)."""
-    return decoding_elsewhere and not any(u.decode for u in waiting)
+def prompts_ride(decoding_elsewhere: bool, waiting: Sequence[Unit], replaying: frozenset[str] = frozenset()) -> bool:
+    """Rule 5: whether the next step takes prompt rows only beside decode rows (none are waiting: none). A
+    replay's rows (requests in `replaying`) never wait: their streams stand still until the replay is done."""
+    return decoding_elsewhere and not any(u.decode or u.request_id in replaying for u in waiting)
 
 
 def plan_rows(waiting: Sequence[Unit], max_rows: int, prompt_rows: int | None = None,

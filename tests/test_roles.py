@@ -1,5 +1,6 @@
 """Spec tier 3: each role's actor, in-process with the stub worker, does exactly the Roles table of
 docs/design.md — now for many requests at once: admission and its queue, batched steps, and every way a request ends."""
+import collections
 import itertools
 
 import attrs
@@ -97,6 +98,30 @@ def test_a_long_prompt_at_stage_0_rides_with_the_rows_of_a_request_decoding_down
     actor.admit(NextTokens((Token("s", 8, pos + 1, False),)))
     [out] = step(actor, w)
     assert sorted((s.request_id, s.seq_len) for s in out.message.meta.segments) == [("long", 4), ("s", 1)]
+
+
+def test_a_replay_s_rows_do_not_wait_for_a_request_decoding_down_the_chain():
+    """After a stage is replaced every request is replayed; one whose replay is through decodes down the chain,
+    and the others' replay rows go on at once: their streams stand still until they are through."""
+    w = worker(0, 2)
+    actor = make_actor(0, 2, w, prompt_rows=4)
+    actor.set_chain(("m1",), standing=True)
+    for rid in ("a", "b"):
+        actor.admit(request(rid, prompt="one", max_tokens=50))
+    sent = collections.Counter()
+    while (out := step(actor, w)):
+        for seg in out[0].message.meta.segments:
+            sent[seg.request_id] += seg.seq_len
+    actor.admit(NextTokens((Token("a", 7, sent["a"], False), Token("b", 8, sent["b"], False))))
+    while step(actor, w):
+        pass  # both decode rows down the chain
+    actor.set_chain(("m1-replacement",), standing=True)  # both replayed: prompt and token again
+    replayed = collections.Counter()
+    while replayed["b"] < sent["b"] + 1:
+        [out] = step(actor, w)  # never None: b's replay rows do not wait for a's row
+        for seg in out.message.meta.segments:
+            replayed[seg.request_id] += seg.seq_len
+    assert replayed["a"] == sent["a"] + 1
 
 
 def test_a_done_token_ends_the_request_down_the_chain_and_frees_its_slot():

@@ -71,9 +71,10 @@ def test_rows_that_come_back_together_leave_stage_0_as_micro_batches():
     (True, [p("a", 10), d("b")], False),  # a decode row is here: the prompt rides with it
     (False, [p("a", 10)], False),  # nobody decoding: the prompt runs as fast as it can
     (False, [], False),
+    (True, [p("r", 10)], False),  # a replay's rows: its stream stands still until they are through
 ])
 def test_prompt_rows_ride_with_decode_rows_while_a_request_decodes_down_the_chain(elsewhere, waiting, want):
-    assert prompts_ride(elsewhere, waiting) is want
+    assert prompts_ride(elsewhere, waiting, frozenset({"r"})) is want
 
 
 def test_a_step_without_prompts_takes_only_the_decode_rows_and_releases():
