@@ -97,7 +97,7 @@ def test_a_long_prompt_at_stage_0_rides_with_the_rows_of_a_request_decoding_down
     assert actor.plan() is None  # s decodes down the chain: the prompt waits for its row
     actor.admit(NextTokens((Token("s", 8, pos + 1, False),)))
     [out] = step(actor, w)
-    assert sorted((s.request_id, s.seq_len) for s in out.message.meta.segments) == [("long", 4), ("s", 1)]
+    assert sorted((s.request_id, s.seq_len) for s in out.message.meta.segments) == [("long", 3), ("s", 1)]
 
 
 def test_a_replay_s_rows_do_not_wait_for_a_request_decoding_down_the_chain():

@@ -2,7 +2,7 @@
 import pytest
 
 from roles.messages import RequestStart
-from roles.schedule import StageQueue, Unit, decode_group, plan_rows, prompts_ride
+from roles.schedule import StageQueue, Unit, bucket_fill, decode_group, plan_rows, prompts_ride
 from worker.sampling import GREEDY
 
 
@@ -33,7 +33,8 @@ def test_a_step_takes_waiting_rows_oldest_first_up_to_its_size_and_in_each_reque
 
 @pytest.mark.parametrize("waiting,max_rows,prompt_rows,want", [
     ([p("a", 10)], 8, 3, [3]),  # the chunk, not the step's room, bounds a prompt
-    ([d("x"), d("y"), p("a", 10)], 8, 3, [1, 1, 3]),  # decode rows do not count against it
+    ([d("x"), d("y"), p("a", 10)], 8, 3, [1, 1, 2]),  # decode rows do not count against it (2: rule 6)
+    ([d("x"), d("y"), p("a", 10)], 8, 6, [1, 1, 6]),
     ([p("a", 2), p("b", 5)], 8, 4, [2, 2]),  # it bounds a step's prompt rows together
     ([d("x"), d("y"), p("a", 10)], 3, 4, [1, 1, 1]),  # the step's room still bounds everything
     ([d("x"), p("a", 10)], 8, None, [1, 7]),  # no chunk size: the step's room
@@ -83,7 +84,20 @@ def test_a_step_without_prompts_takes_only_the_decode_rows_and_releases():
     assert queue.next_step(prompts=False) is None
     queue.add(d("b"))
     step = queue.next_step(prompts=True)
-    assert [(u.request_id, u.rows) for u in step.units] == [("a", 4), ("b", 1)]
+    assert [(u.request_id, u.rows) for u in step.units] == [("a", 3), ("b", 1)]  # a bucket of 4 (rule 6)
+
+
+@pytest.mark.parametrize("decodes,room,max_rows,want", [
+    (1, 4, 16, 3),  # 1 + 3 fill a bucket of 4; 1 + 4 would run as 8
+    (2, 4, 16, 2),
+    (4, 4, 16, 4),  # 4 + 4 fill 8 already
+    (0, 4, 16, 4),  # no decode rows: the chunk as it is
+    (8, 4, 16, 4),  # no bucket between 9 and 12: the chunk as it is, prompts always advance
+    (1, 7, 8, 7),
+    (2, 1, 3, 1),  # the last bucket need not be a power of two
+])
+def test_prompt_rows_beside_decode_rows_stop_where_the_step_fills_a_bucket(decodes, room, max_rows, want):
+    assert bucket_fill(decodes, room, max_rows) == want
 
 
 def test_a_decode_waits_at_most_one_step_whatever_the_prompts_waiting():
