@@ -10,8 +10,8 @@ that wait and in the GIL hand-overs around it (issue 34, docs/benchmarks.md).
 
 Here the wait gives the GIL up between reads: it sleeps in steps of 20 µs, with the thread's timer slack cut
 to 1 µs (Linux adds 50 µs to every sleep by default). Not `sched_yield`: on a busy box a yield can hand the
-core to another process for a whole time slice (ms). Nor a spin: a spinning thread takes a core from the
-device's own worker and from the other stages sharing the machine. tinygrad's hang detection is kept: no
+core to another process for a whole time slice (ms). The polls' wake-ups cost a lone process up to ~0.6 ms a
+15-block step against tinygrad's spin; in a pipeline the released GIL is worth more (docs/benchmarks.md). tinygrad's hang detection is kept: no
 progress for `wait_timeout_ms` still ends in `on_device_hang`.
 """
 from __future__ import annotations
