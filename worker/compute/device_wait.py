@@ -5,14 +5,14 @@ whoever reads a result waits for it in `HCQ2Compiled._wait_signal`: a Python loo
 holding the GIL all the while (the interpreter hands it over only every `sys.getswitchinterval()`, 5 ms).
 In a stage that is the compute thread, so while a step's kernels run the event loop can neither read the
 next frame nor send the last step's result, and the compute thread itself, woken for the next step, waits
-for the GIL the loop holds. A py-spy profile of a 5-stage cluster put ~45% of the compute thread's samples in
+for the GIL the loop holds. A py-spy profile of a 5-stage cluster put ~70% of the compute thread's samples in
 that wait and in the GIL hand-overs around it (issue 34, docs/benchmarks.md).
 
 Here the wait gives the GIL up between reads: it sleeps in steps of 20 µs, with the thread's timer slack cut
 to 1 µs (Linux adds 50 µs to every sleep by default). Not `sched_yield`: on a busy box a yield can hand the
 core to another process for a whole time slice (ms). The polls' wake-ups cost a lone process up to ~0.6 ms a
-15-block step against tinygrad's spin; in a pipeline the released GIL is worth more (docs/benchmarks.md). tinygrad's hang detection is kept: no
-progress for `wait_timeout_ms` still ends in `on_device_hang`.
+15-block step against tinygrad's spin; in a pipeline the released GIL is worth more (docs/benchmarks.md).
+tinygrad's hang detection is kept: no progress for `wait_timeout_ms` still ends in `on_device_hang`.
 """
 from __future__ import annotations
 
