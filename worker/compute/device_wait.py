@@ -10,8 +10,8 @@ that wait and in the GIL hand-overs around it (issue 34, docs/benchmarks.md).
 
 Here the wait gives the GIL up between reads: it sleeps in steps of 20 µs, with the thread's timer slack cut
 to 1 µs (Linux adds 50 µs to every sleep by default). Not `sched_yield`: on a busy box a yield can hand the
-core to another process for a whole time slice (ms). The polls' wake-ups cost a lone process up to ~0.6 ms a
-15-block step against tinygrad's spin; in a pipeline the released GIL is worth more (docs/benchmarks.md).
+core to another process for a whole time slice (ms). The polls' wake-ups cost a lone process 0.2-0.7 ms a
+15-block step against tinygrad's spin (`bench.wait`); in a pipeline the released GIL is worth more.
 tinygrad's hang detection is kept: no progress for `wait_timeout_ms` still ends in `on_device_hang`.
 """
 from __future__ import annotations
@@ -21,10 +21,9 @@ import sys
 import threading
 import time
 
-SLEEP_S = 20e-6  # each sleep after that; a step's result is read at most this late
+SLEEP_S = 20e-6  # each sleep between reads: a step's result is read at most this late
 _PR_SET_TIMERSLACK = 29
 _slack = threading.local()
-_installed = False
 
 
 def _cut_timer_slack() -> None:
@@ -54,12 +53,8 @@ def wait_signal(device, sig, value: int, timeout: int | None = None) -> None:
         time.sleep(SLEEP_S)
 
 
-def install() -> bool:
-    """Wait for the CPU device this way (once per process); returns whether it does. Other devices' waits
-    are left as tinygrad has them (a GPU's signal is read over MMIO; its hang handling is its own)."""
-    global _installed
-    if not _installed:
-        from tinygrad.runtime.ops_cpu import CPUDevice
-        CPUDevice._wait_signal = wait_signal
-        _installed = True
-    return True
+def install() -> None:
+    """Wait for the CPU device this way (in this process). Other devices' waits are left as tinygrad has them
+    (a GPU's signal is read over MMIO; its hang handling is its own)."""
+    from tinygrad.runtime.ops_cpu import CPUDevice
+    CPUDevice._wait_signal = wait_signal

@@ -3,9 +3,8 @@
 Each call of a tinygrad 0.14 `TinyJit` first works out, from the tensors it is given, which buffers and
 symbolic variables they are (`_prepare_jit_inputs`: a walk over the arguments, a substitute and an unbind
 per input, variable merging) and checks them against the capture. A stage's graphs always get the same
-input tensors (one set per batch bucket, written in place), so that answer never changes: about 0.1 ms of
-a step's ~0.35 ms of fixed cost on this project's 2-core box (issue 34, docs/benchmarks.md), paid once per
-stage per token in a pipeline. `Replay` asks the jit once, through its ordinary call, and later calls hand
+input tensors (one set per batch bucket, written in place), so that answer never changes, yet every stage
+paid for it at every step (4% of a stage's compute thread in issue 34's profile, docs/benchmarks.md). `Replay` asks the jit once, through its ordinary call, and later calls hand
 the captured graph the same buffers and the variables' values directly.
 
 Whenever the tensors are not the ones it saw (another tensor, or the same tensor now holding another
@@ -25,11 +24,11 @@ class Replay:
         self.jit = jit
         self._variables = variables or {}  # name → (min, max), as the graph's function declares them
         self._seen: tuple | None = None  # the inputs' uops when the buffers below were taken
-        self._buffers: list[UOp] | None = None
+        self._buffers: list[UOp] = []
 
     def __call__(self, *tensors: Tensor, **values: int):
         key = tuple(t.uop for t in tensors)
-        if self._buffers is not None and self.jit.captured is not None and _same(key, self._seen):
+        if self.jit.captured is not None and _same(key, self._seen):
             with disable_gc():  # as TinyJit's own call: no collection in the middle of a submit
                 return self.jit.captured(self._buffers, values)
         bound = [UOp.variable(name, *self._variables[name]).bind(v) for name, v in values.items()]
