@@ -1,6 +1,6 @@
 import pytest
 
-from worker.partition import Role, layer_range, role_of
+from worker.partition import Role, Shard, layer_range, role_of
 
 
 @pytest.mark.parametrize("num_stages", range(2, 9))
@@ -43,3 +43,25 @@ def test_one_stage_is_refused_with_a_pointer_to_single_process_generation():
 def test_stage_outside_the_pipeline_is_refused(stage):
     with pytest.raises(ValueError, match="outside 0..4"):
         layer_range(16, stage, 5)
+
+
+@pytest.mark.parametrize("index,count,role,first,last", [
+    (0, 2, Role.FIRST, True, False), (1, 2, Role.LAST, False, True),
+    (0, 5, Role.FIRST, True, False), (2, 5, Role.MIDDLE, False, False), (4, 5, Role.LAST, False, True),
+])
+def test_a_shard_knows_its_role_from_its_place(index, count, role, first, last):
+    shard = Shard.of(index, count)
+    assert (shard.role, shard.first, shard.last, shard.embeds, shard.has_head) == (role, first, last, first, last)
+    assert shard.blocks is None
+
+
+def test_a_shard_sized_for_a_model_takes_the_even_split():
+    shards = [Shard.of(i, 5).sized(30) for i in range(5)]
+    assert [s.blocks for s in shards] == [layer_range(30, i, 5) for i in range(5)]
+    assert all(s.total_blocks == 30 for s in shards)
+
+
+@pytest.mark.parametrize("index,count", [(0, 1), (3, 3), (-1, 2)])
+def test_a_shard_outside_the_chain_is_refused(index, count):
+    with pytest.raises(ValueError):
+        Shard.of(index, count)

@@ -1,7 +1,10 @@
-"""Which blocks each stage owns, and which role it plays. Pure functions."""
+"""Which blocks each stage owns, and which role it plays: a stage's `Shard`, and the pure functions that
+make one."""
 from __future__ import annotations
 
 import enum
+
+import attrs
 
 
 class Role(enum.Enum):
@@ -35,3 +38,52 @@ def layer_range(total_blocks: int, stage: int, num_stages: int) -> range:
     base, extra = divmod(total_blocks, num_stages)
     lo = stage * base + min(stage, extra)
     return range(lo, lo + base + (1 if stage < extra else 0))
+
+
+@attrs.frozen
+class Shard:
+    """A stage's place in the chain: stage `index` of `count`, and the model's blocks [lo, hi) it runs.
+    Made once at boot from the config (`Shard.of`); `blocks` is None until the model's size is known
+    (`sized`), since the weights load after the node listens. Everything else derives from it."""
+
+    index: int
+    count: int
+    blocks: range | None = None
+    total_blocks: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        check_stage(self.index, self.count)
+
+    @classmethod
+    def of(cls, index: int, count: int) -> Shard:
+        return cls(index, count)
+
+    def sized(self, total_blocks: int) -> Shard:
+        """This place with its blocks of a model of `total_blocks`, split evenly (layer_range)."""
+        return attrs.evolve(self, blocks=layer_range(total_blocks, self.index, self.count), total_blocks=total_blocks)
+
+    @property
+    def role(self) -> Role:
+        return role_of(self.index, self.count)
+
+    @property
+    def first(self) -> bool:
+        """Tokenizes, embeds and takes prompts: the entry."""
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        """Runs the final norm and head and samples: the exit."""
+        return self.index == self.count - 1
+
+    @property
+    def embeds(self) -> bool:
+        return self.first
+
+    @property
+    def has_head(self) -> bool:
+        return self.last
+
+    def __str__(self) -> str:
+        blocks = "" if self.blocks is None else f", blocks {self.blocks.start}..{self.blocks.stop - 1}"
+        return f"stage {self.index} of {self.count} ({self.role.value}{blocks})"
