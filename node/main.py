@@ -26,7 +26,7 @@ from roles import topology
 from worker.errors import ModelFileError
 from worker.weights.fetch import REGISTRY, installed_model
 from worker.models import open_model, open_worker
-from worker.partition import Role
+from worker.partition import Shard
 from worker.weights.rangefetch import fetch_stage_slice
 
 from node.api.chat_page import add_chat_page
@@ -38,6 +38,8 @@ from node.config import NodeConfig, advertised_url
 from node.membership.gossip import Member, Meta, SwimConfig
 from node.membership.swim import Swim
 from node.observe.log import event
+from node.downstream import DownstreamStage
+from node.entry import EntryStage
 from node.stage_node import StageNode
 from node.transport.app import make_app, serve_app
 from node.transport.client import HttpTransport, PeerClient, gossip_client, http1_client
@@ -104,20 +106,6 @@ async def fetch_own_slice(config: NodeConfig, swim: Swim) -> str:
     return str(path)
 
 
-def _chain_ready(num_stages: int):
-    def ready(swim: Swim) -> bool:
-        members = [swim.resolve(topology.stage_name(i)) for i in range(num_stages)]
-        return all(m is not None and m.meta.ready for m in members)
-    return ready
-
-
-def chain_capacity(swim: Swim, num_stages: int) -> int | None:
-    """The fewest sequence slots any stage of the chain has: stage 0 admits no more requests at once."""
-    slots = [m.meta.max_seqs for m in (swim.resolve(topology.stage_name(i)) for i in range(num_stages))
-             if m is not None and m.meta.max_seqs is not None]
-    return min(slots) if slots else None
-
-
 async def step_aside_when_replaced(swim: Swim, stage: int) -> None:
     """Exit once a member this stage dialled holds it dead (Swim.declared_dead): it was frozen or cut off past
     the dead timeout, and a runner replaces such a stage. Only that: another member claiming the stage, at
@@ -147,34 +135,44 @@ async def run_node(config: NodeConfig, *, swim_config: SwimConfig = SwimConfig()
         await _serve(config, swim_config, on_listening, compute, task_status)
 
 
+def open_stage(shard: Shard, client: PeerClient, config: NodeConfig) -> StageNode:
+    """The stage's driver, with stage 0's extras (node/entry.py) or the others' side."""
+    return StageNode(shard, client, side=EntryStage if shard.first else DownstreamStage, node_id=config.node_id,
+                     max_queue=config.max_queue, link_streams=config.link_streams, faults=config.faults,
+                     prompt_rows=config.chunked_prefill_size, model_name=config.model_name,
+                     prefix_cache=config.prefix_cache)
+
+
+def serve_api(app, entry: EntryStage, config: NodeConfig, view: httpx.AsyncClient) -> None:
+    """pp-entry serves the OpenAI API too (and vLLM's /tokenize), and a chat page that uses it."""
+    add_openai_routes(app, entry, model_name=config.model_name)
+    add_tokenize_routes(app, entry, config.model_name)
+    add_chat_page(app, entry, http=view, token=config.cluster_token, model_name=config.model_name)
+
+
 async def _serve(config, swim_config, on_listening, compute, task_status) -> None:
-    stage, n = config.stage, config.num_stages
+    shard = Shard.of(config.stage, config.num_stages)
     async with PeerClient(config.cluster_token) as client, gossip_client(config.cluster_token) as gossip, \
             http1_client(config.cluster_token, HOPS_TIMEOUT_S) as view, trio.open_nursery() as nursery:
-        node = StageNode(stage, n, client, node_id=config.node_id, max_queue=config.max_queue,
-                         link_streams=config.link_streams, faults=config.faults,
-                         prompt_rows=config.chunked_prefill_size, model_name=config.model_name,
-                         prefix_cache=config.prefix_cache)
+        node = open_stage(shard, client, config)
         app = make_app(node, token=config.cluster_token, max_body_bytes=config.max_body_bytes, link_streams=True,
                        api_keys=config.api_keys, token_is_api_key=config.token_is_api_key)
-        if stage == 0:  # pp-entry serves the OpenAI API too (and vLLM's /tokenize), and a chat page that uses it
-            add_openai_routes(app, node, model_name=config.model_name)
-            add_tokenize_routes(app, node, config.model_name)
-            add_chat_page(app, node, http=view.http, token=config.cluster_token, model_name=config.model_name)
+        if isinstance(node.side, EntryStage):
+            serve_api(app, node.side, config, view.http)
         url = advertised_url(config, await nursery.start(serve_app, app, config.bind_host, config.port))
-        if stage == 0 and not config.api_keys and not config.token_is_api_key:  # after listening: see ppnode.py
+        if shard.first and not config.api_keys and not config.token_is_api_key:  # after listening: see ppnode.py
             log.warning("no client API key (PP_API_KEY, PP_API_KEY_FILE): the OpenAI API answers 401 to everyone")
-        node.url = url
-        event(log, "listening", url=url, stage=stage, num_stages=n)
+        node.listening(url)
+        event(log, "listening", url=url, stage=shard.index, num_stages=shard.count)
         on_listening(url)
 
-        me = Member(config.node_id, url, incarnation=time.time_ns() // 1_000_000, meta=Meta(stage=stage))
+        me = Member(config.node_id, url, incarnation=time.time_ns() // 1_000_000, meta=Meta(stage=shard.index))
         seeds = [a for a in (config.seed_addr, *config.peer_direct) if a]
-        node.swim = swim = Swim(me, swim_config, HttpTransport(gossip), random.Random(), seeds,
-                                yield_when_dead=True)
+        swim = Swim(me, swim_config, HttpTransport(gossip), random.Random(), seeds, yield_when_dead=True)
+        node.joined(swim)
         await nursery.start(swim.run)
-        nursery.start_soon(step_aside_when_replaced, swim, stage)
-        swim.update_meta(names=topology.first_names(stage, n))
+        nursery.start_soon(step_aside_when_replaced, swim, shard.index)
+        swim.update_meta(names=topology.first_names(shard))
 
         # Weights are fetched and loaded before waiting for a peer, not after: on vast.ai the runner
         # introduces the nodes only once every instance runs, and a node that came up early would
@@ -194,10 +192,8 @@ async def _serve(config, swim_config, on_listening, compute, task_status) -> Non
         swim.update_meta(ready=True, max_seqs=worker.info.max_seqs)
         await swim.wait_until(lambda s: len(s.alive()) >= 2)
         event(log, "joined", members=len(swim.members()))
-        await swim.wait_until(_resolved(topology.resolves(stage, n)))
-        if node.actor.role is Role.FIRST:
-            await swim.wait_until(_chain_ready(n))
-            node.actor.capacity = chain_capacity(swim, n) or worker.info.max_seqs
-        swim.update_meta(names=topology.final_names(stage, n))
-        event(log, "serving", names=list(topology.final_names(stage, n)), max_seqs=worker.info.max_seqs)
+        await swim.wait_until(_resolved(topology.resolves(shard)))
+        await node.side.ready(swim)
+        swim.update_meta(names=topology.final_names(shard))
+        event(log, "serving", names=list(topology.final_names(shard)), max_seqs=worker.info.max_seqs)
         task_status.started(url)

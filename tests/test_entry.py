@@ -9,11 +9,13 @@ import pytest
 from cluster import API_KEY, start_cluster
 from node.api.entry import Entry, Members, Vocabulary
 from node.membership.swim import Swim
+from node.entry import EntryStage
 from node.stage_node import StageNode
 from roles import make_actor
 from roles.actions import PROMPT_INVALID, PROMPT_TOO_LONG, Refused
 from roles.messages import InferenceRequest
 from worker.models import open_worker, stub_model
+from worker.partition import Shard
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 API = Path(__file__).resolve().parent.parent / "node" / "api"
@@ -23,9 +25,10 @@ def members_of(protocol) -> set[str]:
     return {name for name in vars(protocol) if not name.startswith("_")} | set(protocol.__annotations__)
 
 
-@pytest.mark.parametrize("protocol,implementation", [(Entry, StageNode), (Members, Swim)])
-def test_the_stage_node_and_swim_have_every_member_the_api_uses(protocol, implementation):
-    node = StageNode(0, 2, client=None, node_id="n", model_name="m") if implementation is StageNode else None
+@pytest.mark.parametrize("protocol,implementation", [(Entry, EntryStage), (Members, Swim)])
+def test_the_entry_stage_and_swim_have_every_member_the_api_uses(protocol, implementation):
+    node = (StageNode(Shard.of(0, 2), client=None, side=EntryStage, node_id="n", model_name="m").side
+            if implementation is EntryStage else None)
     missing = {m for m in members_of(protocol) if not hasattr(implementation, m) and not hasattr(node, m)}
     assert not missing
 
@@ -39,7 +42,7 @@ def test_the_api_imports_nothing_of_the_stage_node():
     for path in API.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
-                assert node.module != "node.stage_node", path.name
+                assert node.module not in ("node.stage_node", "node.entry"), path.name
 
 
 @pytest.mark.parametrize("ids,code", [((1, 2, 10_000), PROMPT_INVALID), ((1,) * 600, PROMPT_TOO_LONG)])

@@ -6,7 +6,9 @@ import itertools
 import pytest
 
 from node.observe import hops
+from node.downstream import DownstreamStage
 from node.stage_node import StageNode
+from worker.partition import Shard
 from node.transport import frames
 from node.transport.app import make_app
 from node.transport.client import PeerClient
@@ -81,7 +83,7 @@ def test_hop_figures_are_labelled_only_by_the_chains_stages(source, link):
 
 
 def test_senders_a_peer_makes_up_share_one_hop_label_in_hops_and_metrics():
-    node = StageNode(1, 3, PeerClient("t"), node_id="n", model_name="m")
+    node = StageNode(Shard.of(1, 3), PeerClient("t"), side=DownstreamStage, node_id="n", model_name="m")
     for i in range(50):  # a header or a link's `from` names the sender: anything a peer likes
         with pytest.raises(Refused):  # still loading: timed all the same, before the refusal
             node.deliver(NextTokens((Token("r", 1, 5, False),)), source=f"made-up-{i}", sent_at=hops.now())

@@ -15,6 +15,7 @@ from node.api.openai_api import add_openai_routes
 from node.api.openai_fields import ApiError
 from node.api.tokenize_api import add_tokenize_routes, parse_detokenize, parse_tokenize
 from node.transport.app import make_app, serve_app
+from worker.partition import Shard
 from worker.stage import StageWorker
 from worker.tokens.tokenizer import byte_tokenizer
 
@@ -27,10 +28,11 @@ CHAT = [{"role": "user", "content": "Say hello"}]
 class Entry:
     """Stage 0 as the API sees it, loaded, with no chain behind it: nothing is ever admitted."""
 
-    swim, url, num_stages, hidden_dim, last_answer = None, None, 2, 16, {}
+    swim, url, shard, hidden_dim, last_answer = None, None, Shard.of(0, 2).sized(2), 16, {}
 
     def __init__(self, worker):
         self.worker, self.loading, self.serving = worker, False, True
+        self.vocabulary = worker
 
     def health(self) -> dict:
         return {"ready": not self.loading}

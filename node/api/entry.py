@@ -1,5 +1,5 @@
 """What the serving surface (the OpenAI API, /tokenize, the chat page, the pipeline view) needs of the entry
-stage, and all it may use of it: node/stage_node.py's StageNode has these members (structurally: nothing here
+stage, and all it may use of it: node/entry.py's EntryStage has these members (structurally: nothing here
 imports it). The checks a request must pass are not here: the actor admits or refuses it (roles/first.py), and the
 worker checks what it computes (worker/stage.py)."""
 from __future__ import annotations
@@ -10,6 +10,7 @@ from typing import Protocol
 import trio
 
 from roles.messages import InferenceRequest
+from worker.partition import Shard
 
 from node.membership.gossip import Member
 
@@ -55,12 +56,14 @@ class Entry(Protocol):
     def loading(self) -> bool:
         """Still loading: every request is refused with node/transport/app.py's still_loading()."""
     @property
-    def worker(self) -> Vocabulary | None: ...
+    def vocabulary(self) -> Vocabulary | None:
+        """Text to tokens and back; None while loading."""
     @property
     def url(self) -> str | None:
         """The advertised address: the API's requests name it as their reply_to."""
     @property
-    def num_stages(self) -> int: ...
+    def shard(self) -> Shard:
+        """This stage's place (stage 0 of the chain's count) and the model's blocks, once loaded."""
     @property
     def swim(self) -> Members | None:
         """None until membership runs."""

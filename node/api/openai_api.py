@@ -119,7 +119,7 @@ def api_refusal(status: int, message: str, retry_after_s: int | None = None) -> 
 def _ready(node: Entry) -> Vocabulary:
     if node.loading:
         raise still_loading()  # in OpenAI's shape, as every refusal on API_PATHS
-    return node.worker
+    return node.vocabulary
 
 
 def _close_when_over(asgi_app):

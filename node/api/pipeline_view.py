@@ -33,13 +33,13 @@ def stage_state(member) -> str:
 
 def stages_view(node: Entry, last_ms_per_token: list[float] | None) -> list[dict]:
     """Pure: the stages as gossip and the entry's last answer see them."""
-    total = node.worker.info.total_blocks
+    shard = node.shard
     members = {m.meta.stage: m for m in sorted(node.swim.members().values(), key=lambda m: m.incarnation)
                if m.meta.stage is not None}  # the latest holder of each stage
     out = []
-    for stage in range(node.num_stages):
+    for stage in range(shard.count):
         member = node.swim.resolve(stage_name(stage)) or members.get(stage)
-        layers = layer_range(total, stage, node.num_stages)
+        layers = layer_range(shard.total_blocks, stage, shard.count)
         out.append({"stage": stage, "state": stage_state(member), "node": member.id if member else None,
                     "addr": member.addr if member else None, "progress": member.meta.progress if member else None,
                     "blocks": [layers.start, layers.stop],

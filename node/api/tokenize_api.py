@@ -74,7 +74,7 @@ def add_tokenize_routes(app: QuartTrio, node: Entry, model_name: str) -> None:
         async def info() -> dict:
             if node.loading:
                 raise still_loading()
-            return node.worker.tokenizer_info()
+            return node.vocabulary.tokenizer_info()
         return await _answered(info)
 
 

@@ -1,0 +1,166 @@
+"""Stage 0's extras, in one object beside the stage driver (node/stage_node.py): the vocabulary the API and
+the first actor share, the requests followed for the API (open_local, close_local), and the chain it watches,
+pausing admission while a stage is missing and sizing admission by the chain's fewest slots. It is what
+node/api/entry.py's Entry describes: the serving surface sees stage 0 through it and nothing else."""
+from __future__ import annotations
+
+import collections
+import logging
+
+import trio
+
+from roles import topology
+from roles.actions import Progress, Refused
+from roles.messages import CancelRequest, EndRequest, InferenceRequest, InferenceResponse
+
+from node.membership.gossip import State
+from node.observe.log import as_extra, event
+from node.transport.replies import KEPT_RESPONSES
+
+log = logging.getLogger("pp.node")
+
+
+class EntryStage:
+    """`node` is stage 0's StageNode; this object is its side (StageSide) and the API's Entry."""
+
+    def __init__(self, node):
+        self.node = node
+        self._local: dict[str, trio.MemorySendChannel] = {}  # requests followed here (the OpenAI API)
+        self._unfollowed: collections.OrderedDict[str, None] = collections.OrderedDict()  # their late replies
+
+    # -- the API's Entry -----------------------------------------------------------------------
+    @property
+    def loading(self) -> bool:
+        return self.node.loading
+
+    @property
+    def vocabulary(self):
+        """Text to tokens and back, shared with the first actor; None while loading."""
+        return self.node.worker  # TODO(issue 35): the worker's Vocabulary, once it has one
+
+    @property
+    def shard(self):
+        return self.node.shard
+
+    @property
+    def url(self) -> str | None:
+        return self.node.url
+
+    @property
+    def swim(self):
+        return self.node.swim
+
+    @property
+    def last_answer(self) -> dict:
+        return self.node.figures.last_answer
+
+    def health(self) -> dict:
+        return self.node.health()
+
+    def open_local(self, request: InferenceRequest,
+                   into: trio.MemorySendChannel | None = None) -> trio.MemoryReceiveChannel | None:
+        """Admit a request made here (the OpenAI API) and follow it: the channel gets each Progress of it,
+        then the last stage's InferenceResponse (or `into` does, a send channel this node closes with
+        close_local). Raises Refused as StageNode.deliver does."""
+        send, receive = (into, None) if into is not None else trio.open_memory_channel(float("inf"))
+        self._local[request.request_id] = send
+        try:
+            self.node.deliver(request)
+        except BaseException:
+            del self._local[request.request_id]
+            send.close()
+            raise
+        return receive
+
+    def close_local(self, request_id: str, *, cancel: bool) -> None:
+        """Stop following a request; with `cancel`, also end it (its asker went away) and free its slots."""
+        send = self._local.pop(request_id, None)
+        if send is not None:
+            send.close()
+            self._unfollowed[request_id] = None
+            while len(self._unfollowed) > KEPT_RESPONSES:
+                self._unfollowed.popitem(last=False)
+        if cancel and self.node.actor is not None:
+            self.node.deliver(CancelRequest(request_id))
+
+    # -- the driver's side ---------------------------------------------------------------------
+    def local(self, message) -> bool:
+        """Takes the final answer of a request followed here (and the figures of one whose asker has had its
+        answer); anything else is the actor's."""
+        if not isinstance(message, InferenceResponse):
+            return False
+        if message.request_id in self._local:
+            self._local[message.request_id].send_nowait(message)
+        elif message.request_id not in self._unfollowed:
+            return False
+        self.node.figures.answered(message)
+        return True
+
+    def admitted(self, message) -> None:
+        if isinstance(message, InferenceRequest):
+            self.node.figures.admitted(message.request_id, self.node.actor.prompt_tokens(message.request_id))
+
+    def progressed(self, progress: Progress) -> None:
+        self.node.figures.progressed(progress)
+        follower = self._local.get(progress.request_id)
+        if follower is not None:
+            follower.send_nowait(progress)
+
+    def report(self, end: EndRequest) -> None:
+        """A request failed on a link here: the actor ends it everywhere."""
+        try:
+            self.node.deliver(end)
+        except Refused:
+            pass
+        except Exception as exc:  # noqa: BLE001 - ending one request must not stop the others ending
+            log.error("link_failure_not_ended", exc_info=exc, extra=as_extra(request=end.request_id))
+
+    def serving(self) -> bool:
+        """A whole chain stands behind this stage, and the actor admits requests."""
+        return bool(self.node.actor.chain) and not self.node.actor.paused
+
+    def running(self, actor_health: dict):
+        return actor_health.get("slots", {}).get("active")
+
+    def figures(self) -> dict:
+        return {"followed": len(self._local)}  # API requests whose asker is still being answered
+
+    async def ready(self, swim) -> None:
+        """Once every stage is ready: admit no more requests at once than the chain's fewest slots."""
+        count = self.node.shard.count
+        await swim.wait_until(lambda s: all(m is not None and m.meta.ready for m in _holders(s, range(count))))
+        self.node.actor.capacity = chain_capacity(swim, count) or self.node.worker.info.max_seqs
+
+    async def watch(self, swim) -> None:
+        """Tell the actor who holds the rest of the chain, on every change (it pauses while a stage is missing
+        and replays its requests through a replacement)."""
+        node, seen = self.node, None
+        while True:
+            view = await swim.wait_until(lambda s: (v := chain_view(s, node.shard.count)) != seen and v)
+            seen = view
+            chain, standing = view
+            replays = node.actor.health()["replays"]
+            for action in node.actor.set_chain(chain, standing=standing):
+                node.post(action)
+            node.wake()
+            event(log, "chain", members=list(chain) if chain else None, standing=standing,
+                  admitting=not node.actor.paused, replayed=node.actor.health()["replays"] - replays)
+
+
+def _holders(swim, stages):
+    return [swim.resolve(topology.stage_name(i)) for i in stages]
+
+
+def chain_view(swim, num_stages: int) -> tuple[tuple[str, ...] | None, bool]:
+    """Stage 0's view of stages 1..: the ids of the ready members holding them (None while one is missing
+    or still loading), and whether all of them are alive (none suspected)."""
+    members = _holders(swim, range(1, num_stages))
+    if any(m is None or not m.meta.ready for m in members):
+        return None, False
+    return tuple(m.id for m in members), all(m.state is State.ALIVE for m in members)
+
+
+def chain_capacity(swim, num_stages: int) -> int | None:
+    """The fewest sequence slots any stage of the chain has: stage 0 admits no more requests at once."""
+    slots = [m.meta.max_seqs for m in _holders(swim, range(num_stages)) if m is not None and m.meta.max_seqs is not None]
+    return min(slots) if slots else None

@@ -1,0 +1,41 @@
+"""What a stage reports about itself: /health's figures and the metrics' snapshot, read from the node's parts
+at the moment they are asked for. Functions of the node; nothing here changes it."""
+from __future__ import annotations
+
+import collections
+import resource
+
+
+def memory(worker) -> dict:
+    """The memory figures of /health and of the metrics' gauges: weights, KV caches, slots held, peak RSS."""
+    info = worker.info if worker is not None else None
+    return {"weight_bytes": info.weight_bytes if info else None, "kv_bytes": info.kv_bytes if info else None,
+            "slots_in_use": worker.slots_in_use if worker is not None else None,
+            "slots_kept": worker.kept_count if worker is not None else None,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # ru_maxrss is KiB
+
+
+def health(node) -> dict:
+    """A stage's /health body: its place, its slice, memory, figures, the actor's queue and slots, its links."""
+    info = node.worker.info if node.worker is not None else None
+    links = node.links
+    return {"ok": True, "node": node.node_id, "stage": node.shard.index, "role": node.shard.role.value,
+            "ready": info is not None, "layers": [info.layers.start, info.layers.stop] if info else None,
+            "max_seqs": info.max_seqs if info else None, "max_batch": info.max_batch if info else None,
+            **memory(node.worker),
+            **node.side.figures(),
+            **node.figures.health(),
+            **(node.actor.health() if node.actor else {}),
+            "links": links.pending() if links else {},
+            "link_streams": {d: s.opened for d, s in links.streams.items()} if links else {}}
+
+
+def metrics_snapshot(node) -> dict:
+    """The figures the metrics' gauges read (node/observe/metrics.py): requests running and queued, the prefix
+    cache, memory, and the members gossip knows by state."""
+    view = node.swim.members().values() if node.swim is not None else ()
+    health = node.actor.health() if node.actor is not None else {}
+    return {"running": node.side.running(health),
+            "queued": health.get("queue", {}).get("waiting"), "prefix_cache": health.get("prefix_cache"),
+            **memory(node.worker),
+            "members": collections.Counter(m.state.value for m in view)}
