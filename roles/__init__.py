@@ -3,7 +3,7 @@ messages and plans batched steps (in the event loop), runs a step with the worke
 thread), and turns its results into messages to send; the node does the sending."""
 from __future__ import annotations
 
-from worker.partition import Role, role_of
+from worker.partition import Role, Shard, role_of
 
 from .first import FirstActor
 from .last import LastActor
@@ -22,7 +22,8 @@ def make_actor(stage: int, num_stages: int, worker, *, capacity: int | None = No
     info = worker.info
     role = role_of(stage, num_stages)
     if role is Role.FIRST:
-        return FirstActor(stage, num_stages, tokenize=lambda prompt, chat: worker.tokenize(prompt, chat=chat),
+        return FirstActor(Shard.of(stage, num_stages),
+                          tokenize=lambda prompt, chat: worker.tokenize(prompt, chat=chat),
                           max_context=info.max_context, max_rows=info.max_batch,
                           capacity=capacity or info.max_seqs, max_queue=max_queue, entry=node_id,
                           check_tokens=worker.check_tokens, prompt_rows=prompt_rows, prefix_cache=prefix_cache)

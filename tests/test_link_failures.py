@@ -59,7 +59,7 @@ def test_a_waiting_request_that_cannot_start_fails_alone_and_the_next_one_starts
     assert failed.request_id == "poison" and failed.end.reason is EndReason.FAILED
     assert failed.end.error.startswith("stage 0: could not start the request: UnicodeEncodeError")
     assert isinstance(reply, Reply) and reply.response.failed_stage == 0 and reply.response.error == failed.end.error
-    assert set(actor.live) == {"c"} and not actor.waiting  # the next in line took the slot
+    assert set(actor.live) == {"c"} and not actor.admission.waiting  # the next in line took the slot
 
 
 def test_a_request_whose_end_raises_fails_alone_and_the_other_tokens_of_its_message_are_taken():
@@ -82,7 +82,7 @@ def test_a_request_that_cannot_start_at_admission_is_refused_with_a_500_naming_t
     with pytest.raises(Refused) as info:
         actor.admit(request("poison", cache_salt=BAD_SALT))
     assert info.value.status == 500 and info.value.message.startswith("stage 0: could not start the request")
-    assert not actor.live and not actor.waiting
+    assert not actor.live and not actor.admission.waiting
 
 
 async def test_a_request_failing_at_stage_0_over_a_link_fails_alone_and_eight_others_finish(

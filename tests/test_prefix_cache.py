@@ -72,7 +72,7 @@ class Chain:
     def assert_clean(self) -> None:
         """No request holds a slot anywhere, and every stage keeps the same entries stage 0 indexes."""
         assert all(w.active == frozenset() for w in self.workers)
-        names = set(self.actors[0].prefix.names())
+        names = set(self.actors[0].cache.index.names())
         assert all(names <= set(w.kept) for w in self.workers)
         assert all(len(w.kept) <= self.max_seqs for w in self.workers)
 
@@ -112,11 +112,11 @@ def test_eight_requests_at_once_sharing_prefixes_answer_as_without_the_cache_acr
 def test_requests_at_once_that_share_part_of_an_entry_copy_its_rows_and_leave_it_for_the_next(n):
     chain = Chain(n, max_seqs=4)
     chain.ask({"long": chain.tokens(SYSTEM + "Tell me about the rivers of Europe, at some length.")})
-    [entry] = chain.actors[0].prefix.names()
+    [entry] = chain.actors[0].cache.index.names()
     prompts = {f"q{i}": chain.tokens(SYSTEM + q) for i, q in enumerate(["Say hello.", "Name a colour."])}
     assert chain.ask(prompts) == {rid: chain.reference(ids) for rid, ids in prompts.items()}
     assert chain.starts["q0"] == chain.starts["q1"] == 48  # SYSTEM's three whole blocks
-    assert entry in chain.actors[0].prefix.names()  # copied, not taken
+    assert entry in chain.actors[0].cache.index.names()  # copied, not taken
     chain.assert_clean()
 
 
@@ -153,7 +153,7 @@ def test_a_stage_that_lacks_the_entry_reports_it_and_the_request_is_replayed_in_
     # from the entry, then again from the first token (stage 0 itself replays it before any row leaves)
     assert chain.lives["b"] == ([0] if stage == 0 else [48, 0])
     assert chain.actors[0].live == {} and all(w.active == frozenset() for w in chain.workers)
-    assert "#1" not in chain.actors[0].prefix.names()  # the entry a stage lacked is forgotten
+    assert "#1" not in chain.actors[0].cache.index.names()  # the entry a stage lacked is forgotten
 
 
 def test_a_kept_entry_taken_or_copied_continues_as_the_original_request_on_tinygrad():

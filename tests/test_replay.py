@@ -152,7 +152,7 @@ def test_while_a_stage_is_missing_new_requests_wait_and_start_once_the_chain_is_
     c.actors[0].set_chain(None, standing=False)
     c.submit({"a": "hi"})
     c.run(3)
-    assert c.actors[0].waiting and not c.actors[0].live
+    assert c.actors[0].admission.waiting and not c.actors[0].live
     assert c.actors[0].health()["admitting"] is False
     c.act(c.actors[0].set_chain(c.chain, standing=True))  # the same members: nothing to replay
     c.run()

@@ -17,6 +17,7 @@ from worker.batching import Segment
 from worker.errors import WorkerError
 from worker.logprobs import token_logprobs
 from worker.models import open_worker, stub_model
+from worker.partition import Shard
 from worker.reference import generate_full
 from worker.sampling import GREEDY, Sampling
 
@@ -141,17 +142,17 @@ def test_a_done_token_ends_the_request_down_the_chain_and_frees_its_slot():
 
 def test_past_the_free_slots_requests_wait_in_order_and_past_the_queue_get_429():
     clock, w = Clock(), worker(0, max_seqs=2)
-    actor = FirstActor(0, N, tokenize=lambda p, chat: w.tokenize(p, chat=chat), max_context=512, max_rows=4,
-                       capacity=2, max_queue=2, clock=clock)
+    actor = FirstActor(Shard.of(0, N), tokenize=lambda p, chat: w.tokenize(p, chat=chat), max_context=512,
+                       max_rows=4, capacity=2, max_queue=2, clock=clock)
     for rid in "abcd":
         actor.admit(request(rid))
     with pytest.raises(Refused) as info:
         actor.admit(request("e"))
     assert info.value.status == 429 and info.value.retry_after_s >= 1 and "retry" in info.value.message
-    assert set(actor.live) == {"a", "b"} and list(actor.waiting) == ["c", "d"]
+    assert set(actor.live) == {"a", "b"} and list(actor.admission.waiting) == ["c", "d"]
     clock.now += 2.5
     actor.admit(CancelRequest("a"))
-    assert set(actor.live) == {"b", "c"} and list(actor.waiting) == ["d"]
+    assert set(actor.live) == {"b", "c"} and list(actor.admission.waiting) == ["d"]
     units = actor.queue.waiting
     assert [u.request_id for u in units] == ["a", "b", "c"][1:] and units[-1].start.queued_ms == 2500.0
 
@@ -166,7 +167,7 @@ def test_cancel_ends_a_running_request_everywhere_and_drops_a_waiting_one_quietl
     cancelled = EndRequest("run", EndReason.CANCELLED)
     assert actor.admit(CancelRequest("run")) == [Progress("run", end=cancelled), Send("pp-stage-1", cancelled)]
     assert actor.admit(CancelRequest("run")) == []  # idempotent
-    assert actor.live == {} and not actor.waiting
+    assert actor.live == {} and not actor.admission.waiting
 
 
 def test_a_failure_reported_by_a_stage_is_answered_by_stage_0_which_ends_the_request():
