@@ -3,7 +3,7 @@ messages and plans batched steps (in the event loop), runs a step with the worke
 thread), and turns its results into messages to send; the node does the sending."""
 from __future__ import annotations
 
-from worker.partition import Role, Shard, role_of
+from worker.partition import Role, Shard
 
 from .first import FirstActor
 from .last import LastActor
@@ -19,15 +19,14 @@ def make_actor(stage: int, num_stages: int, worker, *, capacity: int | None = No
     once (default: its own max_seqs; a node passes the smallest of the chain); `node_id`: stage 0 names
     itself so in its requests (RequestStart.entry); `prompt_rows`: the chunked prefill size (roles/schedule.py);
     `prefix_cache`: stage 0 keeps finished requests' KV for later ones to start from (roles/prefix.py)."""
-    info = worker.info
-    role = role_of(stage, num_stages)
-    if role is Role.FIRST:
-        return FirstActor(Shard.of(stage, num_stages),
+    info, shard = worker.info, Shard.of(stage, num_stages)
+    if shard.role is Role.FIRST:
+        return FirstActor(shard,
                           tokenize=lambda prompt, chat: worker.tokenize(prompt, chat=chat),
                           max_context=info.max_context, max_rows=info.max_batch,
                           capacity=capacity or info.max_seqs, max_queue=max_queue, entry=node_id,
                           check_tokens=worker.check_tokens, prompt_rows=prompt_rows, prefix_cache=prefix_cache)
-    if role is Role.MIDDLE:
-        return MiddleActor(stage, num_stages, max_rows=info.max_batch, prompt_rows=prompt_rows)
-    return LastActor(stage, num_stages, max_rows=info.max_batch, prompt_rows=prompt_rows, detokenize=worker.detokenize,
+    if shard.role is Role.MIDDLE:
+        return MiddleActor(shard, max_rows=info.max_batch, prompt_rows=prompt_rows)
+    return LastActor(shard, max_rows=info.max_batch, prompt_rows=prompt_rows, detokenize=worker.detokenize,
                      stop_ids=info.stop_ids, max_context=info.max_context)

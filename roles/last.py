@@ -12,7 +12,7 @@ import attrs
 from worker.errors import WorkerError
 from worker.grammar import GrammarError, Matcher
 from worker.logprobs import TokenLogprob, token_logprobs
-from worker.partition import Role
+from worker.partition import Role, Shard
 from worker.sampling import GREEDY, stop_set
 from worker.stage import StepItem
 from worker.stopping import generation_done
@@ -54,9 +54,10 @@ class _Sampled:
 class LastActor(DownstreamActor):
     role = Role.LAST
 
-    def __init__(self, stage: int, num_stages: int, *, max_rows: int, prompt_rows: int | None = None, detokenize: Callable[[list[int]], str],
+    def __init__(self, shard: Shard, *, max_rows: int, prompt_rows: int | None = None,
+                 detokenize: Callable[[list[int]], str],
                  stop_ids: frozenset[int], max_context: int, clock: Callable[[], float] = time.monotonic):
-        self.stage, self.num_stages = stage, num_stages
+        self.shard, self.stage = shard, shard.index
         self.feedback = stage_name(0)  # the first stage owns the embedding, so tokens go back there
         self.queue = StageQueue(max_rows, prompt_rows)
         self.entries = Entries(self._end_here)
@@ -83,7 +84,7 @@ class LastActor(DownstreamActor):
             if s.generation > 0:  # a replay: the slot of the earlier life is overwritten
                 self.queue.restart(s.request_id)
             now = self.clock()
-            self.progress[s.request_id] = _Progress(s.start, list(s.start.replayed), [0.0] * self.num_stages,
+            self.progress[s.request_id] = _Progress(s.start, list(s.start.replayed), [0.0] * self.shard.count,
                                                     stop_set(self.stop_ids, s.start.sampling),
                                                     now, [now] * len(s.start.replayed))
         prefill = self.progress[s.request_id].start.prefill_len

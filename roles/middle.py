@@ -4,7 +4,7 @@ upstream frees the request's slot and goes on down the chain. Rows that cannot b
 lost to stage 0, which replays the request (roles/messages.py)."""
 from __future__ import annotations
 
-from worker.partition import Role
+from worker.partition import Role, Shard
 from worker.stage import StepItem
 
 from .actions import (Entries, Held, Send, admit_segments, compute, each_segment, error_reply, failure, from_cache,
@@ -18,9 +18,9 @@ from .topology import stage_name
 class MiddleActor(DownstreamActor):
     role = Role.MIDDLE
 
-    def __init__(self, stage: int, num_stages: int, *, max_rows: int, prompt_rows: int | None = None):
-        self.stage, self.num_stages = stage, num_stages
-        self.next, self.entry = stage_name(stage + 1), stage_name(0)
+    def __init__(self, shard: Shard, *, max_rows: int, prompt_rows: int | None = None):
+        self.shard, self.stage = shard, shard.index
+        self.next, self.entry = stage_name(shard.index + 1), stage_name(0)
         self.queue = StageQueue(max_rows, prompt_rows)
         self.entries = Entries(self._end_here)
         self.expected: dict[str, Held] = {}  # live requests: their life and where their next rows start
