@@ -30,7 +30,9 @@ import trio
 import attrs
 
 from node.transport.app import ListenError, check_listenable
-from node.config import LOOPBACK, ConfigError, check_keys, read_key_file, split_keys
+from node.config.credentials import check_keys, read_key_file, split_keys
+from node.config.network import LOOPBACK
+from node.config.sources import ConfigError
 from roles import DEFAULT_MAX_QUEUE
 from roles.messages import MAX_TOKENS_LIMIT, is_http_url
 from runner.report import as_json, stats_line
