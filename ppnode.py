@@ -18,7 +18,7 @@ from pathlib import Path
 
 import trio
 
-from node.config import parse_config
+from node.config.parse import parse_config
 from node.observe.log import error_event, setup_logging
 from node.transport.app import ListenError
 from node.main import ModelLoadError, ModelRefused, Replaced, run_node

@@ -30,7 +30,9 @@ import trio
 import attrs
 
 from node.transport.app import ListenError, check_listenable
-from node.config import LOOPBACK, ConfigError, check_keys, read_key_file, split_keys
+from node.config.credentials import check_keys, read_key_file, split_keys
+from node.config.network import LOOPBACK
+from node.config.sources import ConfigError
 from roles import DEFAULT_MAX_QUEUE
 from roles.messages import MAX_TOKENS_LIMIT, is_http_url
 from runner.report import as_json, stats_line
@@ -48,45 +50,79 @@ from worker.weights.contract import PRECISIONS
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="ppsmoke.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    mode = p.add_mutually_exclusive_group(required=True)
+    for add_group in (_cluster_arguments, _prompt_arguments, _timeout_arguments, _node_arguments, _serve_arguments,
+                      _secret_arguments, _vast_arguments):
+        add_group(p)
+    args = p.parse_args(argv)
+    problems = [*flag_problems(args), *argument_problems(args)]
+    if args.vastai and not args.destroy_leftovers and not args.image:
+        problems.append("--vastai needs --image: build this repo's Dockerfile, push it, and name it here")
+    if problems:
+        p.error(problems[0])
+    args.host = args.host and args.host.strip()
+    return args
+
+
+def _cluster_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("the cluster (--seed or --vastai)")
+    mode = g.add_mutually_exclusive_group(required=True)
     mode.add_argument("--seed", action="store_true", help="spawn the N nodes as local processes")
     mode.add_argument("--vastai", action="store_true", help="rent N GPU instances on vast.ai")
-    p.add_argument("-n", "--num-stages", type=int, default=5, help="number of stages, at least 2 (default 5)")
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"a known name such as {DEFAULT_MODEL} (SmolLM2-135M-Instruct, "
+    g.add_argument("-n", "--num-stages", type=int, default=5, help="number of stages, at least 2 (default 5)")
+    g.add_argument("--model", default=DEFAULT_MODEL, help=f"a known name such as {DEFAULT_MODEL} (SmolLM2-135M-Instruct, "
                    "installed by install.sh) or llama3.2:1b, a .gguf file, a Hugging Face directory, or tiny "
                    f"(built in, random weights: its output is random text) (default {DEFAULT_MODEL})")
-    p.add_argument("--prompt", default="Say hello")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer (default 600)")
-    p.add_argument("--converge-timeout", type=float, default=180.0,
+
+
+def _prompt_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("the prompt (without --serve)")
+    g.add_argument("--prompt", default="Say hello")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of text")
+
+
+def _timeout_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("timeouts (seconds)")
+    g.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer (default 600)")
+    g.add_argument("--converge-timeout", type=float, default=180.0,
                    help="seconds for all stages to load and join (default 180)")
-    p.add_argument("--max-seqs", type=int, default=DEFAULT_MAX_SEQS,
+
+
+def _node_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("each node (memory, kernels, caching)")
+    g.add_argument("--max-seqs", type=int, default=DEFAULT_MAX_SEQS,
                    help=f"requests each node serves at once, one KV cache each (default {DEFAULT_MAX_SEQS})")
-    p.add_argument("--ctx", "--max-model-len", dest="ctx", type=int, default=DEFAULT_CONTEXT,
+    g.add_argument("--ctx", "--max-model-len", dest="ctx", type=int, default=DEFAULT_CONTEXT,
                    help=f"context per request in tokens, prompt and answer; each node allocates KV for it per slot "
                         f"at boot, so it sets their memory; at most the model's own (default {DEFAULT_CONTEXT})")
-    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+    g.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help=f"requests waiting at the entry for a free slot before it answers 429 "
                         f"(default {DEFAULT_MAX_QUEUE})")
-    p.add_argument("--no-prefix-cache", action="store_true",
+    g.add_argument("--no-prefix-cache", action="store_true",
                    help="turn the prefix cache off: every request computes its whole prompt, even where an earlier "
                         "one shared its start (multi-turn chat, a system prompt); default on")
-    p.add_argument("--beam", type=int, default=0,
+    g.add_argument("--beam", type=int, default=0,
                    help="kernel search at each node's boot (tinygrad's BEAM width, e.g. 2): minutes the first time, "
                         "cached on disk after; faster steps on larger models (default 0 = off)")
-    p.add_argument("--precision", choices=PRECISIONS, default="auto",
+    g.add_argument("--precision", choices=PRECISIONS, default="auto",
                    help="which weights stay as the model file holds them, read by the kernels (less memory; faster "
                         "with --beam): auto = Q8_0, and F16/BF16 too with --beam; file = all of them; f32 = none, "
                         "every weight widened at load (default auto)")
-    p.add_argument("--serve", action="store_true",
+
+
+def _serve_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("serving the OpenAI API (--serve)")
+    g.add_argument("--serve", action="store_true",
                    help="keep the cluster up and serve the OpenAI API on stage 0 until Ctrl-C, instead of one prompt")
-    p.add_argument("--host", help="--seed: the interface stage 0 (the API) listens on, as vllm serve's --host: "
+    g.add_argument("--host", help="--seed: the interface stage 0 (the API) listens on, as vllm serve's --host: "
                    "0.0.0.0 or :: for every one (default 127.0.0.1, this machine only; the other stages stay there)")
-    p.add_argument("--port", type=int, help="--seed: the port stage 0 (the API) listens on, so the API's URL stays "
+    g.add_argument("--port", type=int, help="--seed: the port stage 0 (the API) listens on, so the API's URL stays "
                    "the same (default: any free port)")
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of text")
+
+
+def _secret_arguments(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("secrets (on a command line every local user sees them: prefer the variables or files)")
     token = s.add_mutually_exclusive_group()
     token.add_argument("--token", help="the cluster token: the nodes' own secret, never a client's "
@@ -97,6 +133,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "random one, printed)")
     s.add_argument("--api-key-file", metavar="PATH", help="a file of client API keys, one a line, taken with "
                    "--api-key's (default: $PP_API_KEY_FILE)")
+
+
+def _vast_arguments(p: argparse.ArgumentParser) -> None:
     v = p.add_argument_group("vast.ai (--vastai)")
     v.add_argument("--vast-api-key", metavar="KEY", help="your vast.ai API key (default: $VAST_API_KEY)")
     v.add_argument("--vastai-url", help="API base URL (default: $VAST_URL, else https://console.vast.ai)")
@@ -112,29 +151,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(default: $XDG_CACHE_HOME/pp/vastai-live.json)")
     v.add_argument("--destroy-leftovers", action="store_true",
                    help="destroy every instance a killed run left in the ledger, then exit")
-    args = p.parse_args(argv)
+
+
+def flag_problems(args: argparse.Namespace) -> list[str]:
+    """Flags that contradict each other or the launch mode, and counts out of range."""
+    problems = []
     if args.num_stages < 2:
-        p.error(f"-n {args.num_stages}: a pipeline needs at least 2 stages; for one process run "
-                "`python -m worker --model ...`")
+        problems.append(f"-n {args.num_stages}: a pipeline needs at least 2 stages; for one process run "
+                        "`python -m worker --model ...`")
     if args.port is not None and (args.vastai or not 1 <= args.port <= 65535):
-        p.error("--port is for --seed (vast.ai maps its own public ports), 1..65535")
+        problems.append("--port is for --seed (vast.ai maps its own public ports), 1..65535")
     if args.host is not None and args.vastai:
-        p.error("--host is for --seed: a rented node listens on every interface of its container, behind vast.ai's "
-                "port mapping")
+        problems.append("--host is for --seed: a rented node listens on every interface of its container, behind "
+                        "vast.ai's port mapping")
     if args.host is not None and not args.host.strip():
-        p.error("--host is empty: name an interface's address, such as 127.0.0.1 or 0.0.0.0")
-    args.host = args.host and args.host.strip()
+        problems.append("--host is empty: name an interface's address, such as 127.0.0.1 or 0.0.0.0")
     if args.serve and args.json:
-        p.error("--json describes one answer; --serve answers many")
+        problems.append("--json describes one answer; --serve answers many")
     if args.max_seqs < 1 or args.max_queue < 0:
-        p.error("--max-seqs must be at least 1 and --max-queue at least 0")
+        problems.append("--max-seqs must be at least 1 and --max-queue at least 0")
     if args.beam < 0:
-        p.error("--beam must be 0 (off) or a search width of at least 1")
-    for problem in argument_problems(args):
-        p.error(problem)
-    if args.vastai and not args.destroy_leftovers and not args.image:
-        p.error("--vastai needs --image: build this repo's Dockerfile, push it, and name it here")
-    return args
+        problems.append("--beam must be 0 (off) or a search width of at least 1")
+    return problems
 
 
 def argument_problems(args: argparse.Namespace) -> list[str]:

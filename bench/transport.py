@@ -33,7 +33,7 @@ from node.transport.client import PeerClient
 from node.observe.hops import HopStats, now
 from node.transport.links import Outbox
 from node.transport.streams import LinkReceiver, LinkStream
-from node.config import DEFAULT_MAX_BODY_BYTES
+from node.config.network import DEFAULT_MAX_BODY_BYTES
 from worker.sampling import GREEDY
 
 TOKEN = "bench-transport"

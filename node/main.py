@@ -34,7 +34,8 @@ from node.api.openai_api import add_openai_routes
 from node.api.pipeline_view import HOPS_TIMEOUT_S
 from node.api.tokenize_api import add_tokenize_routes
 from node.compute import ComputeThread, open_compute_thread
-from node.config import NodeConfig, advertised_url
+from node.config.network import advertised_url
+from node.config.settings import NodeConfig
 from node.membership.gossip import Member, Meta, SwimConfig
 from node.membership.swim import Swim
 from node.observe.log import event

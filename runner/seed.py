@@ -17,7 +17,7 @@ from typing import Callable
 import attrs
 import trio
 
-from node.config import LOOPBACK
+from node.config.network import LOOPBACK
 from .orchestrator import Orchestrator, run_orchestrator
 from worker.sampling import Sampling
 
@@ -152,7 +152,7 @@ def node_env(opts: SeedOptions, token: str, seed_url: str, stage: int, peer: str
     if (where := fixed_address(opts, stage)) is not None:
         env["PP_PORT"] = str(where[1])
     if stage == 0 and opts.host is not None:
-        env["PP_BIND"] = opts.host  # a wildcard is advertised to the cluster as 127.0.0.1 (node/config.py)
+        env["PP_BIND"] = opts.host  # a wildcard is advertised to the cluster as 127.0.0.1 (node/config/network.py)
     env["PP_MODEL_NAME"] = opts.model_name or opts.model
     return env
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import trio
 
-from node.config import NodeConfig
+from node.config.settings import NodeConfig
 from node.membership.gossip import SwimConfig
 from node.compute import open_compute_thread
 from node.main import run_node

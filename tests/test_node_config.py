@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from node.config import NodeConfig, advertised_url, loggable, normalise_url, parse_config
+from node.config.network import advertised_url, normalise_url
+from node.config.parse import parse_config
+from node.config.settings import NodeConfig, loggable
 from node.transport.faults import Faults
 from node.observe.log import as_extra, error_event, event, setup_logging, warn_event
 

@@ -4,8 +4,8 @@
     -> {"ts": "2025-01-02T03:04:05.678Z", "level": "INFO", "node": "stage0-1a2b3c4d", "logger": "pp.node",
         "event": "peer_joined", "peer": "stage1-3cf0b8b2", "addr": "http://10.0.0.6:8000"}
 
-Nothing here knows about secrets: log `node.config.loggable(config)` (or the config itself, whose repr hides
-the cluster token), never the token.
+Nothing here knows about secrets: log `node.config.settings.loggable(config)` (or the config itself, whose
+repr hides the cluster token), never the token.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ links (activations to the next stage, fed-back tokens to stage 0), as a lossy, j
 
 A dropped send fails as a broken connection does (the link stream breaks mid-body, a POST fails before
 it is sent), so what the transport does about it — reopen, ask what arrived, resend — is what is tested.
-Off unless set; parsed once at the entrypoint (node/config.py)."""
+Off unless set; parsed once at the entrypoint (node/config/)."""
 from __future__ import annotations
 
 import random

@@ -1,0 +1,32 @@
+"""The model a node serves and how its weights are kept: a model it can load or fetch, and the precision."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from node.config.sources import ConfigError, Sources
+from roles.messages import is_http_url
+from worker.weights.contract import PRECISIONS
+from worker.weights.fetch import DEFAULT_MODEL, REGISTRY
+from worker.weights.tiny import BUILT_IN
+
+
+def model_spec(src: Sources) -> str:
+    """A model the node can load or fetch: built-in, a known name, an http(s) URL, or an existing path
+    (whether the file is a usable model is found when it is opened). An empty variable means the default."""
+    raw, label = src.get("--model")
+    if raw is not None and not raw.strip() and label == "--model":
+        raise ConfigError("--model is empty: name a model (tiny, llama3.2:1b, ...), a URL or a path")
+    model = (raw or "").strip() or DEFAULT_MODEL
+    name = model.lower()
+    if name in ("stub", *BUILT_IN, *(k.lower() for k in REGISTRY)) or is_http_url(model) or Path(model).exists():
+        return model
+    raise ConfigError(f"{label}={raw!r} is neither a built-in model ({', '.join(['stub', *BUILT_IN])}), a known "
+                      f"name ({', '.join(sorted(REGISTRY))}), an http(s) URL nor an existing path")
+
+
+def precision(src: Sources) -> str:
+    raw, label = src.get("--precision")
+    value = (raw or "auto").strip().lower()
+    if value not in PRECISIONS:
+        raise ConfigError(f"{label}={raw!r}: expected {', '.join(PRECISIONS)}")
+    return value

@@ -1,0 +1,180 @@
+"""The node's entrypoint parse: its flags and --help (with the variable each flag stands for), and
+parse_config, which reads every setting once, from the flags and the environment, into a frozen NodeConfig.
+
+Every setting has an environment variable (how orchestrators such as vast.ai pass settings) and most have a
+flag; a flag wins over its variable.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+
+from node.config.credentials import (API_KEY_ENV, API_KEY_FILE_ENV, TOKEN_ENV, TOKEN_IS_API_KEY_ENV,
+                                     client_api_keys, cluster_token)
+from node.config.model import model_spec, precision
+from node.config.network import (DEFAULT_BIND, DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT, link_faults, link_streams,
+                                 listen_port, max_body, optional_url, peer_urls, public_port)
+from node.config.settings import DEFAULT_CHUNKED_PREFILL, DEFAULT_LOG_LEVEL, LOG_LEVELS, NodeConfig
+from node.config.sources import ConfigError, Sources, count, env_switch, required_int, switch, text
+from roles import DEFAULT_MAX_QUEUE
+from worker.batching import DEFAULT_MAX_SEQS
+from worker.config import DEFAULT_CONTEXT
+from worker.partition import check_stage
+from worker.weights.fetch import DEFAULT_MODEL, default_cache_dir, default_ollama_dir
+
+
+# (variable, flag, meaning): the --help epilog, and the variable each flag stands for.
+ENV_TABLE = (
+    ("STAGE", "--stage", "this node's stage, 0 .. NUM_STAGES-1 (required)"),
+    ("NUM_STAGES", "--num-stages", "how many stages the pipeline has, at least 2 (required)"),
+    (TOKEN_ENV, "", "secret shared by the cluster's nodes, for them only (required; no flag: it would show in ps)"),
+    (API_KEY_ENV, "--api-key", "the clients' API key; several comma-separated, or the flag repeated: opens the "
+                               "OpenAI API, /v1/pipeline and /metrics, nothing else (none: those answer 401)"),
+    (API_KEY_FILE_ENV, "--api-key-file", "a file of client API keys, one a line (taken with PP_API_KEY's)"),
+    (TOKEN_IS_API_KEY_ENV, "--token-is-api-key", "1: the cluster token opens the client surface too (0)"),
+    ("SEED_ADDR", "--seed-addr", "a node to join through, e.g. http://10.0.0.5:8000 or 10.0.0.5:8000"),
+    ("PEER_DIRECT", "--peer-direct", "comma-separated addresses of peers to dial directly"),
+    ("MODEL", "--model", f"a known name such as {DEFAULT_MODEL} or llama3.2:1b, a .gguf file, a Hugging Face "
+                          f"directory, or tiny / stub (built in, random) (default {DEFAULT_MODEL})"),
+    ("PP_MODEL_NAME", "--model-name", "the model's name in the OpenAI API on stage 0 (default: MODEL as given)"),
+    ("PP_PORT", "--port", f"port to listen on; 0 = any free port ({DEFAULT_PORT})"),
+    ("PP_BIND", "--bind", f"address to listen on ({DEFAULT_BIND})"),
+    ("PP_ADVERTISE_ADDR", "--advertise-addr", "address other nodes use to reach this one (default: guessed)"),
+    ("PUBLIC_IPADDR", "", "this machine's public IP (vast.ai sets it inside its containers)"),
+    ("VAST_TCP_PORT_<PP_PORT>", "", "public port mapped to PP_PORT (vast.ai sets it)"),
+    ("PP_NODE_ID", "--node-id", "unique name of this node (stage<STAGE>-<8 random hex digits>)"),
+    ("PP_MAX_BODY", "", f"largest request body accepted, in bytes ({DEFAULT_MAX_BODY_BYTES >> 20} MiB)"),
+    ("PP_MAX_SEQS", "--max-seqs", f"requests in flight at once: each holds a KV cache on every stage ({DEFAULT_MAX_SEQS})"),
+    ("PP_CTX", "--ctx", f"context of each request, prompt and answer, in tokens; KV for it is allocated per slot "
+                        f"at boot, so it sets the node's memory; at most the model's own ({DEFAULT_CONTEXT})"),
+    ("PP_CHUNKED_PREFILL_SIZE", "--chunked-prefill-size", "prompt rows one step takes at most, beside the decode "
+     f"rows: smaller keeps streams decoding while a long prompt is read, larger reads it sooner ({DEFAULT_CHUNKED_PREFILL})"),
+    ("PP_NO_PREFIX_CACHE", "--no-prefix-cache", "1: stage 0 keeps no finished request's KV, so every request computes "
+     "its whole prompt (the prefix cache is on by default)"),
+    ("PP_MAX_QUEUE", "--max-queue", f"stage 0: requests waiting for a free slot; past it, 429 ({DEFAULT_MAX_QUEUE})"),
+    ("PP_BEAM", "--beam", "kernel search at boot: tinygrad's BEAM width, e.g. 2; minutes once, cached on disk for the next boot (0 = off)"),
+    ("PP_PRECISION", "--precision", "auto: Q8_0 weights stay as the file holds them, F16/BF16 too with --beam; file: all of them always; f32: every weight widened at load (auto)"),
+    ("PP_LINKS", "--links", "stream: messages to the next stage as frames of one long-lived HTTP/2 stream; post: a POST each (stream)"),
+    ("PP_FAULTS", "", "chaos testing: drop=P,delay=P,delay_ms=MS,seed=N drops or delays that share of link sends (off)"),
+    ("PP_STDIN_LIFELINE", "", "1: exit when stdin closes (set by ppsmoke --seed, so no node outlives it)"),
+    ("PP_LOG_LEVEL", "--log-level", f"{', '.join(LOG_LEVELS)} ({DEFAULT_LOG_LEVEL})"),
+    ("XDG_CACHE_HOME", "", "downloaded models go to $XDG_CACHE_HOME/pp (~/.cache/pp)"),
+    ("OLLAMA_MODELS", "", "ollama's model store, used before downloading (~/.ollama/models)"),
+)
+_ENV_OF_FLAG = {flag: env for env, flag, _ in ENV_TABLE if flag}
+
+DESCRIPTION = """\
+Run one stage of a pipeline-parallel Llama. The model's blocks are split over NUM_STAGES nodes, one
+process each, usually on different machines: stage 0 tokenizes the prompt and embeds it, every stage runs
+its own range of blocks and passes the activations on, and the last stage samples the next token and
+sends it back to stage 0. Nodes find each other through a seed node (SEED_ADDR) and keep track of each
+other by gossip.
+
+Every setting can be given as an environment variable (below); a flag wins over its variable. The cluster
+token is read only from the environment, so that it never shows in the process list; it authenticates the
+nodes to each other. Clients (the OpenAI API on stage 0, /metrics on every node) use a client API key: a
+key is visible ASCII without spaces or commas, and differs from the cluster token."""
+
+EXAMPLE = """example, a two-stage pipeline on one machine (two shells):
+  PP_CLUSTER_TOKEN=s3cret PP_API_KEY=client-key STAGE=0 NUM_STAGES=2 PP_PORT=8000 {prog}
+  PP_CLUSTER_TOKEN=s3cret PP_API_KEY=client-key STAGE=1 NUM_STAGES=2 PP_PORT=8001 SEED_ADDR=127.0.0.1:8000 {prog}"""
+
+
+def build_parser(prog: str = "python ppnode.py") -> argparse.ArgumentParser:
+    epilog = "environment variables:\n" + "\n".join(
+        f"  {env:<24} {flag:<18} {meaning}" for env, flag, meaning in ENV_TABLE) + "\n\n" + EXAMPLE.format(prog=prog)
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, epilog=epilog, allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    # Flags are read as strings, so that one set of checks and messages covers flags and variables alike.
+    p.add_argument("--stage", metavar="I", help="this node's stage (STAGE)")
+    p.add_argument("--num-stages", metavar="N", help="number of stages (NUM_STAGES)")
+    p.add_argument("--seed-addr", metavar="URL", help="node to join through (SEED_ADDR)")
+    p.add_argument("--peer-direct", metavar="URL", action="append",
+                   help="peer to dial directly; repeat for several (PEER_DIRECT)")
+    p.add_argument("--model", help=f"model to serve (MODEL, default {DEFAULT_MODEL})")
+    p.add_argument("--model-name", metavar="NAME", help="the model's name in the OpenAI API (PP_MODEL_NAME)")
+    p.add_argument("--port", help=f"listen port, 0 = any (PP_PORT, default {DEFAULT_PORT})")
+    p.add_argument("--bind", metavar="HOST", help=f"listen address (PP_BIND, default {DEFAULT_BIND})")
+    p.add_argument("--advertise-addr", metavar="URL", help="address others reach us at (PP_ADVERTISE_ADDR)")
+    p.add_argument("--node-id", metavar="ID", help="unique node name (PP_NODE_ID)")
+    p.add_argument("--max-seqs", metavar="K", help=f"requests in flight at once (PP_MAX_SEQS, default {DEFAULT_MAX_SEQS})")
+    p.add_argument("--ctx", "--max-model-len", dest="ctx", metavar="TOKENS",
+                   help=f"context per request, prompt and answer (PP_CTX, default {DEFAULT_CONTEXT})")
+    p.add_argument("--chunked-prefill-size", metavar="ROWS",
+                   help=f"prompt rows per step at most (PP_CHUNKED_PREFILL_SIZE, default {DEFAULT_CHUNKED_PREFILL})")
+    p.add_argument("--no-prefix-cache", action="store_const", const="1",
+                   help="turn the prefix cache off: no request starts from another's KV (PP_NO_PREFIX_CACHE=1)")
+    p.add_argument("--max-queue", metavar="Q", help=f"requests waiting at stage 0 (PP_MAX_QUEUE, default {DEFAULT_MAX_QUEUE})")
+    p.add_argument("--beam", metavar="W", help="kernel search width at boot, 0 = off (PP_BEAM, default 0)")
+    p.add_argument("--precision", metavar="P", help="auto, file or f32: which weights stay as the file holds them (PP_PRECISION, default auto)")
+    p.add_argument("--links", metavar="KIND", help="stream or post: how messages go to the next stage (PP_LINKS)")
+    p.add_argument("--log-level", metavar="LEVEL", help=f"{', '.join(LOG_LEVELS)} (PP_LOG_LEVEL)")
+    p.add_argument("--api-key", metavar="KEY", action="append",
+                   help="a client API key; repeat for several (PP_API_KEY; in argv every local user sees it: "
+                        "prefer PP_API_KEY or --api-key-file)")
+    p.add_argument("--api-key-file", metavar="PATH", help="file of client API keys, one a line (PP_API_KEY_FILE)")
+    p.add_argument("--token-is-api-key", action="store_const", const="1",
+                   help="let the cluster token open the client surface too (PP_TOKEN_IS_API_KEY=1)")
+    return p
+
+
+def parse_config(environ: Mapping[str, str], argv: list[str], *, home: Path,
+                 rng: random.Random | None = None) -> NodeConfig:
+    """Build the config from `environ` and `argv` (without the program name); exits 2 with a message on
+    any bad value. `rng` makes the default node id reproducible (tests); without it `secrets` is used."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _config_from(Sources(vars(args), environ, _ENV_OF_FLAG), home=home, rng=rng)
+    except ConfigError as exc:
+        parser.error(str(exc))
+
+
+def _config_from(src: Sources, *, home: Path, rng: random.Random | None) -> NodeConfig:
+    stage, num_stages = required_int(src, "--stage"), required_int(src, "--num-stages")
+    try:
+        check_stage(stage, num_stages)
+    except ValueError as exc:  # its message already names STAGE / NUM_STAGES and the way out
+        raise ConfigError(str(exc)) from None
+    env, port, token = src.environ, listen_port(src), cluster_token(src.environ)
+    token_is_api_key = switch(src, "--token-is-api-key")
+    return NodeConfig(
+        stage=stage, num_stages=num_stages, cluster_token=token, node_id=_node_id(src, stage, rng),
+        api_keys=client_api_keys(src, token, token_is_api_key=token_is_api_key), token_is_api_key=token_is_api_key,
+        cache_dir=default_cache_dir(home, env.get("XDG_CACHE_HOME")),
+        ollama_models_dir=default_ollama_dir(home, env.get("OLLAMA_MODELS")),
+        seed_addr=optional_url(*src.get("--seed-addr")), peer_direct=peer_urls(*src.get("--peer-direct")),
+        model=model_spec(src),
+        model_name=text(src, "--model-name") or text(src, "--model") or DEFAULT_MODEL,
+        port=port, bind_host=text(src, "--bind") or DEFAULT_BIND,
+        advertise_addr=optional_url(*src.get("--advertise-addr")),
+        public_ip=(env.get("PUBLIC_IPADDR") or "").strip() or None, public_port=public_port(env, port),
+        max_body_bytes=max_body(env), log_level=_log_level(*src.get("--log-level")),
+        max_seqs=count(src, "--max-seqs", DEFAULT_MAX_SEQS, lowest=1),
+        max_queue=count(src, "--max-queue", DEFAULT_MAX_QUEUE, lowest=0),
+        chunked_prefill_size=count(src, "--chunked-prefill-size", DEFAULT_CHUNKED_PREFILL, lowest=1),
+        prefix_cache=not switch(src, "--no-prefix-cache"),
+        ctx=count(src, "--ctx", DEFAULT_CONTEXT, lowest=16),
+        beam=count(src, "--beam", 0, lowest=0), precision=precision(src), link_streams=link_streams(src),
+        exit_on_stdin_eof=env_switch(env, "PP_STDIN_LIFELINE"), faults=link_faults(env))
+
+
+def _node_id(src: Sources, stage: int, rng: random.Random | None) -> str:
+    raw, label = src.get("--node-id")
+    node_id = (raw or "").strip()
+    if not node_id:
+        suffix = f"{rng.getrandbits(32):08x}" if rng is not None else secrets.token_hex(4)
+        return f"stage{stage}-{suffix}"
+    if not node_id.isprintable() or " " in node_id:
+        raise ConfigError(f"{label}={raw!r}: a node id must be printable and without spaces")
+    return node_id
+
+
+def _log_level(raw: str | None, label: str) -> str:
+    level = (raw or DEFAULT_LOG_LEVEL).strip().upper()
+    if level not in LOG_LEVELS:
+        raise ConfigError(f"{label}={raw!r} is not one of {', '.join(LOG_LEVELS)}")
+    return level
