@@ -30,7 +30,7 @@ import trio
 
 from cluster import API_KEY, slow_stub, start_cluster, stub_tokens
 from node.api import openai_api
-from node.api.openai_api import _prompts
+from node.api.openai_read import prompts as _prompts
 from node.api.openai_fields import ApiError, body_limit
 from node.api.openai_wire import MAX_STOP_CHARS, parse_request
 from node.api.text_stream import TextStream, _StopMatcher

@@ -17,14 +17,8 @@ it is sent, and a client that leaves before the stream generator has started (HT
 milliseconds after the request) never runs the generator's cleanup; so the ASGI call of every exchange on
 these paths closes what the exchange followed when it returns, however it ends (`_close_when_over`).
 
-The event loop does no unbounded work for a request: its body is refused past what the model's context
-could need (413) or when it stalls (408); parsing it (json's C scanner: a malformed one is a 400 in OpenAI's
-shape), checking it (a response_format's schema is compiled), rendering the chat template and tokenizing all
-run in worker threads, PREPARE_THREADS at a time for the whole node (`prepared`), so a burst of costly
-requests queues there rather than starving /health and the pipeline's own traffic of the GIL. What each may
-cost is bounded before that work: a conversation's turns and characters (openai_wire.limits_for), a prompt
-with more characters than the context could hold in tokens is refused before tokenizing, and the template's
-output is capped as it is written (worker/tokens/chat.py).
+The event loop does no unbounded work for a request: node/api/openai_read.py reads, parses and tokenizes it
+within bounds, in worker threads.
 """
 from __future__ import annotations
 
@@ -33,9 +27,7 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import Callable
 from contextlib import aclosing
-from typing import TypeVar
 
 import trio
 from quart import request
@@ -45,25 +37,21 @@ import attrs
 
 from roles.actions import PROMPT_INVALID, PROMPT_TOO_LONG, Progress, Refused
 from roles.messages import MAX_TOKENS_LIMIT, EndReason, InferenceRequest, InferenceResponse
-from worker.errors import WorkerError
 from worker.sampling import MAX_SEED, stop_set
 
 from node.api.entry import Entry, Vocabulary
 from node.api.openai_answer import Choice, Completion, Entries
-from node.api.openai_fields import ApiError, body_limit, parse_body, shown
+from node.api.openai_fields import ApiError
+from node.api.openai_read import check_model, prepared, prompts, read_json, ready, too_long
 from node.api.openai_wire import ApiRequest, limits_for, parse_request
 from node.api.text_stream import TextStream
-from node.transport.app import shape_refusals, still_loading
+from node.transport.app import shape_refusals
 
 API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 MODEL_PATH = "/v1/models/"  # GET /v1/models/{id}: the one model's card
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
-BODY_IDLE_S = 10.0  # a client sending its body: the longest wait for a byte of it
 FINAL_WAIT_S = 5.0  # after the last token, how long a return_token_ids request waits for the stages' figures
 _FOLLOWS = "pp.follows"  # the ASGI scope's list of what an exchange follows (_close_when_over)
-PREPARE_THREADS = 2  # requests parsed, rendered or tokenized at once: the rest wait their turn, threadless
-_PREPARING = trio.lowlevel.RunVar("pp_api_preparing")  # one limiter per trio run (per node process)
-T = TypeVar("T")
 
 
 def add_openai_routes(app: QuartTrio, node: Entry, *, model_name: str) -> None:
@@ -75,7 +63,7 @@ def add_openai_routes(app: QuartTrio, node: Entry, *, model_name: str) -> None:
 
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": started, "owned_by": "pp",
-                "max_model_len": _ready(node).info.max_context}
+                "max_model_len": ready(node).info.max_context}
 
     @app.get("/v1/models")
     async def models():
@@ -116,12 +104,6 @@ def api_refusal(status: int, message: str, retry_after_s: int | None = None) -> 
     return ApiError(status, message, type=kind, code=code, retry_after_s=retry_after_s)
 
 
-def _ready(node: Entry) -> Vocabulary:
-    if node.loading:
-        raise still_loading()  # in OpenAI's shape, as every refusal on API_PATHS
-    return node.vocabulary
-
-
 def _close_when_over(asgi_app):
     """ASGI middleware: when an exchange on a completion path ends — answered, or its client gone before,
     during or after the first byte — every request it followed is closed (cancelled unless it is over).
@@ -138,32 +120,6 @@ def _close_when_over(asgi_app):
     return app
 
 
-async def prepared(work: Callable[[], T]) -> T:
-    """`work` (parsing, rendering, tokenizing: CPU work a request asks for) in a worker thread, PREPARE_THREADS
-    at a time in this trio run."""
-    try:
-        limiter = _PREPARING.get()
-    except LookupError:
-        limiter = trio.CapacityLimiter(PREPARE_THREADS)
-        _PREPARING.set(limiter)
-    return await trio.to_thread.run_sync(work, limiter=limiter)
-
-
-async def read_json(node: Entry) -> tuple[Vocabulary, object]:
-    """The entry's worker and the request's JSON body, read within what the model's context could need."""
-    worker = _ready(node)
-    longest = await trio.to_thread.run_sync(lambda: worker.longest_token_bytes)  # made once, from the vocabulary
-    raw = await _read_body(body_limit(worker.info.max_context, longest))
-    return worker, await prepared(functools.partial(parse_body, raw))
-
-
-def check_model(model: str | None, model_name: str) -> None:
-    """None (a route where `model` may be left out) or the served name; another is a 404 model_not_found."""
-    if model is not None and model != model_name:
-        raise ApiError(404, f"model {shown(model)} is not served here; this cluster serves {model_name!r}",
-                       param="model", code="model_not_found")
-
-
 async def _complete(app: QuartTrio, node: Entry, model_name: str, *, chat: bool):
     worker, body = await read_json(node)
     info = worker.info
@@ -172,10 +128,10 @@ async def _complete(app: QuartTrio, node: Entry, model_name: str, *, chat: bool)
     api = await prepared(functools.partial(parse_request, body, chat=chat, seed_if_unset=secrets.randbits(31),
                                            limits=limits))
     check_model(api.model, model_name)
-    prompts = await prepared(functools.partial(_prompts, worker, api))
+    texts = await prepared(functools.partial(prompts, worker, api))
     request_id = uuid.uuid4().hex
     choices = [Choice(i * api.n + j, f"{request_id}-{i * api.n + j}", tuple(ids), text)
-               for i, (ids, text) in enumerate(prompts) for j in range(api.n)]
+               for i, (ids, text) in enumerate(texts) for j in range(api.n)]
     completion = Completion(api, request_id, choices, lambda t: worker.token_bytes([t], specials=True))
     follow = _Follow(node, worker, completion, _admit(node, worker, api, choices))
     request.scope[_FOLLOWS].append(follow)  # no checkpoint since the admission: nothing can be lost between
@@ -191,72 +147,6 @@ async def _complete(app: QuartTrio, node: Entry, model_name: str, *, chat: bool)
                                   headers={"Cache-Control": "no-cache"})
     response.timeout = None  # quart cuts streamed bodies at RESPONSE_TIMEOUT otherwise
     return response
-
-
-async def _read_body(limit: int) -> bytes:
-    """The request's body: a 413 past `limit` bytes (at once where its Content-Length says so), and a 408
-    where the client sends nothing for BODY_IDLE_S, before its first byte or between two."""
-    if (request.content_length or 0) > limit:
-        raise too_large(limit)
-    data, chunks = bytearray(), aiter(request.body)
-    while True:
-        with trio.move_on_after(BODY_IDLE_S) as idle:
-            try:
-                chunk = await anext(chunks)
-            except StopAsyncIteration:
-                return bytes(data)
-        if idle.cancelled_caught:
-            raise ApiError(408, f"the request body stalled: nothing came for {BODY_IDLE_S:g} s", code="timeout")
-        data += chunk
-        if len(data) > limit:
-            raise too_large(limit)
-
-
-def too_large(limit: int) -> ApiError:
-    return ApiError(413, f"the request body is over the {limit} bytes the model's context could need",
-                    code="request_too_large")
-
-
-def _prompts(worker: Vocabulary, api: ApiRequest) -> list[tuple[list[int], str]]:
-    """In a worker thread: each prompt's ids and text (what `echo` shows), or the ApiError refusing one."""
-    if api.chat:
-        return [(tokenized(worker, "messages", messages=api.messages), "")]
-    out = []
-    for n, prompt in enumerate(api.prompts):
-        param = "prompt" if len(api.prompts) == 1 else f"prompt[{n}]"
-        if isinstance(prompt, tuple):  # more ids than the context holds are refused unchecked
-            if len(prompt) > worker.info.max_context:
-                raise too_long(worker.info.max_context, param, f"{len(prompt)} tokens")
-            ids, text = list(prompt), worker.token_bytes(list(prompt), specials=not api.skip_special_tokens
-                                                          ).decode("utf-8", errors="replace")
-        else:
-            ids, text = tokenized(worker, param, text=prompt), prompt
-        out.append((ids, text))
-    return out
-
-
-def tokenized(worker: Vocabulary, param: str, *, text: str | None = None, messages: tuple[dict, ...] = (),
-              add_special_tokens: bool = True, add_generation_prompt: bool = True) -> list[int]:
-    """In a worker thread: a raw `text`'s ids, or (text None) the conversation's through the chat template,
-    or the ApiError refusing it. A text of more characters than the context's tokens could spell (each at
-    most the longest token's bytes) is refused untokenized. Whether the ids leave room in the context is the
-    actor's to say (roles/first.py), when the request is admitted."""
-    context, longest = worker.info.max_context, worker.longest_token_bytes
-    chars = sum(len(m["content"] or "") for m in messages) if text is None else len(text)
-    if chars > context * longest:
-        raise too_long(context, param, f"{chars} characters, more than {context} tokens of at most {longest} "
-                                        f"characters each can hold")
-    try:
-        if text is None:
-            return worker.tokenize_messages(list(messages), add_generation_prompt=add_generation_prompt)
-        return worker.tokenize(text, chat=False, add_special_tokens=add_special_tokens)
-    except WorkerError as exc:
-        raise ApiError(400, f"{param}: {exc}", param=param.split("[")[0], code="invalid_value") from None
-
-
-def too_long(context: int, param: str, what: str) -> ApiError:
-    return ApiError(400, f"This model's maximum context length is {context} tokens. However, your {param} "
-                         f"resulted in {what}.", param=param.split("[")[0], code="context_length_exceeded")
 
 
 def _admit(node: Entry, worker: Vocabulary, api: ApiRequest, choices: list[Choice]) -> trio.MemoryReceiveChannel:

@@ -34,7 +34,8 @@ from quart_trio import QuartTrio
 from worker.errors import WorkerError
 
 from node.api.entry import Entry
-from node.api.openai_api import check_model, openai_shape, prepared, read_json, too_long, tokenized
+from node.api.openai_api import openai_shape
+from node.api.openai_read import check_model, prepared, read_json, too_long, tokenized
 from node.api.openai_fields import ApiError, checked_text, field
 from node.api.openai_messages import MessageBudget, messages
 from node.api.openai_wire import limits_for

@@ -1,0 +1,129 @@
+"""Reading an API request within bounds: its body, its JSON and its prompts' tokens.
+
+The event loop does no unbounded work for a request: its body is refused past what the model's context
+could need (413) or when it stalls (408); parsing it (json's C scanner: a malformed one is a 400 in OpenAI's
+shape), checking it (a response_format's schema is compiled), rendering the chat template and tokenizing all
+run in worker threads, PREPARE_THREADS at a time for the whole node (`prepared`), so a burst of costly
+requests queues there rather than starving /health and the pipeline's own traffic of the GIL. What each may
+cost is bounded before that work: a conversation's turns and characters (openai_wire.limits_for), a prompt
+with more characters than the context could hold in tokens is refused before tokenizing, and the template's
+output is capped as it is written (worker/tokens/chat.py).
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TypeVar
+
+import trio
+from quart import request
+
+from worker.errors import WorkerError
+
+from node.api.entry import Entry, Vocabulary
+from node.api.openai_fields import ApiError, body_limit, parse_body, shown
+from node.api.openai_wire import ApiRequest
+from node.transport.app import still_loading
+
+BODY_IDLE_S = 10.0  # a client sending its body: the longest wait for a byte of it
+PREPARE_THREADS = 2  # requests parsed, rendered or tokenized at once: the rest wait their turn, threadless
+_PREPARING = trio.lowlevel.RunVar("pp_api_preparing")  # one limiter per trio run (per node process)
+T = TypeVar("T")
+
+
+def ready(node: Entry) -> Vocabulary:
+    if node.loading:
+        raise still_loading()  # in OpenAI's shape, as every refusal on API_PATHS
+    return node.vocabulary
+
+
+async def prepared(work: Callable[[], T]) -> T:
+    """`work` (parsing, rendering, tokenizing: CPU work a request asks for) in a worker thread, PREPARE_THREADS
+    at a time in this trio run."""
+    try:
+        limiter = _PREPARING.get()
+    except LookupError:
+        limiter = trio.CapacityLimiter(PREPARE_THREADS)
+        _PREPARING.set(limiter)
+    return await trio.to_thread.run_sync(work, limiter=limiter)
+
+
+async def read_json(node: Entry) -> tuple[Vocabulary, object]:
+    """The entry's worker and the request's JSON body, read within what the model's context could need."""
+    worker = ready(node)
+    longest = await trio.to_thread.run_sync(lambda: worker.longest_token_bytes)  # made once, from the vocabulary
+    raw = await read_body(body_limit(worker.info.max_context, longest))
+    return worker, await prepared(functools.partial(parse_body, raw))
+
+
+def check_model(model: str | None, model_name: str) -> None:
+    """None (a route where `model` may be left out) or the served name; another is a 404 model_not_found."""
+    if model is not None and model != model_name:
+        raise ApiError(404, f"model {shown(model)} is not served here; this cluster serves {model_name!r}",
+                       param="model", code="model_not_found")
+
+
+async def read_body(limit: int) -> bytes:
+    """The request's body: a 413 past `limit` bytes (at once where its Content-Length says so), and a 408
+    where the client sends nothing for BODY_IDLE_S, before its first byte or between two."""
+    if (request.content_length or 0) > limit:
+        raise too_large(limit)
+    data, chunks = bytearray(), aiter(request.body)
+    while True:
+        with trio.move_on_after(BODY_IDLE_S) as idle:
+            try:
+                chunk = await anext(chunks)
+            except StopAsyncIteration:
+                return bytes(data)
+        if idle.cancelled_caught:
+            raise ApiError(408, f"the request body stalled: nothing came for {BODY_IDLE_S:g} s", code="timeout")
+        data += chunk
+        if len(data) > limit:
+            raise too_large(limit)
+
+
+def too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is over the {limit} bytes the model's context could need",
+                    code="request_too_large")
+
+
+def prompts(worker: Vocabulary, api: ApiRequest) -> list[tuple[list[int], str]]:
+    """In a worker thread: each prompt's ids and text (what `echo` shows), or the ApiError refusing one."""
+    if api.chat:
+        return [(tokenized(worker, "messages", messages=api.messages), "")]
+    out = []
+    for n, prompt in enumerate(api.prompts):
+        param = "prompt" if len(api.prompts) == 1 else f"prompt[{n}]"
+        if isinstance(prompt, tuple):  # more ids than the context holds are refused unchecked
+            if len(prompt) > worker.info.max_context:
+                raise too_long(worker.info.max_context, param, f"{len(prompt)} tokens")
+            ids, text = list(prompt), worker.token_bytes(list(prompt), specials=not api.skip_special_tokens
+                                                          ).decode("utf-8", errors="replace")
+        else:
+            ids, text = tokenized(worker, param, text=prompt), prompt
+        out.append((ids, text))
+    return out
+
+
+def tokenized(worker: Vocabulary, param: str, *, text: str | None = None, messages: tuple[dict, ...] = (),
+              add_special_tokens: bool = True, add_generation_prompt: bool = True) -> list[int]:
+    """In a worker thread: a raw `text`'s ids, or (text None) the conversation's through the chat template,
+    or the ApiError refusing it. A text of more characters than the context's tokens could spell (each at
+    most the longest token's bytes) is refused untokenized. Whether the ids leave room in the context is the
+    actor's to say (roles/first.py), when the request is admitted."""
+    context, longest = worker.info.max_context, worker.longest_token_bytes
+    chars = sum(len(m["content"] or "") for m in messages) if text is None else len(text)
+    if chars > context * longest:
+        raise too_long(context, param, f"{chars} characters, more than {context} tokens of at most {longest} "
+                                        f"characters each can hold")
+    try:
+        if text is None:
+            return worker.tokenize_messages(list(messages), add_generation_prompt=add_generation_prompt)
+        return worker.tokenize(text, chat=False, add_special_tokens=add_special_tokens)
+    except WorkerError as exc:
+        raise ApiError(400, f"{param}: {exc}", param=param.split("[")[0], code="invalid_value") from None
+
+
+def too_long(context: int, param: str, what: str) -> ApiError:
+    return ApiError(400, f"This model's maximum context length is {context} tokens. However, your {param} "
+                         f"resulted in {what}.", param=param.split("[")[0], code="context_length_exceeded")
