@@ -41,6 +41,7 @@ from node.observe.log import event
 from node.stage_node import StageNode
 from node.transport.app import make_app, serve_app
 from node.transport.client import HttpTransport, PeerClient, gossip_client, http1_client
+from node.transport.link_routes import add_link_routes
 
 log = logging.getLogger("pp.node")
 PROGRESS_EVERY_S = 5.0
@@ -155,8 +156,9 @@ async def _serve(config, swim_config, on_listening, compute, task_status) -> Non
                          link_streams=config.link_streams, faults=config.faults,
                          prompt_rows=config.chunked_prefill_size, model_name=config.model_name,
                          prefix_cache=config.prefix_cache)
-        app = make_app(node, token=config.cluster_token, max_body_bytes=config.max_body_bytes, link_streams=True,
+        app = make_app(node, token=config.cluster_token, max_body_bytes=config.max_body_bytes,
                        api_keys=config.api_keys, token_is_api_key=config.token_is_api_key)
+        add_link_routes(app, node)
         if stage == 0:  # pp-entry serves the OpenAI API too (and vLLM's /tokenize), and a chat page that uses it
             add_openai_routes(app, node, model_name=config.model_name)
             add_tokenize_routes(app, node, config.model_name)
