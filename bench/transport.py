@@ -29,6 +29,7 @@ import trio
 
 from node.transport import wire
 from node.transport.app import make_app, serve_app
+from node.transport.link_routes import add_link_routes
 from node.transport.client import PeerClient
 from node.observe.hops import HopStats, now
 from node.transport.links import Outbox
@@ -70,7 +71,9 @@ class CountingDispatcher:
 
 async def serve(port: int, dim: int) -> None:
     """Serve until stdin closes, so the server cannot outlive a benchmark that was killed."""
-    app = make_app(CountingDispatcher(dim), token=TOKEN, max_body_bytes=DEFAULT_MAX_BODY_BYTES, link_streams=True)
+    dispatcher = CountingDispatcher(dim)
+    app = make_app(dispatcher, token=TOKEN, max_body_bytes=DEFAULT_MAX_BODY_BYTES)
+    add_link_routes(app, dispatcher)
     async with trio.open_nursery() as nursery:
         bound = await nursery.start(serve_app, app, "127.0.0.1", port)
         print(f"http://127.0.0.1:{bound}", flush=True)

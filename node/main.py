@@ -44,6 +44,7 @@ from node.entry import EntryStage
 from node.stage_node import StageNode
 from node.transport.app import make_app, serve_app
 from node.transport.client import HttpTransport, PeerClient, gossip_client, http1_client
+from node.transport.link_routes import add_link_routes
 
 log = logging.getLogger("pp.node")
 PROGRESS_EVERY_S = 5.0
@@ -156,8 +157,9 @@ async def _serve(config, swim_config, on_listening, compute, task_status) -> Non
     async with PeerClient(config.cluster_token) as client, gossip_client(config.cluster_token) as gossip, \
             http1_client(config.cluster_token, HOPS_TIMEOUT_S) as view, trio.open_nursery() as nursery:
         node = open_stage(shard, client, config)
-        app = make_app(node, token=config.cluster_token, max_body_bytes=config.max_body_bytes, link_streams=True,
+        app = make_app(node, token=config.cluster_token, max_body_bytes=config.max_body_bytes,
                        api_keys=config.api_keys, token_is_api_key=config.token_is_api_key)
+        add_link_routes(app, node)
         if isinstance(node.side, EntryStage):
             serve_api(app, node.side, config, view.http)
         url = advertised_url(config, await nursery.start(serve_app, app, config.bind_host, config.port))

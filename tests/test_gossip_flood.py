@@ -8,7 +8,7 @@ import trio
 from cluster import TOKEN, start_cluster
 from node.membership import gossip
 from node.transport import wire
-from node.transport.app import GOSSIP_MAX_BODY
+from node.transport.gossip_routes import GOSSIP_MAX_BODY
 
 TOKEN_AUTH = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
 

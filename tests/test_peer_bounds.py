@@ -11,6 +11,7 @@ from node.stage_node import StageNode
 from worker.partition import Shard
 from node.transport import frames
 from node.transport.app import make_app
+from node.transport.link_routes import add_link_routes
 from node.transport.client import PeerClient
 from node.transport.links import coalesce
 from node.transport.streams import MAX_INBOUND_LINKS, LinkReceiver, inbound_link_refusal
@@ -107,7 +108,8 @@ class _Loaded:
 async def test_past_the_inbound_link_cap_a_link_open_and_its_state_are_refused_with_503(reading, status):
     links_in = LinkReceiver()
     links_in.streams = reading
-    app = make_app(_Loaded(links_in), token="t", max_body_bytes=1 << 20, link_streams=True)
+    app = make_app(stage := _Loaded(links_in), token="t", max_body_bytes=1 << 20)
+    add_link_routes(app, stage)
     client, auth = app.test_client(), {"Authorization": "Bearer t"}
     r = await client.get("/v1/link/abc", headers=auth)
     assert r.status_code == status

@@ -1,9 +1,13 @@
 """The HTTP face of a node (and of the runner): one quart-trio app served by hypercorn inside the
 caller's nursery, HTTP/2 cleartext with prior knowledge, HTTP/1.1 still accepted.
 
-Handlers validate, hand the message to the dispatcher and answer at once: a hop never waits for
-downstream compute. Who may call what is node/transport/auth.py's: the client surface (the OpenAI API, /v1/pipeline,
-/metrics) takes a client API key, everything else the cluster token; /health and the chat page are open.
+make_app is the shell: who may call what, the refusals, /health and /metrics. Its routes come in groups, each
+with a Protocol of what it uses: the pipeline's messages (node/transport/pipeline_routes.py) and membership's
+(node/transport/gossip_routes.py), served by every app, and a stage's link streams and hop figures
+(node/transport/link_routes.py), which the stage adds. Handlers validate, hand the message to the dispatcher and
+answer at once: a hop never waits for downstream compute. Who may call what is node/transport/auth.py's: the
+client surface (the OpenAI API, /v1/pipeline, /metrics) takes a client API key, everything else the cluster
+token; /health and the chat page are open.
 
 Every refusal is JSON, Quart's own 404 and 405 included: `{"error": message}`, or the shape a surface added on
 top registers for its paths (shape_refusals: the OpenAI API's). /health answers 503 until the dispatcher says
@@ -12,7 +16,6 @@ cluster reads the status, a person reads the body.
 """
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import socket
@@ -29,45 +32,33 @@ from werkzeug.exceptions import MethodNotAllowed, NotFound
 
 from roles.actions import Refused
 
-from node.membership import gossip
-from node.membership.swim import Swim, WrongTargetError
-from node.observe.log import error_event
 from node.observe.metrics import CONTENT_TYPE as node_metrics_content_type
-from node.transport import auth, conn_guard, frames, h1_guard, h2_early_answer, h2_flow, h2_guard, stream_guard, wire
+from node.transport import auth, conn_guard, h1_guard, h2_early_answer, h2_flow, h2_guard, stream_guard, wire
+from node.transport.gossip_routes import GossipDispatcher, add_gossip_routes
+from node.transport.pipeline_routes import PipelineDispatcher, add_pipeline_routes
+from node.transport.routes import STILL_LOADING, Traffic, still_loading
 
+__all__ = [  # still_loading and STILL_LOADING are re-exported: the surfaces added on top refuse with them
+    "Dispatcher", "ListenError", "STILL_LOADING", "check_listenable", "make_app", "serve_app",
+    "shape_refusals", "still_loading"]
 log = logging.getLogger("pp.http")
-GOSSIP_MAX_BODY = 1 << 19  # a gossip message of gossip.MAX_ENTRIES member records is about 64 KiB
-MAX_WAIT_S = 30.0  # longest long poll; proxies drop idle requests not much later
-STILL_LOADING = "this stage is still loading its weights"  # the one answer (a 503) to what needs a model too early
 RefusalShape = Callable[[int, str], dict]  # (status, message) -> a refusal's JSON body
+_SHAPES = "pp.refusal_shapes"  # its key in app.extensions: see shape_refusals
 
 
-def still_loading() -> Refused:
-    """The refusal of whatever needs the model while `Dispatcher.loading`."""
-    return Refused(503, STILL_LOADING)
+class Dispatcher(PipelineDispatcher, GossipDispatcher, Protocol):
+    """What the app serves: a stage node or the runner. One with `metrics` (node/observe/metrics.py's
+    NodeMetrics: a stage's) has them served at /metrics."""
 
-
-class Dispatcher(Protocol):
-    """What the app hands messages to: a stage node or the runner."""
-
-    swim: Swim | None
-    loading: bool  # True until messages for the model can be admitted (the runner never takes them): still_loading()
     serving: bool  # /health's status: 200 once this node does its part of serving requests, 503 before
-    hidden_dim: int | None  # the activations' width, once not loading
-
-    def deliver(self, message, *, source: str | None = None, sent_at: float | None = None) -> None: ...
-    # admit and enqueue, or raise Refused; `source` (the sending stage) and `sent_at` (its clock) time the hop
-
-    async def wait_response(self, request_id: str, wait_s: float): ...  # a kept response or None
 
     def health(self) -> dict: ...
 
 
-def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_streams: bool = False,
-             api_keys: tuple[str, ...] = (), token_is_api_key: bool = False) -> QuartTrio:
+def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, api_keys: tuple[str, ...] = (),
+             token_is_api_key: bool = False) -> QuartTrio:
     """`token` opens the cluster's endpoints, `api_keys` the client surface (and `token` too if
-    `token_is_api_key`): node/transport/auth.py. `link_streams`: serve /v1/link and /v1/hops (a stage; the dispatcher
-    then has `take_frame`, `links_in` and `hops`)."""
+    `token_is_api_key`): node/transport/auth.py. A stage adds its link routes: link_routes.add_link_routes."""
     h1_guard.install()
     h2_guard.install()
     h2_early_answer.install()  # an answer before the body is in resets the stream: the sender stops
@@ -77,15 +68,22 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_st
     app.asgi_app = _refuse_websockets(app.asgi_app)
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     app.config["BODY_TIMEOUT"] = 120
-    app.http_versions = collections.Counter()  # requests served per HTTP version, for tests and /health
-    app.body_bytes = collections.Counter()  # request body bytes received per path: bytes on the wire
-    app.refusal_shapes = _Shapes()  # see shape_refusals
+    Traffic().install(app)
+    app.extensions[_SHAPES] = _Shapes()
     keys = auth.Keys.of(token, api_keys, token_is_api_key=token_is_api_key)
     app.pp_is_member = keys.is_token  # serve_app's stream_guard counts everyone else's requests
+    _add_auth(app, keys)
+    _add_refusals(app, max_body_bytes)
+    _add_health(app, dispatcher)
+    add_pipeline_routes(app, dispatcher)
+    add_gossip_routes(app, dispatcher)
+    return app
 
+
+def _add_auth(app: QuartTrio, keys: auth.Keys) -> None:
     @app.before_request
     async def authorize():
-        app.http_versions[request.http_version] += 1
+        Traffic.of(app).http_versions[request.http_version] += 1
         if request.path in auth.OPEN_PATHS:  # the chat page holds no secret; every call it makes carries a key
             return None
         credential = keys.credential(request.headers.get("Authorization", ""))
@@ -107,6 +105,8 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_st
             response.headers["Connection"] = "close"
         return response
 
+
+def _add_refusals(app: QuartTrio, max_body_bytes: int) -> None:
     @app.errorhandler(413)
     async def too_large(_):
         return _refusal(413, f"body over the limit of {max_body_bytes} bytes")
@@ -121,54 +121,6 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_st
         body, status = _refusal(405, f"{request.path} does not take {request.method}; it takes {', '.join(allowed)}")
         return body, status, {"Allow": ", ".join(allowed)}
 
-    @app.get("/health")
-    async def health():
-        body = {**dispatcher.health(), "http_versions": dict(app.http_versions), "body_bytes": dict(app.body_bytes)}
-        return jsonify(body), 200 if dispatcher.serving else 503
-
-    @app.get("/metrics")
-    async def metrics():
-        node_metrics = getattr(dispatcher, "metrics", None)
-        if node_metrics is None:
-            return _error(404, "no metrics here: /metrics is served by the stages")
-        return Response(node_metrics.render(), content_type=node_metrics_content_type)
-
-    @app.get("/v1/members")
-    async def members():
-        swim = _swim(dispatcher)
-        return jsonify({"members": wire.converter.unstructure(list(swim.members().values()))})
-
-    for path, kind in [("/v1/inference", wire.InferenceRequest), ("/v1/next-token", wire.NextTokens),
-                       ("/v1/end", wire.EndRequest), ("/v1/cancel", wire.CancelRequest),
-                       ("/v1/response", wire.InferenceResponse)]:
-        app.add_url_rule(path, endpoint=path, view_func=_json_endpoint(dispatcher, kind), methods=["POST"])
-
-    @app.post("/v1/activation")
-    async def activation():
-        if dispatcher.loading:
-            raise still_loading()
-        body = await request.get_data()
-        app.body_bytes[request.path] += len(body)
-        act = wire.decode_activation(body, dispatcher.hidden_dim)
-        dispatcher.deliver(act, **_sender())
-        return jsonify({"accepted": [s.request_id for s in act.meta.segments]}), 202
-
-    @app.get("/v1/response/<request_id>")
-    async def kept_response(request_id: str):
-        """Long poll for a response kept here because its asker cannot be reached (behind NAT)."""
-        try:
-            wait_s = min(max(float(request.args.get("wait", "0")), 0.0), MAX_WAIT_S)
-        except ValueError:
-            raise wire.WireError("wait: expected a number of seconds") from None
-        response = await dispatcher.wait_response(request_id, wait_s)
-        if response is None:
-            return Response(b"", status=204)  # a bytes body: quart wraps a missing one with asyncio
-        return Response(wire.encode(response), content_type="application/json")
-
-    _gossip_routes(app, dispatcher)
-    if link_streams:
-        _stage_routes(app, dispatcher)
-
     @app.errorhandler(wire.WireError)
     async def malformed(exc):
         return _error(400, str(exc))
@@ -180,7 +132,21 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, link_st
         body, status = _refusal(exc.status, exc.message)
         return body, status, headers
 
-    return app
+
+def _add_health(app: QuartTrio, dispatcher: Dispatcher) -> None:
+    @app.get("/health")
+    async def health():
+        traffic = Traffic.of(app)
+        body = {**dispatcher.health(), "http_versions": dict(traffic.http_versions),
+                "body_bytes": dict(traffic.body_bytes)}
+        return jsonify(body), 200 if dispatcher.serving else 503
+
+    @app.get("/metrics")
+    async def metrics():
+        node_metrics = getattr(dispatcher, "metrics", None)
+        if node_metrics is None:
+            return _error(404, "no metrics here: /metrics is served by the stages")
+        return Response(node_metrics.render(), content_type=node_metrics_content_type)
 
 
 def _refuse_websockets(asgi_app):
@@ -201,7 +167,7 @@ def shape_refusals(app: QuartTrio, paths: Iterable[str], shape: RefusalShape, *,
     Refused) get `shape`'s body rather than {"error": message}: a surface added on top (the OpenAI API)
     registers its own shape with its routes. Under `unrouted` prefixes, a path that no route serves gets it too
     (its 401 and 404), and so does a 405 (a route, but not of that method)."""
-    shapes = app.refusal_shapes
+    shapes = app.extensions[_SHAPES]
     shapes.paths.update(dict.fromkeys(paths, shape))
     shapes.prefixes += [(prefix, shape) for prefix in prefixes]
     shapes.unrouted += [(prefix, shape) for prefix in unrouted]
@@ -229,137 +195,8 @@ def _routed() -> bool:
 
 
 def _refusal(status: int, message: str):
-    shape = current_app.refusal_shapes.of(request.path, unrouted=status == 405 or not _routed())
+    shape = current_app.extensions[_SHAPES].of(request.path, unrouted=status == 405 or not _routed())
     return (shape(status, message), status) if shape is not None else _error(status, message)
-
-
-def _json_endpoint(dispatcher: Dispatcher, kind: type):
-    async def endpoint():
-        body = await request.get_data()
-        current_app.body_bytes[request.path] += len(body)
-        message = wire.decode(kind, body)
-        dispatcher.deliver(message, **_sender())
-        return jsonify({"accepted": True}), 202
-    return endpoint
-
-
-def _sender() -> dict:
-    """Who sent a pipeline POST and when, if a stage did (headers SENT_FROM, SENT_AT): for the hop figures."""
-    source, sent_at = request.headers.get(wire.SENT_FROM), request.headers.get(wire.SENT_AT)
-    try:
-        return {"source": source, "sent_at": float(sent_at)} if source and sent_at else {}
-    except ValueError:
-        raise wire.WireError(f"{wire.SENT_AT}: expected a number, got {sent_at!r}") from None
-
-
-def _stage_routes(app: QuartTrio, dispatcher: Dispatcher) -> None:
-    """What only a stage serves: its hop figures, and link streams (node/transport/streams.py), whose frames are read
-    as they arrive for as long as the sender keeps writing."""
-
-    @app.get("/v1/hops")
-    async def hop_figures():
-        """Where each hop's time goes (node/observe/hops.py): median and p99 per part, per link."""
-        return jsonify(dispatcher.hops.summary())
-
-    @app.post("/v1/hops/reset")
-    async def hop_figures_reset():
-        dispatcher.hops.reset()
-        return jsonify({"reset": True})
-
-    @app.get("/v1/link/<link_id>")
-    async def link_state(link_id: str):
-        if dispatcher.loading:
-            raise still_loading()
-        if (full := dispatcher.links_in.open_refusal()) is not None:  # the open that follows would be refused
-            raise Refused(503, full, retry_after_s=1)
-        return jsonify({"last_seq": dispatcher.links_in.last_seq(link_id), "boot": dispatcher.links_in.boot})
-
-    @app.post("/v1/link")
-    async def link():
-        link_id, source = request.args.get("link", ""), request.args.get("from", "")
-        if not (0 < len(link_id) <= 64 and 0 < len(source) <= 64):
-            raise wire.WireError("link, from: both required, each 1..64 characters")
-        if dispatcher.loading:
-            raise still_loading()
-        if (full := dispatcher.links_in.open_refusal()) is not None:
-            raise Refused(503, full, retry_after_s=1)
-        dispatcher.links_in.streams += 1
-        try:
-            taken = await _read_link(dispatcher, link_id, source)
-        finally:
-            dispatcher.links_in.streams -= 1
-        return jsonify({"frames": taken}), 200
-
-
-async def _read_link(dispatcher: Dispatcher, link_id: str, source: str) -> int:
-    """Deliver a link stream's frames as they arrive; the number taken. Whatever ends this early (the answer
-    then comes while the sender still writes) resets the stream (node/transport/h2_early_answer.py), so the
-    sender reopens it and resends from the last frame delivered here."""
-    reader, taken = frames.FrameReader(dispatcher.hidden_dim), 0
-    try:
-        async for chunk in request.body:
-            current_app.body_bytes[request.path] += len(chunk)
-            reader.feed(chunk)
-            for seq, sent_at, message in reader.frames():
-                dispatcher.take_frame(link_id, source, seq, sent_at, message)
-                taken += 1
-    except wire.WireError as exc:
-        # The frame was not delivered. The link's last delivered frame stays as it was, so the sender resends
-        # from the refused one, and drops it alone once it is refused again (streams.LinkStream._drop_refused);
-        # forgetting the link would have it resend frames delivered already, delivered twice.
-        error_event(log, "link_frame_refused", link=link_id, source=source, error=str(exc),
-                    last_seq=dispatcher.links_in.last_seq(link_id))
-        raise
-    except Exception as exc:
-        # Frames up to the last delivered count as taken: the sender resends only those after it.
-        error_event(log, "link_stream_failed", link=link_id, source=source,
-                    error=f"{type(exc).__name__}: {exc}", last_seq=dispatcher.links_in.last_seq(link_id))
-        raise
-    return taken
-
-
-def _gossip_routes(app: QuartTrio, dispatcher: Dispatcher) -> None:
-    @app.post("/swim/ping")
-    async def ping():
-        msg = wire.decode(gossip.Ping, await _gossip_body())
-        try:
-            ack = await _swim(dispatcher).on_ping(msg)
-        except WrongTargetError as exc:
-            raise Refused(409, str(exc)) from None
-        return Response(wire.encode(ack), content_type="application/json")
-
-    @app.post("/swim/ping-req")
-    async def ping_req():
-        msg = wire.decode(gossip.PingReq, await _gossip_body())
-        answer = await _swim(dispatcher).on_ping_req(msg)
-        key = "ack" if isinstance(answer, gossip.Ack) else "nack"
-        return jsonify({key: wire.converter.unstructure(answer)})
-
-    @app.post("/swim/sync")
-    async def sync():
-        msg = wire.decode(gossip.Sync, await _gossip_body())
-        return Response(wire.encode(_swim(dispatcher).on_sync(msg)), content_type="application/json")
-
-
-async def _gossip_body() -> bytes:
-    """A gossip message's body, refused (413) past GOSSIP_MAX_BODY as it arrives: decoding costs about 30 µs a
-    member record on the event loop, and the app's body limit (what a prompt may need) would let a token holder
-    send hundreds of thousands, refused only once decoded."""
-    too_large = Refused(413, f"a gossip message is at most {GOSSIP_MAX_BODY} bytes")
-    if (request.content_length or 0) > GOSSIP_MAX_BODY:
-        raise too_large
-    body = bytearray()
-    async for chunk in request.body:
-        body += chunk
-        if len(body) > GOSSIP_MAX_BODY:
-            raise too_large
-    return bytes(body)
-
-
-def _swim(dispatcher: Dispatcher) -> Swim:
-    if dispatcher.swim is None:
-        raise Refused(503, "membership is not running yet")
-    return dispatcher.swim
 
 
 def _error(status: int, message: str):

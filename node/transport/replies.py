@@ -1,6 +1,6 @@
 """Replies to whoever asked: posted to the asker's reply_to, or, where it names none (the asker is behind NAT)
 or cannot be reached, kept here (the last KEPT_RESPONSES) for the asker to long-poll with
-`GET /v1/response/<id>` (node/transport/app.py)."""
+`GET /v1/response/<id>` (node/transport/pipeline_routes.py)."""
 from __future__ import annotations
 
 import logging
