@@ -29,7 +29,7 @@ import pytest
 import trio
 
 from cluster import API_KEY, slow_stub, start_cluster, stub_tokens
-from node.api import openai_api
+from node.api import openai_read
 from node.api.openai_read import prompts as _prompts
 from node.api.openai_fields import ApiError, body_limit
 from node.api.openai_wire import MAX_STOP_CHARS, parse_request
@@ -372,7 +372,7 @@ async def test_a_body_past_what_the_context_could_need_is_an_openai_shaped_413(n
 async def test_a_body_that_stalls_is_a_408_and_the_stage_serves_on(nursery, tmp_path, monkeypatch):
     """A client that sends its headers and then nothing held a request for quart's 120 s; now BODY_IDLE_S
     (shortened here) ends it, before the first byte of the body or between two."""
-    monkeypatch.setattr(openai_api, "BODY_IDLE_S", 0.5)
+    monkeypatch.setattr(openai_read, "BODY_IDLE_S", 0.5)
     orch, urls, _ = await start_cluster(nursery, 2, tmp_path)
     parts = urllib.parse.urlsplit(urls[0])
     answers = []

@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from cluster import API_KEY, start_cluster
-from node.api import openai_api
+from node.api import openai_read
 from node.api.openai_fields import ApiError
 from node.api.openai_messages import MAX_MESSAGES, MessageBudget, messages
 from node.api.openai_wire import MAX_PROMPTS, limits_for, parse_request
@@ -107,18 +107,18 @@ async def test_at_most_prepare_threads_prepare_requests_at_once():
         with lock:
             running[0] += 1
             most[0] = max(most[0], running[0])
-            if running[0] == openai_api.PREPARE_THREADS:
+            if running[0] == openai_read.PREPARE_THREADS:
                 full.set()
         release.wait(10)
         with lock:
             running[0] -= 1
     async with trio.open_nursery() as nursery:
         for _ in range(8):
-            nursery.start_soon(openai_api.prepared, work)
+            nursery.start_soon(openai_read.prepared, work)
         assert await trio.to_thread.run_sync(full.wait, 10)
         await trio.sleep(0.2)  # room for a third to start, were there no limit
         release.set()
-    assert most[0] == openai_api.PREPARE_THREADS
+    assert most[0] == openai_read.PREPARE_THREADS
 
 
 async def test_eight_requests_of_9000_empty_messages_are_refused_unrendered_and_health_answers_meanwhile(
