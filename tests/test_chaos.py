@@ -24,7 +24,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from node.membership.gossip import SwimConfig, suspicion_timeout_s
+from node.membership.gossip import SwimConfig
+from node.membership.rules import suspicion_timeout_s
 from test_smoke_seed import MARK, ROOT, assert_all_gone
 
 N, CLIENTS, MAX_TOKENS = 4, 8, 64

@@ -8,10 +8,12 @@ import attrs
 import cattrs
 import pytest
 
-from node.membership.gossip import (MAX_ENTRIES, MAX_MEMBERS, Ack, Dissemination, Heard, Member, Meta, Nack, Ping,
-                                    PingReq, ProbeRound, State, Suspicion, SwimConfig, Sync, announce_meta, as_heard,
-                                    choose_relays, declares_dead, expired_suspects, holder, is_final, is_origin, merge, merge_all, next_target,
-                                    pick_sync_peer, relay_target, retransmit_limit, same_identity, suspicion_timeout_s)
+from node.membership.gossip import (MAX_ENTRIES, MAX_MEMBERS, Ack, Heard, Member, Meta, Nack, Ping, PingReq, State,
+                                    SwimConfig, Sync)
+from node.membership.rules import (Dissemination, ProbeRound, Suspicion, announce_meta, as_heard, choose_relays,
+                                   declares_dead, expired_suspects, holder, is_final, is_origin, merge, merge_all,
+                                   next_target, pick_sync_peer, relay_target, retransmit_limit, same_identity,
+                                   suspicion_timeout_s)
 from node.transport import wire
 from tests.swimnet import CountedId
 

@@ -6,8 +6,8 @@ import pytest
 import trio
 import trio.testing
 
-from node.membership.gossip import (MAX_ENTRIES, MAX_MEMBERS, Ack, Member, Meta, Nack, Ping, PingReq, State, Sync,
-                                    suspicion_timeout_s)
+from node.membership.gossip import MAX_ENTRIES, MAX_MEMBERS, Ack, Member, Meta, Nack, Ping, PingReq, State, Sync
+from node.membership.rules import suspicion_timeout_s
 from node.main import Replaced, step_aside_when_replaced
 from node.membership.swim import Swim, WrongTargetError
 from tests.swimnet import (T_S, TEST_CONFIG, CountedId, Node, SwimNet, Unplugged, addr_of, all_alive, kill, record_when,
