@@ -111,7 +111,7 @@ async def fetch_own_slice(config: NodeConfig, swim: Swim) -> str:
 async def step_aside_when_replaced(swim: Swim, stage: int) -> None:
     """Exit once a member this stage dialled holds it dead (Swim.declared_dead): it was frozen or cut off past
     the dead timeout, and a runner replaces such a stage. Only that: another member claiming the stage, at
-    whatever incarnation, is no reason (a token holder could claim it; see node/membership/gossip.py)."""
+    whatever incarnation, is no reason (a token holder could claim it; see node/membership/rules.py)."""
     await swim.declared_dead.wait()
     raise Replaced(f"stage {stage} was replaced: the cluster declared it dead (it was frozen or cut off past the "
                    f"dead timeout, or an earlier node of this id was); exiting rather than serve a slice another "
