@@ -42,7 +42,7 @@ from worker.config import DEFAULT_CONTEXT
 from worker.weights.fetch import DEFAULT_MODEL, REGISTRY, default_cache_dir, default_ollama_dir
 from worker.sources import check_source, open_source
 from worker.weights.tiny import BUILT_IN
-from worker.sampling import Sampling
+from worker.contract import Sampling
 from worker.weights.contract import PRECISIONS
 
 

@@ -30,9 +30,9 @@ from typing import Callable
 
 import attrs
 
+from worker.contract import StepItem, Worker
 from worker.errors import PrefixMissing, WorkerError
 from worker.partition import Role
-from worker.stage import StepItem
 
 from .actions import (PROMPT_INVALID, PROMPT_TOO_LONG, Progress, Refused, Send, compute, error_reply, failure,
                       from_cache, pass_on, step_failed, wrong_role)
@@ -178,7 +178,7 @@ class FirstActor:
                                  "queries": self.cache_queries, "hits": self.cache_hits}}
 
     # -- compute thread ----------------------------------------------------------------------
-    def run(self, step: Step, worker):
+    def run(self, step: Step, worker: Worker):
         return compute(step, worker, [StepItem(u.request_id, u.position, tokens=u.tokens,
                                                from_cache=from_cache(u.start)) for u in step.units])
 

@@ -124,6 +124,7 @@ def test_greedy_tokens_and_logits_equal_numpy_whole_and_through_three_stages(fam
     from worker.chain import run_chain
     from worker.weights.gguf import GGUFSource
     from worker.models import open_worker, tinygrad_model
+    from worker.partition import Shard
     from worker.reference import generate_full
     c, w, directory = family
     want_tokens, want_logits = reference_greedy(c, w, PROMPT, 4)
@@ -132,5 +133,5 @@ def test_greedy_tokens_and_logits_equal_numpy_whole_and_through_three_stages(fam
     assert got.token_ids == want_tokens
     for mine, theirs in zip(got.logits, want_logits):
         np.testing.assert_allclose(mine, theirs, rtol=0, atol=2e-4 * np.abs(theirs).max())
-    chain = run_chain([open_worker(model, s, 3) for s in range(3)], PROMPT, 4)
+    chain = run_chain([open_worker(model, Shard.of(s, 3)) for s in range(3)], PROMPT, 4)
     assert chain.token_ids == want_tokens

@@ -9,7 +9,7 @@ from worker.batching import Segment
 from worker.logprobs import token_logprobs
 from worker.models import stub_model
 from worker.reference import generate_full
-from worker.sampling import Sampling
+from worker.contract import Sampling
 from worker.stub import StubTokenizer
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

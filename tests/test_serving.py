@@ -12,7 +12,8 @@ from cluster import API_KEY, PATIENT_SWIM, TOKEN, slow_stub, start_cluster, stub
 from node.transport import wire
 from worker.errors import WorkerError
 from worker.models import tinygrad_model
-from worker.sampling import GREEDY, sample
+from worker.contract import GREEDY
+from worker.sampling import sample
 from worker.stage import StageWorker
 from worker.stopping import generation_done
 from worker.stub import StubTokenizer

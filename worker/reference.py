@@ -5,7 +5,8 @@ import attrs
 import numpy as np
 
 from .models import Model
-from .sampling import GREEDY, Sampling, sample, stop_set
+from .contract import GREEDY, Sampling
+from .sampling import sample, stop_set
 from .stopping import generation_done
 
 
