@@ -122,9 +122,9 @@ QUICK = ("smollm2:135m", "mistral:7b", "llama3.2:1b")  # odd head counts; untied
 
 def test_greedy_tokens_and_logits_equal_numpy_whole_and_through_three_stages(family):
     from worker.chain import run_chain
+    from worker.partition import Shard
     from worker.weights.gguf import GGUFSource
     from worker.models import open_worker, tinygrad_model
-    from worker.partition import Shard
     from worker.reference import generate_full
     c, w, directory = family
     want_tokens, want_logits = reference_greedy(c, w, PROMPT, 4)

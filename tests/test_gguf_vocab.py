@@ -104,9 +104,9 @@ def vocab_ggufs(tmp_path_factory):
 @pytest.mark.parametrize("name", ["spm", "smollm", "gpt-2", "default"])
 def test_each_vocabulary_generates_through_the_chain_what_one_process_does(vocab_ggufs, name, num_stages):
     from worker.chain import run_chain
+    from worker.partition import Shard
     from worker.weights.gguf import GGUFSource
     from worker.models import open_worker, tinygrad_model
-    from worker.partition import Shard
     from worker.reference import generate_full
     model = tinygrad_model(GGUFSource(vocab_ggufs(name)))
     prompt = model.tokenizer().encode_chat("Say hello, wörld 🦙")
@@ -151,9 +151,9 @@ def test_a_hugging_face_directory_with_that_tokenizer_json_tokenizes_as_llama_cp
     from test_gguf import hf_weights
     from worker.chain import run_chain
     from worker.config import ModelConfig
+    from worker.partition import Shard
     from worker.weights.hf import HFSource
     from worker.models import open_worker, tinygrad_model
-    from worker.partition import Shard
     from worker.reference import generate_full
     fields = gguf_fields_of(name)
     config = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=len(fields["tokens"]),

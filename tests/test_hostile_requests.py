@@ -36,12 +36,11 @@ from node.api.openai_wire import MAX_STOP_CHARS, parse_request
 from node.api.text_stream import TextStream, _StopMatcher
 from roles import make_actor
 from roles.messages import EndReason, EndRequest, InferenceRequest
+from worker.contract import Sampling, StepItem
 from worker.errors import WorkerError
 from worker.models import open_worker, stub_model
 from worker.partition import Shard
-from worker.contract import Sampling
 from worker.sampling import sample
-from worker.contract import StepItem
 from worker.stage import StageWorker
 from worker.stub import StubTokenizer
 

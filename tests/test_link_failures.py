@@ -15,9 +15,9 @@ from roles.actions import Progress, Refused, Reply, Send
 from roles.first import FirstActor
 from roles.messages import (Activation, EndReason, EndRequest, InferenceRequest, NextTokens, RequestStart, SegmentMeta,
                             Token)
+from worker.contract import GREEDY, Sampling
 from worker.models import open_worker, stub_model
 from worker.partition import Shard
-from worker.contract import GREEDY, Sampling
 
 from test_hostile_requests import health, until_idle
 

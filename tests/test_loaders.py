@@ -7,10 +7,10 @@ from gguf import GGMLQuantizationType as Q
 from ggufmake import write_llama_gguf
 from hfmake import write_hf_dir
 from tokfiles import byte_vocab, gguf_fields, write_tokenizer_json
+from worker.partition import Shard
 from worker.weights.gguf import GGUFSource
 from worker.weights.hf import HFSource
 from worker.models import open_worker, tinygrad_model
-from worker.partition import Shard
 from worker.reference import generate_full
 from worker.weights.tiny import TINY_CONFIG, TINY_ROPE_SCALING, TinySource
 from worker.tokens.tokenizer import byte_tokenizer

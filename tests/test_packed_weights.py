@@ -10,13 +10,13 @@ from hfmake import write_hf_dir
 from test_gguf import QUANT_CONFIG, hf_weights
 from tokfiles import byte_vocab, gguf_fields
 from worker.chain import run_chain
+from worker.partition import Shard
+from worker.weights.contract import EMBEDDING, is_matrix, narrow_kinds, stage_tensor_names
 from worker.weights.gguf import GGUFSource
 from worker.weights.hf import HFSource
 from worker.models import open_worker, tinygrad_model
-from worker.partition import Shard
 from worker.reference import generate_full
 from worker.tokens.tokenizer import byte_tokenizer
-from worker.weights.contract import EMBEDDING, is_matrix, narrow_kinds, stage_tensor_names
 
 # every kind a kernel reads as it is, q and k rows (permuted in the file) among them, and a K-quant,
 # which is widened at load

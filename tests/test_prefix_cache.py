@@ -12,12 +12,12 @@ from cluster import API_KEY, start_cluster
 from roles import make_actor
 from roles.actions import Progress, Reply, Send
 from roles.messages import Activation, InferenceRequest
+from worker.contract import FromCache, StepItem
 from worker.errors import PrefixMissing
 from worker.models import open_worker, stub_model, tinygrad_model
 from worker.partition import Shard
 from worker.reference import generate_full
 from worker.batching import Segment
-from worker.contract import FromCache, StepItem
 from worker.weights.tiny import TinySource
 
 MAX_TOKENS = 6

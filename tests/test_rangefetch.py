@@ -11,13 +11,13 @@ import trio
 
 from rangeserver import RangeServer, Served, write_gguf  # noqa: F401
 from worker.errors import ModelFileError
-from worker.weights.gguf import GGUFSource
 from worker.partition import Shard, layer_range
+from worker.weights.gguf import GGUFSource
 from worker.weights.rangefetch import (Identity, SliceMeta, cache_hit, cache_name, check_partial,
                                clip_ranges, fetch_stage_slice, merge_ranges, parse_content_range,
                                read_meta, should_report)
-from worker.weights.tiny import TINY_CONFIG
 from worker.weights.contract import stage_tensor_names
+from worker.weights.tiny import TINY_CONFIG
 
 PATH = "/bartowski/Tiny-GGUF/resolve/main/Tiny-Q6_K.gguf"
 UNTIED_PATH = "/bartowski/Tiny-GGUF/resolve/main/Tiny-untied.gguf"

@@ -31,15 +31,15 @@ import pytest
 
 from cluster import API_KEY, start_cluster
 from npforward import teacher_forced
-from worker.tokens import chat
 from worker.chain import run_chain
+from worker.contract import StepItem
+from worker.partition import Shard
+from worker.tokens import chat
 from worker.errors import WorkerError
 from worker.weights.fetch import installed_model
 from worker.weights.gguf import GGUFSource
 from worker.models import open_model, open_worker
-from worker.partition import Shard
 from worker.reference import generate_full
-from worker.contract import StepItem
 from worker.stopping import generation_done
 
 MODEL = "smollm2:135m"

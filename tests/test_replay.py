@@ -8,10 +8,10 @@ from roles.actions import Progress, Reply, Send
 from roles.first import MAX_REPLAYS
 from roles.messages import (Activation, ActivationMeta, EndReason, EndRequest, InferenceRequest, NextTokens,
                             RequestStart, SegmentMeta)
+from worker.contract import GREEDY
 from worker.models import open_worker, stub_model
 from worker.partition import Shard
 from worker.reference import generate_full
-from worker.contract import GREEDY
 
 MAX_TOKENS = 12
 

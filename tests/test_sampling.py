@@ -4,13 +4,12 @@ import math
 import numpy as np
 import pytest
 
+from worker.contract import GREEDY, Sampling, StepItem
 from worker.errors import WorkerError
 from worker.models import open_worker, stub_model
 from worker.partition import Shard
 from worker.reference import generate_full
-from worker.contract import GREEDY, Sampling
 from worker.sampling import process_logits, sample, stop_set
-from worker.contract import StepItem
 
 LOGITS = np.array([2.0, -1.5, 0.0, 3.25, -0.5, 1.0, 0.75, -2.0], dtype=np.float32)
 

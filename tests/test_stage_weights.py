@@ -3,8 +3,8 @@ import pytest
 
 from worker.models import open_worker, tinygrad_model
 from worker.partition import Shard, layer_range
-from worker.weights.tiny import TINY_CONFIG, TinySource
 from worker.weights.contract import block_tensor_names
+from worker.weights.tiny import TINY_CONFIG, TinySource
 
 
 

@@ -11,8 +11,8 @@ from worker.models import open_worker, stub_model
 from worker.partition import Shard
 from worker.reference import generate_full
 from worker.stage import StageWorker
-from worker.tokens.vocabulary import Vocabulary
 from worker.stub import STUB_BLOCKS, STUB_CONTEXT, STUB_VOCAB, StubSlice, StubTokenizer
+from worker.tokens.vocabulary import Vocabulary
 
 PROMPT = StubTokenizer().encode_chat("Say hello")
 

@@ -11,12 +11,12 @@ from pathlib import Path
 
 from .chain import run_chain
 from .config import DEFAULT_CONTEXT
+from .contract import Sampling
 from .errors import ModelFileError, ModelNameError, WorkerError
+from .partition import Shard
 from .weights.fetch import DEFAULT_MODEL, default_cache_dir, default_ollama_dir
 from .models import open_model, open_worker
-from .partition import Shard
 from .reference import generate_full
-from .contract import Sampling
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -7,8 +7,8 @@ from typing import Callable
 import attrs
 
 from .batching import DEFAULT_MAX_SEQS
-from .partition import Shard
 from .compute.slice import TinygradSlice
+from .partition import Shard
 from .slice import Slice
 from .stage import StageWorker
 from .sources import open_source

@@ -4,8 +4,8 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from .models import Model
 from .contract import GREEDY, Sampling
+from .models import Model
 from .sampling import sample, stop_set
 from .stopping import generation_done
 

@@ -22,8 +22,8 @@ import math
 
 import attrs
 
-from worker.grammar import GrammarError, canonical_format
 from worker.contract import MAX_LOGPROBS, Sampling
+from worker.grammar import GrammarError, canonical_format
 from worker.sampling import MAX_SEED
 
 from node.api.openai_fields import ApiError, checked_text, field, shown

@@ -23,9 +23,9 @@ import trio
 from cattrs.preconf.json import make_converter
 
 from ..errors import ModelFileError
-from .gguf_header import GGUFHeader, IncompleteHeader, config_from_header, parse_header
 from ..partition import Shard
 from .contract import stage_tensor_names
+from .gguf_header import GGUFHeader, IncompleteHeader, config_from_header, parse_header
 
 log = logging.getLogger(__name__)
 
