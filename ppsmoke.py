@@ -41,11 +41,11 @@ from runner.seed import SeedOptions, run_seed
 from runner.vastai import VastOptions, destroy_leftovers, run_vastai
 from worker.batching import DEFAULT_MAX_SEQS
 from worker.config import DEFAULT_CONTEXT
+from worker.contract import Sampling
+from worker.weights.contract import PRECISIONS
 from worker.weights.fetch import DEFAULT_MODEL, REGISTRY, default_cache_dir, default_ollama_dir
 from worker.sources import check_source, open_source
 from worker.weights.tiny import BUILT_IN
-from worker.sampling import Sampling
-from worker.weights.contract import PRECISIONS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -36,8 +36,9 @@ def single_process(model: str, prompt: str, max_tokens: int, repeats: int, beam:
     import resource
 
     from worker.config import DEFAULT_CONTEXT
+    from worker.contract import GREEDY
     from worker.models import open_model
-    from worker.sampling import GREEDY, sample
+    from worker.sampling import sample
     model_ = open_model(model, cache_dir=Path(tempfile.gettempdir()), ollama_models_dir=None, precision=precision,
                         tuned=beam > 0, max_context=DEFAULT_CONTEXT)  # as a node: its memory is comparable
     full = model_.open_slice(range(model_.total_blocks), embed=True, head=True)

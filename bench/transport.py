@@ -35,7 +35,7 @@ from node.observe.hops import HopStats, now
 from node.transport.links import Outbox
 from node.transport.streams import LinkReceiver, LinkStream
 from node.config.network import DEFAULT_MAX_BODY_BYTES
-from worker.sampling import GREEDY
+from worker.contract import GREEDY
 
 TOKEN = "bench-transport"
 # (hidden_dim, seq_len): llama3.2:1b decode step, the tiny model's decode step, a 16-token prefill

@@ -68,7 +68,7 @@ def load_worker(config: NodeConfig, model_spec: str):
         model = open_model(model_spec, cache_dir=config.cache_dir, ollama_models_dir=config.ollama_models_dir,
                            progress=False, precision=config.precision, tuned=config.beam > 0,
                            max_context=config.ctx)
-        worker = open_worker(model, config.stage, config.num_stages, max_seqs=config.max_seqs)
+        worker = open_worker(model, Shard.of(config.stage, config.num_stages), max_seqs=config.max_seqs)
     except (ModelFileError, ValueError) as exc:  # a bad path, file or name: the user's to fix, not a crash
         raise ModelRefused(f"stage {config.stage} cannot load model {config.model!r}: {exc}") from exc
     worker.warm_up(config.beam)
@@ -100,7 +100,7 @@ async def fetch_own_slice(config: NodeConfig, swim: Swim) -> str:
 
     async with httpx.AsyncClient(follow_redirects=True, timeout=60) as client:
         try:
-            path = await fetch_stage_slice(url, config.cache_dir, stage=config.stage, num_stages=config.num_stages,
+            path = await fetch_stage_slice(url, config.cache_dir, shard=Shard.of(config.stage, config.num_stages),
                                            client=client, progress=report)
         except ModelFileError as exc:
             raise ModelLoadError(f"stage {config.stage} cannot fetch its slice of {url}: {exc}") from exc

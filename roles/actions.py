@@ -7,9 +7,8 @@ from typing import Callable
 
 import attrs
 
+from worker.contract import FromCache, TokenLogprob, Worker
 from worker.errors import WorkerError
-from worker.logprobs import TokenLogprob
-from worker.stage import FromCache
 
 from .messages import Activation, EndReason, EndRequest, InferenceResponse, NextTokens, RequestStart, SegmentMeta
 from .schedule import StageQueue, Step, Unit
@@ -188,7 +187,7 @@ def from_cache(start: RequestStart | None) -> FromCache | None:
     return FromCache(start.cache_entry, start.take, start.drop)
 
 
-def compute(step: Step, worker, items: list) -> tuple[list, float]:
+def compute(step: Step, worker: Worker, items: list) -> tuple[list, float]:
     """On the compute thread: free the slots of ended requests, then run the step's items as one batch.
     Returns the results and the step's wall time in ms."""
     for rid, keep_as in step.release:

@@ -30,9 +30,9 @@ from typing import Callable
 
 import attrs
 
+from worker.contract import StepItem, Worker
 from worker.errors import PrefixMissing, WorkerError
 from worker.partition import Role, Shard
-from worker.stage import StepItem
 
 from .actions import (Progress, Refused, Send, compute, error_reply, failure, from_cache, pass_on, step_failed,
                       wrong_role)
@@ -174,7 +174,7 @@ class FirstActor:
                 "prefix_cache": self.cache.health()}
 
     # -- compute thread ----------------------------------------------------------------------
-    def run(self, step: Step, worker):
+    def run(self, step: Step, worker: Worker):
         return compute(step, worker, [StepItem(u.request_id, u.position, tokens=u.tokens,
                                                from_cache=from_cache(u.start)) for u in step.units])
 

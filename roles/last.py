@@ -9,12 +9,12 @@ from typing import Callable
 
 import attrs
 
+from worker.contract import GREEDY, StepItem, TokenLogprob, Worker
 from worker.errors import WorkerError
 from worker.grammar import GrammarError, Matcher
-from worker.logprobs import TokenLogprob, token_logprobs
+from worker.logprobs import token_logprobs
 from worker.partition import Role, Shard
-from worker.sampling import GREEDY, stop_set
-from worker.stage import StepItem
+from worker.sampling import stop_set
 from worker.stopping import generation_done
 
 from .actions import (Entries, Held, Reply, Send, admit_segments, compute, each_segment, error_reply, failure,
@@ -132,7 +132,7 @@ class LastActor(DownstreamActor):
         return actions
 
     # -- compute thread ----------------------------------------------------------------------
-    def run(self, step: Step, worker):
+    def run(self, step: Step, worker: Worker):
         """Compute the step, then sample for each item whose rows end its prompt or are a decode row: per
         item, a _Sampled (its token, or None for a prompt chunk before the last, and the logprobs asked for)
         or the WorkerError that refused it. A request's progress is read here, on the compute thread: the
@@ -147,7 +147,7 @@ class LastActor(DownstreamActor):
         return [r if isinstance(r, WorkerError) or p is None else self._pick(worker, u, p, r, all_rows)
                 for u, p, r, all_rows in zip(step.units, progress, results, every_row)], ms
 
-    def _pick(self, worker, unit: Unit, prog: _Progress, logits, all_rows: bool) -> _Sampled | WorkerError:
+    def _pick(self, worker: Worker, unit: Unit, prog: _Progress, logits, all_rows: bool) -> _Sampled | WorkerError:
         """Compute thread: the prompt's logprobs of these rows where asked, then the token where one is due."""
         s, prompt_lps = prog.start, ()
         if all_rows:  # row i's logits predict the prompt token at position + i + 1
@@ -186,7 +186,7 @@ class LastActor(DownstreamActor):
         return Token(unit.request_id, token_id, position, done, unit.generation, out.logprob, prompt_lps), done
 
     @staticmethod
-    def _matcher(worker, prog: _Progress) -> Matcher | None:
+    def _matcher(worker: Worker, prog: _Progress) -> Matcher | None:
         """Compute thread: the request's grammar matcher, made at its first token (a replay's walks the
         tokens generated before it)."""
         if not prog.start.sampling.grammar:

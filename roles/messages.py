@@ -19,8 +19,7 @@ import urllib.parse
 
 import attrs
 
-from worker.logprobs import TokenLogprob
-from worker.sampling import GREEDY, Sampling
+from worker.contract import GREEDY, Sampling, TokenLogprob
 
 MAX_TOKENS_LIMIT = 1 << 16
 

@@ -4,8 +4,8 @@ upstream frees the request's slot and goes on down the chain. Rows that cannot b
 lost to stage 0, which replays the request (roles/messages.py)."""
 from __future__ import annotations
 
+from worker.contract import StepItem, Worker
 from worker.partition import Role, Shard
-from worker.stage import StepItem
 
 from .actions import (Entries, Held, Send, admit_segments, compute, each_segment, error_reply, failure, from_cache,
                       lost, pass_on, wrong_role)
@@ -68,7 +68,7 @@ class MiddleActor(DownstreamActor):
         return []
 
     # -- compute thread ----------------------------------------------------------------------
-    def run(self, step: Step, worker):
+    def run(self, step: Step, worker: Worker):
         return compute(step, worker, [StepItem(u.request_id, u.position, hidden=u.hidden, seq_len=u.rows,
                                                from_cache=from_cache(u.start)) for u in step.units])
 

@@ -10,7 +10,7 @@ import attrs
 import httpx
 
 from node.transport import wire
-from worker.sampling import Sampling
+from worker.contract import Sampling
 
 from .common import RunFailed
 

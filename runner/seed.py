@@ -19,7 +19,7 @@ import trio
 
 from node.config.network import LOOPBACK
 from .orchestrator import Orchestrator, run_orchestrator
-from worker.sampling import Sampling
+from worker.contract import Sampling
 
 from .children import Child, child_env, log_tail, run_child
 from .common import RunFailed, RunResult, fail_on_signals, first_failure

@@ -13,7 +13,7 @@ import trio
 from node.groups import unwrapped
 from .orchestrator import Orchestrator, StageDied
 from roles import topology
-from worker.sampling import Sampling
+from worker.contract import Sampling
 
 from .ask import ask
 from .common import RunFailed, RunResult, timings_of

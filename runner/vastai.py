@@ -19,7 +19,7 @@ import attrs
 import trio
 
 from .orchestrator import Orchestrator, run_orchestrator
-from worker.sampling import Sampling
+from worker.contract import Sampling
 
 from .ledger import Ledger
 from .common import RunFailed, RunResult, fail_on_signals, first_failure, show_weight_progress

@@ -10,7 +10,7 @@ from runner.children import child_env
 from runner.seed import SeedOptions
 from runner.session import Use, announcement
 from runner.vastai import VastOptions, node_env
-from worker.sampling import Sampling
+from worker.contract import Sampling
 
 
 # --- ppsmoke: where the secrets come from --------------------------------------------------------------------------

@@ -4,6 +4,7 @@ import pytest
 
 from worker.chain import run_chain
 from worker.models import open_worker, tinygrad_model
+from worker.partition import Shard
 from worker.reference import generate_full
 from worker.weights.tiny import TinySource
 
@@ -31,7 +32,7 @@ def test_reference_generates_at_least_32_tokens(reference):
 
 @pytest.mark.parametrize("num_stages", [2, 3, 4])
 def test_sliced_tokens_and_logits_equal_the_whole_model(model, prompt, reference, num_stages):
-    chain = run_chain([open_worker(model, s, num_stages) for s in range(num_stages)], prompt, MAX_TOKENS)
+    chain = run_chain([open_worker(model, Shard.of(s, num_stages)) for s in range(num_stages)], prompt, MAX_TOKENS)
     assert chain.token_ids == reference.token_ids
     assert len(chain.logits) == len(reference.logits)
     for step, (got, want) in enumerate(zip(chain.logits, reference.logits)):
@@ -40,9 +41,9 @@ def test_sliced_tokens_and_logits_equal_the_whole_model(model, prompt, reference
 
 def test_a_prompt_longer_than_a_step_is_chunked_and_still_matches(model):
     prompt = model.tokenizer().encode_chat("x" * 60)
-    assert len(prompt) > 2 * open_worker(model, 0, 2).info.max_batch  # several chunks of a full bucket
+    assert len(prompt) > 2 * open_worker(model, Shard.of(0, 2)).info.max_batch  # several chunks of a full bucket
     reference = generate_full(model, prompt, 6)
-    chain = run_chain([open_worker(model, s, 2) for s in range(2)], prompt, 6)
+    chain = run_chain([open_worker(model, Shard.of(s, 2)) for s in range(2)], prompt, 6)
     assert chain.token_ids == reference.token_ids
     assert all(np.array_equal(a, b) for a, b in zip(chain.logits, reference.logits))
 

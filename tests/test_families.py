@@ -122,6 +122,7 @@ QUICK = ("smollm2:135m", "mistral:7b", "llama3.2:1b")  # odd head counts; untied
 
 def test_greedy_tokens_and_logits_equal_numpy_whole_and_through_three_stages(family):
     from worker.chain import run_chain
+    from worker.partition import Shard
     from worker.weights.gguf import GGUFSource
     from worker.models import open_worker, tinygrad_model
     from worker.reference import generate_full
@@ -132,5 +133,5 @@ def test_greedy_tokens_and_logits_equal_numpy_whole_and_through_three_stages(fam
     assert got.token_ids == want_tokens
     for mine, theirs in zip(got.logits, want_logits):
         np.testing.assert_allclose(mine, theirs, rtol=0, atol=2e-4 * np.abs(theirs).max())
-    chain = run_chain([open_worker(model, s, 3) for s in range(3)], PROMPT, 4)
+    chain = run_chain([open_worker(model, Shard.of(s, 3)) for s in range(3)], PROMPT, 4)
     assert chain.token_ids == want_tokens

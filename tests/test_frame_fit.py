@@ -12,10 +12,9 @@ from node.transport import frames
 from node.transport.links import coalesce
 from node.transport.streams import REFUSED_AFTER, LinkStream
 from roles.messages import Activation, EndReason, EndRequest, NextTokens, RequestStart, SegmentMeta, Token
-from worker.logprobs import TokenLogprob
+from worker.contract import Sampling, TokenLogprob
 from worker.models import stub_model
 from worker.reference import generate_full
-from worker.sampling import Sampling
 from worker.stub import StubTokenizer
 
 DIM = 1  # so that the room for rows a frame may hold (MAX_FRAME_ROWS x DIM x 4) hides little metadata

@@ -9,8 +9,7 @@ import pytest
 from node.transport import frames
 from roles.messages import (
     Activation, EndReason, EndRequest, NextTokens, RequestStart, SegmentMeta, Token, WireError)
-from worker.logprobs import TokenLogprob
-from worker.sampling import Sampling
+from worker.contract import Sampling, TokenLogprob
 
 DIM = 8
 

@@ -104,12 +104,13 @@ def vocab_ggufs(tmp_path_factory):
 @pytest.mark.parametrize("name", ["spm", "smollm", "gpt-2", "default"])
 def test_each_vocabulary_generates_through_the_chain_what_one_process_does(vocab_ggufs, name, num_stages):
     from worker.chain import run_chain
+    from worker.partition import Shard
     from worker.weights.gguf import GGUFSource
     from worker.models import open_worker, tinygrad_model
     from worker.reference import generate_full
     model = tinygrad_model(GGUFSource(vocab_ggufs(name)))
     prompt = model.tokenizer().encode_chat("Say hello, wörld 🦙")
-    chain = run_chain([open_worker(model, s, num_stages) for s in range(num_stages)], prompt, 8)
+    chain = run_chain([open_worker(model, Shard.of(s, num_stages)) for s in range(num_stages)], prompt, 8)
     assert chain.token_ids == generate_full(model, prompt, 8).token_ids
     assert chain.text == model.tokenizer().decode(chain.token_ids, specials=False)
 
@@ -150,6 +151,7 @@ def test_a_hugging_face_directory_with_that_tokenizer_json_tokenizes_as_llama_cp
     from test_gguf import hf_weights
     from worker.chain import run_chain
     from worker.config import ModelConfig
+    from worker.partition import Shard
     from worker.weights.hf import HFSource
     from worker.models import open_worker, tinygrad_model
     from worker.reference import generate_full
@@ -165,7 +167,7 @@ def test_a_hugging_face_directory_with_that_tokenizer_json_tokenizes_as_llama_cp
     assert source.tokenizer().encode(HARD) == RECORDED[name]["hard"]
     model = tinygrad_model(source)
     prompt = model.tokenizer().encode_chat("Say hello")
-    assert run_chain([open_worker(model, s, 2) for s in range(2)], prompt, 6).token_ids == \
+    assert run_chain([open_worker(model, Shard.of(s, 2)) for s in range(2)], prompt, 6).token_ids == \
         generate_full(model, prompt, 6).token_ids
 
 

@@ -36,10 +36,12 @@ from node.api.openai_wire import MAX_STOP_CHARS, parse_request
 from node.api.text_stream import TextStream, _StopMatcher
 from roles import make_actor
 from roles.messages import EndReason, EndRequest, InferenceRequest
+from worker.contract import Sampling, StepItem
 from worker.errors import WorkerError
 from worker.models import open_worker, stub_model
-from worker.sampling import Sampling, sample
-from worker.stage import StageWorker, StepItem
+from worker.partition import Shard
+from worker.sampling import sample
+from worker.stage import StageWorker
 from worker.stub import StubTokenizer
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -82,7 +84,7 @@ def test_a_temperature_below_the_sampling_floor_samples_greedily(temperature):
 
 
 def test_a_seed_numpy_refuses_fails_its_own_request_and_the_rest_of_the_step_computes():
-    worker = open_worker(stub_model(), 1, 2, max_seqs=4)
+    worker = open_worker(stub_model(), Shard.of(1, 2), max_seqs=4)
     hidden = b"\0" * 4 * worker.info.hidden_dim
     items = [StepItem("bad", 0, hidden=hidden, seq_len=1, sampling=Sampling(1.0, 1.0, -1)),
              StepItem("good", 0, hidden=hidden, seq_len=1, sampling=Sampling(1.0, 1.0, 7))]
@@ -117,7 +119,7 @@ async def test_a_compute_job_that_raises_fails_its_request_naming_the_stage_and_
 
 def test_a_request_that_failed_a_stage_is_not_replayed_into_its_replacement():
     n = 3
-    workers = [open_worker(stub_model(), s, n) for s in range(n)]
+    workers = [open_worker(stub_model(), Shard.of(s, n)) for s in range(n)]
     first = make_actor(0, n, workers[0])
     first.set_chain(("m1", "m2"), standing=True)
     first.admit(InferenceRequest("r", "Say hello", max_tokens=8, reply_to="http://runner"))
@@ -350,8 +352,8 @@ async def test_a_body_past_what_the_context_could_need_is_an_openai_shaped_413(n
     hold (openai_fields.body_limit), said by Content-Length or found while reading a chunked body; a body just
     under it is read and refused for its length in tokens instead."""
     orch, urls, _ = await start_cluster(nursery, 2, tmp_path)
-    probe = open_worker(stub_model(), 0, 2)  # stage 0's vocabulary and context, as the cluster's
-    limit = body_limit(probe.info.max_context, probe.longest_token_bytes)
+    probe = open_worker(stub_model(), Shard.of(0, 2))  # stage 0's vocabulary and context, as the cluster's
+    limit = body_limit(probe.info.max_context, probe.vocabulary.longest_token_bytes)
     async with httpx.AsyncClient(timeout=30, headers=AUTH) as client:
         over = json.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * limit}]}).encode()
 

@@ -15,8 +15,9 @@ from roles.actions import Progress, Refused, Reply, Send
 from roles.first import FirstActor
 from roles.messages import (Activation, EndReason, EndRequest, InferenceRequest, NextTokens, RequestStart, SegmentMeta,
                             Token)
+from worker.contract import GREEDY, Sampling
 from worker.models import open_worker, stub_model
-from worker.sampling import GREEDY, Sampling
+from worker.partition import Shard
 
 from test_hostile_requests import health, until_idle
 
@@ -31,7 +32,7 @@ def request(rid, **kw):
 
 
 def stage0(max_seqs=2, max_queue=4) -> tuple:
-    w = open_worker(stub_model(), 0, N, max_seqs=max_seqs)
+    w = open_worker(stub_model(), Shard.of(0, N), max_seqs=max_seqs)
     return make_actor(0, N, w, max_queue=max_queue), w
 
 
@@ -123,7 +124,7 @@ def test_a_segment_a_later_stage_cannot_take_fails_its_request_alone(stage, monk
             raise RuntimeError("injected: this request's rows cannot be queued")
         return real(request_id, *args, **kw)
     monkeypatch.setattr(roles.middle if stage == 1 else roles.last, "Unit", unit)
-    w = open_worker(stub_model(), stage, N)
+    w = open_worker(stub_model(), Shard.of(stage, N))
     actor, dim = make_actor(stage, N, w), w.info.hidden_dim
     start = RequestStart(4, GREEDY, (3, 4, 5), "http://runner")
     segs = [(SegmentMeta(rid, 0, 3, (1.0,) * stage, start), b"\0" * 3 * dim * 4) for rid in ("poison", "good")]

@@ -7,6 +7,7 @@ from gguf import GGMLQuantizationType as Q
 from ggufmake import write_llama_gguf
 from hfmake import write_hf_dir
 from tokfiles import byte_vocab, gguf_fields, write_tokenizer_json
+from worker.partition import Shard
 from worker.weights.gguf import GGUFSource
 from worker.weights.hf import HFSource
 from worker.models import open_worker, tinygrad_model
@@ -70,7 +71,7 @@ def test_a_quantised_gguf_stage_chain_runs_end_to_end(tmp_path):
     qtypes.update({n: Q.Q6_K for n in weights if n.endswith("ffn_down.weight")})  # K-quants need rows of 256
     write_llama_gguf(path, TINY_CONFIG, weights, qtypes=qtypes, **gguf_fields(byte_vocab()))
     model = tinygrad_model(GGUFSource(path))
-    workers = [open_worker(model, s, 3) for s in range(3)]
+    workers = [open_worker(model, Shard.of(s, 3)) for s in range(3)]
     from worker.chain import run_chain
     prompt = byte_tokenizer().encode_chat("Say hello")
     assert run_chain(workers, prompt, 8).token_ids == generate_full(model, prompt, 8).token_ids

@@ -6,10 +6,10 @@ import pytest
 
 from cluster import API_KEY, start_cluster
 from worker.batching import Segment
+from worker.contract import Sampling
 from worker.logprobs import token_logprobs
 from worker.models import stub_model
 from worker.reference import generate_full
-from worker.sampling import Sampling
 from worker.stub import StubTokenizer
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

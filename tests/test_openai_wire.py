@@ -11,8 +11,7 @@ from node.api.openai_fields import ApiError
 from node.api.openai_messages import MAX_ARGUMENTS_DEPTH
 from node.api.openai_wire import ApiRequest, Limits, parse_request
 from node.api.text_stream import TextStream
-from worker.logprobs import TokenLogprob
-from worker.sampling import Sampling
+from worker.contract import Sampling, TokenLogprob
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

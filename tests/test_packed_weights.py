@@ -10,12 +10,13 @@ from hfmake import write_hf_dir
 from test_gguf import QUANT_CONFIG, hf_weights
 from tokfiles import byte_vocab, gguf_fields
 from worker.chain import run_chain
+from worker.partition import Shard
+from worker.weights.contract import EMBEDDING, is_matrix, narrow_kinds, stage_tensor_names
 from worker.weights.gguf import GGUFSource
 from worker.weights.hf import HFSource
 from worker.models import open_worker, tinygrad_model
 from worker.reference import generate_full
 from worker.tokens.tokenizer import byte_tokenizer
-from worker.weights.contract import EMBEDDING, is_matrix, narrow_kinds, stage_tensor_names
 
 # every kind a kernel reads as it is, q and k rows (permuted in the file) among them, and a K-quant,
 # which is widened at load
@@ -99,7 +100,7 @@ def file_model(gguf_path):
 def test_sliced_equals_whole_exactly_in_the_files_precision(file_model):
     prompt = list(range(3, 20))
     whole = generate_full(file_model, prompt, 12)
-    chain = run_chain([open_worker(file_model, s, 2) for s in range(2)], prompt, 12)
+    chain = run_chain([open_worker(file_model, Shard.of(s, 2)) for s in range(2)], prompt, 12)
     assert chain.token_ids == whole.token_ids
     assert all(np.array_equal(a, b) for a, b in zip(chain.logits, whole.logits))
 

@@ -12,11 +12,12 @@ from cluster import API_KEY, start_cluster
 from roles import make_actor
 from roles.actions import Progress, Reply, Send
 from roles.messages import Activation, InferenceRequest
+from worker.contract import FromCache, StepItem
 from worker.errors import PrefixMissing
 from worker.models import open_worker, stub_model, tinygrad_model
+from worker.partition import Shard
 from worker.reference import generate_full
 from worker.batching import Segment
-from worker.stage import FromCache, StepItem
 from worker.weights.tiny import TinySource
 
 MAX_TOKENS = 6
@@ -28,7 +29,7 @@ class Chain:
 
     def __init__(self, n: int, *, max_seqs: int = 4, prefix_cache: bool = True, model=None):
         self.n, self.model, self.max_seqs, self.cache = n, model or stub_model(), max_seqs, prefix_cache
-        self.workers = [open_worker(self.model, s, n, max_seqs=max_seqs) for s in range(n)]
+        self.workers = [open_worker(self.model, Shard.of(s, n), max_seqs=max_seqs) for s in range(n)]
         self.actors = [make_actor(s, n, w, prefix_cache=prefix_cache) for s, w in enumerate(self.workers)]
         self.actors[0].set_chain(tuple(f"m{s}" for s in range(1, n)), standing=True)
         self.inbox: dict[int, list] = {s: [] for s in range(n)}
@@ -64,7 +65,7 @@ class Chain:
                 assert isinstance(a, Progress)
 
     def tokens(self, text: str) -> list[int]:
-        return self.workers[0].tokenize(text, chat=False)
+        return self.workers[0].vocabulary.tokenize(text, chat=False)
 
     def reference(self, ids: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
         return generate_full(self.model, ids, max_tokens).token_ids
@@ -147,7 +148,7 @@ def test_a_stage_that_lacks_the_entry_reports_it_and_the_request_is_replayed_in_
     chain = Chain(3)
     first = chain.tokens(SYSTEM + "Say hello.")
     chain.ask({"a": first})
-    chain.workers[stage] = open_worker(chain.model, stage, 3, max_seqs=chain.max_seqs)
+    chain.workers[stage] = open_worker(chain.model, Shard.of(stage, 3), max_seqs=chain.max_seqs)
     follow_up = [*first, *chain.tokens(" Then say goodbye.")]
     assert chain.ask({"b": follow_up})["b"] == chain.reference(follow_up)
     # from the entry, then again from the first token (stage 0 itself replays it before any row leaves)
@@ -161,8 +162,8 @@ def test_a_kept_entry_taken_or_copied_continues_as_the_original_request_on_tinyg
     one request copies its first rows into another slot and a second takes the slot itself; both compute
     the logits the whole prompt gives."""
     model = tinygrad_model(TinySource())
-    w0, w1 = (open_worker(model, s, 2, max_seqs=3) for s in (0, 1))
-    ids = w0.tokenize("Name three rivers of Europe, briefly, and say why they matter.", chat=False)
+    w0, w1 = (open_worker(model, Shard.of(s, 2), max_seqs=3) for s in (0, 1))
+    ids = w0.vocabulary.tokenize("Name three rivers of Europe, briefly, and say why they matter.", chat=False)
 
     def run(rid, position, start=None):
         [hidden] = w0.run([StepItem(rid, position, tokens=tuple(ids[position:]), from_cache=start)])
@@ -180,7 +181,7 @@ def test_a_kept_entry_taken_or_copied_continues_as_the_original_request_on_tinyg
 
 
 def test_a_request_naming_an_entry_the_worker_lacks_is_refused_as_a_missing_prefix():
-    w = open_worker(stub_model(), 0, 2, max_seqs=2)
+    w = open_worker(stub_model(), Shard.of(0, 2), max_seqs=2)
     [out] = w.run([StepItem("r", 16, tokens=(3,) * 4, from_cache=FromCache("gone"))])
     assert isinstance(out, PrefixMissing) and "'gone' is not held at stage 0" in str(out)
     w.run([StepItem("a", 0, tokens=(3,) * 20)])
@@ -190,7 +191,7 @@ def test_a_request_naming_an_entry_the_worker_lacks_is_refused_as_a_missing_pref
 
 
 def test_entries_are_dropped_when_stage_0_says_and_make_room_when_only_they_hold_slots():
-    w = open_worker(stub_model(), 0, 2, max_seqs=2)
+    w = open_worker(stub_model(), Shard.of(0, 2), max_seqs=2)
     for rid in ("a", "b"):
         w.run([StepItem(rid, 0, tokens=(3,) * 20)])
         w.release(rid, keep_as=f"e-{rid}")

@@ -11,13 +11,13 @@ import trio
 
 from rangeserver import RangeServer, Served, write_gguf  # noqa: F401
 from worker.errors import ModelFileError
+from worker.partition import Shard, layer_range
 from worker.weights.gguf import GGUFSource
-from worker.partition import layer_range
 from worker.weights.rangefetch import (Identity, SliceMeta, cache_hit, cache_name, check_partial,
                                clip_ranges, fetch_stage_slice, merge_ranges, parse_content_range,
                                read_meta, should_report)
-from worker.weights.tiny import TINY_CONFIG
 from worker.weights.contract import stage_tensor_names
+from worker.weights.tiny import TINY_CONFIG
 
 PATH = "/bartowski/Tiny-GGUF/resolve/main/Tiny-Q6_K.gguf"
 UNTIED_PATH = "/bartowski/Tiny-GGUF/resolve/main/Tiny-untied.gguf"
@@ -44,7 +44,7 @@ def server(files):
 
 async def fetch(server, cache, stage, num_stages, path=PATH, **kw):
     async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
-        return await fetch_stage_slice(server.url(path), cache, stage=stage, num_stages=num_stages,
+        return await fetch_stage_slice(server.url(path), cache, shard=Shard.of(stage, num_stages),
                                        client=client, header_guess=GUESS, **kw)
 
 
@@ -99,11 +99,12 @@ async def test_no_byte_is_downloaded_twice(tmp_path, server):
 
 async def test_last_stage_worker_built_from_its_fetched_slice_computes_as_from_the_whole_file(
         tmp_path, server, files):
+    from worker.chain import forward_and_sample
     from worker.models import open_worker, tinygrad_model
     path = await fetch(server, tmp_path, 1, 2)
     hidden = np.random.default_rng(0).standard_normal((3, TINY_CONFIG.dim)).astype(np.float32).tobytes()
-    fetched, whole = (open_worker(tinygrad_model(GGUFSource(p)), 1, 2) for p in (path, files[PATH]))
-    a, b = (w.forward_and_sample("r", hidden, 0, 3) for w in (fetched, whole))
+    fetched, whole = (open_worker(tinygrad_model(GGUFSource(p)), Shard.of(1, 2)) for p in (path, files[PATH]))
+    a, b = (forward_and_sample(w, "r", hidden, 0, 3) for w in (fetched, whole))
     assert a.token_id == b.token_id
     np.testing.assert_allclose(a.logits, b.logits, rtol=1e-6, atol=1e-6)
 
@@ -203,7 +204,7 @@ def test_cache_names_carry_the_stage_split():
         ("https://h/x/..gguf", 0, 2, "model.stage0of2.gguf"),
     ]
     for url, stage, n, name in table:
-        assert cache_name(url, stage, n) == name, url
+        assert cache_name(url, Shard.of(stage, n)) == name, url
 
 
 def test_cache_hit_needs_the_same_url_split_and_a_complete_file():
@@ -219,7 +220,7 @@ def test_cache_hit_needs_the_same_url_split_and_a_complete_file():
         (meta, 100, "u", 1, 4, False),
     ]
     for m, size, url, stage, n, hit in table:
-        assert cache_hit(m, size, url=url, stage=stage, num_stages=n) is hit, (m, size, url, stage, n)
+        assert cache_hit(m, size, url=url, shard=Shard.of(stage, n)) is hit, (m, size, url, stage, n)
 
 
 @pytest.mark.parametrize("text", ['{"url": 3', "[1]", '"x"', "{}", '{"url": "u", "size": "big"}'])

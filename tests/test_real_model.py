@@ -31,14 +31,15 @@ import pytest
 
 from cluster import API_KEY, start_cluster
 from npforward import teacher_forced
-from worker.tokens import chat
 from worker.chain import run_chain
+from worker.contract import StepItem
+from worker.partition import Shard
+from worker.tokens import chat
 from worker.errors import WorkerError
 from worker.weights.fetch import installed_model
 from worker.weights.gguf import GGUFSource
 from worker.models import open_model, open_worker
 from worker.reference import generate_full
-from worker.stage import StepItem
 from worker.stopping import generation_done
 
 MODEL = "smollm2:135m"
@@ -88,7 +89,7 @@ class Pipeline:
 
     def __init__(self, model, n: int):
         self.model, self.n = model, n
-        self.workers = [open_worker(model, s, n, max_seqs=1) for s in range(n)] if n > 1 else []
+        self.workers = [open_worker(model, Shard.of(s, n), max_seqs=1) for s in range(n)] if n > 1 else []
         self.tokenizer = model.tokenizer()
         self.stop_ids = self.workers[-1].info.stop_ids if self.workers else self.tokenizer.stop_ids
         self._answers = {}
@@ -108,7 +109,7 @@ class Pipeline:
         if not self.workers:
             return [self.tokenizer.decode(answer)]
         first, last = self.workers[0], self.workers[-1]
-        return [last.detokenize(answer), b"".join(first.token_bytes([t]) for t in answer).decode()]
+        return [last.vocabulary.detokenize(answer), b"".join(first.vocabulary.token_bytes([t]) for t in answer).decode()]
 
 
 @pytest.fixture(scope="module", params=[pytest.param(1, marks=SLOW), pytest.param(2, marks=SLOW), 3,
@@ -234,7 +235,7 @@ def batched_answers(workers, prompts: list[list[int]]) -> list[tuple[list[int], 
 
 @SLOW
 def test_eight_requests_in_batched_steps_each_get_their_solo_answer_bit_for_bit(model, tokenizer):
-    workers = [open_worker(model, s, 2, max_seqs=8) for s in range(2)]
+    workers = [open_worker(model, Shard.of(s, 2), max_seqs=8) for s in range(2)]
     prompts = [tokenizer.encode_chat(p) for p in EIGHT]
     together = batched_answers(workers, prompts)
     for prompt, ids, (tokens, logits) in zip(EIGHT, prompts, together):

@@ -14,18 +14,19 @@ from roles.messages import (Activation, ActivationMeta, CancelRequest, EndReason
                             InferenceResponse, NextTokens, RequestStart, SegmentMeta, Token)
 from roles.middle import MiddleActor
 from worker.batching import Segment
+from worker.chain import decode_step, embed_and_forward, forward_range
+from worker.contract import GREEDY, Sampling
 from worker.errors import WorkerError
 from worker.logprobs import token_logprobs
 from worker.models import open_worker, stub_model
 from worker.partition import Shard
 from worker.reference import generate_full
-from worker.sampling import GREEDY, Sampling
 
 N = 3
 
 
 def worker(stage, n=N, **kw):
-    return open_worker(stub_model(), stage, n, **kw)
+    return open_worker(stub_model(), Shard.of(stage, n), **kw)
 
 
 def request(rid="r1", max_tokens=4, prompt="Say hello", **kw):
@@ -56,13 +57,13 @@ def test_first_tokenizes_embeds_and_sends_the_prompt_to_stage_1_with_its_start()
     actor = make_actor(0, N, w)
     assert actor.admit(request(sampling=Sampling(temperature=0.5, seed=3))) == []
     [out] = step(actor, w)
-    ids = ref.tokenize("Say hello")
+    ids = ref.vocabulary.tokenize("Say hello")
     assert out.dest == "pp-stage-1"
     [seg] = out.message.meta.segments
     assert (seg.request_id, seg.position, seg.seq_len) == ("r1", 0, len(ids))
     assert seg.start == RequestStart(4, Sampling(temperature=0.5, seed=3), tuple(ids), "http://runner", 0.0)
     assert len(seg.stage_ms) == 1 and seg.stage_ms[0] >= 0
-    assert out.message.hidden == ref.embed_and_forward("x", ids, 0)
+    assert out.message.hidden == embed_and_forward(ref, "x", ids, 0)
 
 
 def test_first_batches_the_fed_back_tokens_of_several_requests_into_one_step():
@@ -80,9 +81,9 @@ def test_first_batches_the_fed_back_tokens_of_several_requests_into_one_step():
         ("a", lens["a"], 1), ("b", lens["b"], 1)]
     assert [s.request_id for s in rest.message.meta.segments] == ["c", "d"]
     for rid, prompt in rids:
-        ref.embed_and_forward(rid, ref.tokenize(prompt), 0)
-    assert out.message.hidden == ref.decode_step("a", 7, lens["a"]) + ref.decode_step("b", 8, lens["b"])
-    assert rest.message.hidden == ref.decode_step("c", 9, lens["c"]) + ref.decode_step("d", 10, lens["d"])
+        embed_and_forward(ref, rid, ref.vocabulary.tokenize(prompt), 0)
+    assert out.message.hidden == decode_step(ref, "a", 7, lens["a"]) + decode_step(ref, "b", 8, lens["b"])
+    assert rest.message.hidden == decode_step(ref, "c", 9, lens["c"]) + decode_step(ref, "d", 10, lens["d"])
 
 
 def test_a_long_prompt_at_stage_0_rides_with_the_rows_of_a_request_decoding_down_the_chain():
@@ -142,7 +143,7 @@ def test_a_done_token_ends_the_request_down_the_chain_and_frees_its_slot():
 
 def test_past_the_free_slots_requests_wait_in_order_and_past_the_queue_get_429():
     clock, w = Clock(), worker(0, max_seqs=2)
-    actor = FirstActor(Shard.of(0, N), tokenize=lambda p, chat: w.tokenize(p, chat=chat), max_context=512,
+    actor = FirstActor(Shard.of(0, N), tokenize=lambda p, chat: w.vocabulary.tokenize(p, chat=chat), max_context=512,
                        max_rows=4, capacity=2, max_queue=2, clock=clock)
     for rid in "abcd":
         actor.admit(request(rid))
@@ -184,13 +185,13 @@ def test_a_failure_reported_by_a_stage_is_answered_by_stage_0_which_ends_the_req
 def test_middle_forwards_each_segment_with_its_compute_time_and_passes_ends_on():
     w, ref = worker(1), worker(1)
     actor = make_actor(1, N, w)
-    h = worker(0).embed_and_forward("r1", [3, 4, 5], 0)
+    h = embed_and_forward(worker(0), "r1", [3, 4, 5], 0)
     seg = SegmentMeta("r1", 0, 3, (1.25,), RequestStart(4, GREEDY, (3, 4, 5)))
     actor.admit(Activation(ActivationMeta((seg,)), h))
     [out] = step(actor, w)
     [got] = out.message.meta.segments
     assert out.dest == "pp-stage-2" and got == SegmentMeta("r1", 0, 3, (1.25, got.stage_ms[1]), seg.start)
-    assert out.message.hidden == ref.forward_range("r1", h, 0, 3)
+    assert out.message.hidden == forward_range(ref, "r1", h, 0, 3)
     end = EndRequest("r1", EndReason.FINISHED)
     assert actor.admit(end) == [Send("pp-stage-2", end)]
     step(actor, w)
@@ -199,17 +200,17 @@ def test_middle_forwards_each_segment_with_its_compute_time_and_passes_ends_on()
 
 def test_last_samples_feeds_tokens_back_to_stage_0_and_replies_when_done():
     model = stub_model()
-    ws = [open_worker(model, s, N) for s in range(N)]
-    ids = ws[0].tokenize("Say hello")
+    ws = [open_worker(model, Shard.of(s, N)) for s in range(N)]
+    ids = ws[0].vocabulary.tokenize("Say hello")
     want = generate_full(model, ids, 2).token_ids
     actor = make_actor(2, N, ws[2])
-    h = ws[1].forward_range("r1", ws[0].embed_and_forward("r1", ids, 0), 0, len(ids))
+    h = forward_range(ws[1], "r1", embed_and_forward(ws[0], "r1", ids, 0), 0, len(ids))
     seg = SegmentMeta("r1", 0, len(ids), (1.0, 2.0), RequestStart(2, GREEDY, tuple(ids), "http://runner", 40.0))
     actor.admit(Activation(ActivationMeta((seg,)), h))
     [fb] = step(actor, ws[2])
     assert fb == Send("pp-stage-0", NextTokens((Token("r1", want[0], len(ids), False),)))
     pos = len(ids)
-    h = ws[1].forward_range("r1", ws[0].decode_step("r1", want[0], pos), pos, 1)
+    h = forward_range(ws[1], "r1", decode_step(ws[0], "r1", want[0], pos), pos, 1)
     actor.admit(Activation(ActivationMeta((SegmentMeta("r1", pos, 1, (1.0, 2.0)),)), h))
     reply, fb = step(actor, ws[2])
     assert fb == Send("pp-stage-0", NextTokens((Token("r1", want[1], pos + 1, True),)))
@@ -217,7 +218,7 @@ def test_last_samples_feeds_tokens_back_to_stage_0_and_replies_when_done():
     r = reply.response
     assert (r.request_id, r.token_ids, r.prompt_token_ids, r.error, r.queued_s) == ("r1", tuple(want), tuple(ids),
                                                                                     None, 0.04)
-    assert r.text == ws[2].detokenize([t for t in want if t not in ws[2].info.stop_ids])
+    assert r.text == ws[2].vocabulary.detokenize([t for t in want if t not in ws[2].info.stop_ids])
     assert len(r.stage_compute_ms) == N and r.stage_compute_ms[:2] == (2.0, 4.0)
 
 
@@ -295,13 +296,13 @@ def deliver(action, inbox, replies):
 @pytest.mark.parametrize("n", [2, 3, 5])
 def test_many_requests_routed_in_process_each_get_their_single_process_tokens(n):
     model = stub_model()
-    workers = [open_worker(model, s, n, max_seqs=3) for s in range(n)]
+    workers = [open_worker(model, Shard.of(s, n), max_seqs=3) for s in range(n)]
     actors = [make_actor(s, n, w) for s, w in enumerate(workers)]
     prompts = {f"r{i}": "x" * (1 + 7 * i) for i in range(8)}  # more than the slots: some wait their turn
     replies = route(actors, workers, prompts, 12)
     assert set(replies) == set(prompts)
     for rid, prompt in prompts.items():
-        ids = workers[0].tokenize(prompt)
+        ids = workers[0].vocabulary.tokenize(prompt)
         assert list(replies[rid].token_ids) == generate_full(model, ids, 12).token_ids, rid
     assert all(w.active == frozenset() for w in workers)
 
@@ -327,9 +328,9 @@ def test_prompt_and_token_logprobs_come_back_as_one_process_computes_them(n):
     """The prompt runs in chunks at the last stage; each chunk's rows give the logprobs of the prompt tokens
     after them, and all of them travel with the first token; each token brings its own."""
     model = stub_model()
-    workers = [open_worker(model, s, n, max_seqs=3) for s in range(n)]
+    workers = [open_worker(model, Shard.of(s, n), max_seqs=3) for s in range(n)]
     actors = [make_actor(s, n, w, prompt_rows=2) for s, w in enumerate(workers)]
-    ids = workers[0].tokenize("a longer prompt, in chunks")
+    ids = workers[0].vocabulary.tokenize("a longer prompt, in chunks")
     sampling = Sampling(logprobs=2, prompt_logprobs=3)
     other = InferenceRequest("plain", "", max_tokens=3, reply_to="http://runner", prompt_token_ids=tuple(ids))
     asked = attrs.evolve(other, request_id="asked", sampling=sampling)

@@ -4,11 +4,12 @@ import math
 import numpy as np
 import pytest
 
+from worker.contract import GREEDY, Sampling, StepItem
 from worker.errors import WorkerError
 from worker.models import open_worker, stub_model
+from worker.partition import Shard
 from worker.reference import generate_full
-from worker.sampling import GREEDY, Sampling, process_logits, sample, stop_set
-from worker.stage import StepItem
+from worker.sampling import process_logits, sample, stop_set
 
 LOGITS = np.array([2.0, -1.5, 0.0, 3.25, -0.5, 1.0, 0.75, -2.0], dtype=np.float32)
 
@@ -241,7 +242,7 @@ def test_invalid_sampling_parameters_are_refused(kwargs):
                                             (Sampling(min_tokens=2, stop_token_ids=(5,)), 4),
                                             (Sampling(repetition_penalty=4.0), 4)])  # 1 in the prompt, 5 out
 def test_the_stage_sampler_masks_the_request_stop_set_and_passes_the_ids_on(sampling, want):
-    worker = open_worker(stub_model(), 1, 2)  # the stub's stop id is 1
+    worker = open_worker(stub_model(), Shard.of(1, 2))  # the stub's stop id is 1
     worker.run([StepItem("r", 0, hidden=b"\0" * 4 * worker.info.hidden_dim, seq_len=1, sampling=sampling)])
     logits = np.zeros(worker.info.vocab_size, dtype=np.float32)
     logits[[1, 5, 4]] = [3.0, 2.0, 1.0]

@@ -3,7 +3,7 @@ import pytest
 
 from roles.messages import RequestStart
 from roles.schedule import StageQueue, Unit, bucket_fill, decode_group, plan_rows, prompts_ride
-from worker.sampling import GREEDY
+from worker.contract import GREEDY
 
 
 def d(rid, pos=10):

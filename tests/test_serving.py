@@ -10,9 +10,10 @@ import trio
 
 from cluster import API_KEY, PATIENT_SWIM, TOKEN, slow_stub, start_cluster, stub_tokens
 from node.transport import wire
+from worker.contract import GREEDY
 from worker.errors import WorkerError
 from worker.models import tinygrad_model
-from worker.sampling import GREEDY, sample
+from worker.sampling import sample
 from worker.stage import StageWorker
 from worker.stopping import generation_done
 from worker.stub import StubTokenizer

@@ -2,9 +2,9 @@
 import pytest
 
 from worker.models import open_worker, tinygrad_model
-from worker.partition import layer_range
-from worker.weights.tiny import TINY_CONFIG, TinySource
+from worker.partition import Shard, layer_range
 from worker.weights.contract import block_tensor_names
+from worker.weights.tiny import TINY_CONFIG, TinySource
 
 
 
@@ -26,7 +26,7 @@ def test_each_stage_loads_exactly_its_blocks_and_role_tensors(tied, num_stages):
     head = "token_embd.weight" if tied else "output.weight"
     for stage in range(num_stages):
         source = RecordingSource(config=config)
-        worker = open_worker(tinygrad_model(source), stage, num_stages)
+        worker = open_worker(tinygrad_model(source), Shard.of(stage, num_stages))
         layers = layer_range(config.n_layers, stage, num_stages)
         expected = {n for i in layers for n in block_tensor_names(i)}
         if stage == 0:
@@ -40,6 +40,6 @@ def test_each_stage_loads_exactly_its_blocks_and_role_tensors(tied, num_stages):
 def test_weight_bytes_over_all_stages_is_the_model_plus_the_duplicated_tied_embedding():
     source = TinySource()
     total = sum(source.load(n).nbytes for n in source.names())
-    stages = [open_worker(tinygrad_model(source), s, 4) for s in range(4)]
+    stages = [open_worker(tinygrad_model(source), Shard.of(s, 4)) for s in range(4)]
     embedding = source.load("token_embd.weight").nbytes
     assert sum(w.info.weight_bytes for w in stages) == total + embedding  # tied: first embeds, last's head

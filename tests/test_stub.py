@@ -8,9 +8,11 @@ import pytest
 
 from worker.chain import run_chain
 from worker.models import open_worker, stub_model
+from worker.partition import Shard
 from worker.reference import generate_full
 from worker.stage import StageWorker
-from worker.stub import STUB_BLOCKS, StubSlice, StubTokenizer
+from worker.stub import STUB_BLOCKS, STUB_CONTEXT, STUB_VOCAB, StubSlice, StubTokenizer
+from worker.tokens.vocabulary import Vocabulary
 
 PROMPT = StubTokenizer().encode_chat("Say hello")
 
@@ -18,14 +20,15 @@ PROMPT = StubTokenizer().encode_chat("Say hello")
 @pytest.mark.parametrize("num_stages", range(2, 9))
 def test_stub_chain_equals_single_process_generation(num_stages):
     model = stub_model()
-    result = run_chain([open_worker(model, s, num_stages) for s in range(num_stages)], PROMPT, 24)
+    result = run_chain([open_worker(model, Shard.of(s, num_stages)) for s in range(num_stages)], PROMPT, 24)
     assert result.token_ids == generate_full(model, PROMPT, 24).token_ids
 
 
 def _chain_with_layers(layer_lists):
     n = len(layer_lists)
-    return [StageWorker(StubSlice(layers, embed=s == 0, head=s == n - 1), StubTokenizer(),
-                        stage=s, num_stages=n, total_blocks=STUB_BLOCKS) for s, layers in enumerate(layer_lists)]
+    vocabulary = Vocabulary(StubTokenizer(), vocab_size=STUB_VOCAB, max_context=STUB_CONTEXT)
+    return [StageWorker(StubSlice(layers, embed=s == 0, head=s == n - 1), vocabulary, Shard.of(s, n).sized(STUB_BLOCKS))
+            for s, layers in enumerate(layer_lists)]
 
 
 @pytest.mark.parametrize("layers", [

@@ -18,6 +18,7 @@ from node.transport.app import make_app, serve_app
 from worker.partition import Shard
 from worker.stage import StageWorker
 from worker.tokens.tokenizer import byte_tokenizer
+from worker.tokens.vocabulary import Vocabulary
 
 KEY = {"Authorization": f"Bearer {API_KEY}"}
 CONTEXT = 64
@@ -47,7 +48,8 @@ class Entry:
 def byte_worker() -> StageWorker:
     weightless = types.SimpleNamespace(hidden_dim=16, vocab_size=byte_tokenizer().vocab_size, max_context=CONTEXT,
                                        weight_bytes=0, kv_bytes=0, max_seqs=1, max_batch=1)
-    return StageWorker(weightless, byte_tokenizer(), stage=0, num_stages=2, total_blocks=2)
+    vocabulary = Vocabulary(byte_tokenizer(), vocab_size=weightless.vocab_size, max_context=CONTEXT)
+    return StageWorker(weightless, vocabulary, Shard.of(0, 2).sized(2))
 
 
 @pytest.fixture
@@ -72,13 +74,13 @@ async def post(client, path, body):
 async def test_a_prompt_is_tokenized_as_v1_completions_takes_it(entry):
     node, client = entry
     status, body = await post(client, "/tokenize", {"model": "tiny", "prompt": "Say <|eot_id|> hello"})
-    ids = node.worker.tokenizer.encode_prompt("Say <|eot_id|> hello")  # special-token text stays text
+    ids = node.worker.vocabulary.tokenizer.encode_prompt("Say <|eot_id|> hello")  # special-token text stays text
     assert status == 200 and body == {"count": len(ids), "max_model_len": CONTEXT, "tokens": ids}
 
 
 async def test_a_conversation_is_tokenized_through_the_chat_template_with_or_without_the_generation_prompt(entry):
     node, client = entry
-    tok = node.worker.tokenizer
+    tok = node.worker.vocabulary.tokenizer
     _, with_prompt = await post(client, "/tokenize", {"messages": CHAT})
     _, without = await post(client, "/tokenize", {"messages": CHAT, "add_generation_prompt": False})
     assert with_prompt["tokens"] == tok.encode_messages(CHAT) == node.worker.tokenize("Say hello")
@@ -100,7 +102,7 @@ async def test_detokenizing_what_tokenize_gave_is_the_text_the_template_wrote(en
     node, client = entry
     _, tokenized = await post(client, "/tokenize", {"messages": CHAT})
     status, body = await post(client, "/detokenize", {"model": "tiny", "tokens": tokenized["tokens"]})
-    assert status == 200 and body == {"prompt": node.worker.tokenizer.decode(tokenized["tokens"])}
+    assert status == 200 and body == {"prompt": node.worker.vocabulary.tokenizer.decode(tokenized["tokens"])}
     assert body["prompt"].startswith("<|begin_of_text|><|start_header_id|>user") and "Say hello" in body["prompt"]
     assert (await post(client, "/detokenize", {"tokens": []}))[1] == {"prompt": ""}
 
@@ -109,7 +111,7 @@ async def test_tokenizer_info_names_the_special_tokens_and_the_chat_template(ent
     """What lm-eval's remote tokenizer reads before it sends a request (its probe needs eos_token)."""
     node, client = entry
     r = await client.get("/tokenizer_info")
-    tok = node.worker.tokenizer
+    tok = node.worker.vocabulary.tokenizer
     assert r.status_code == 200 and r.json() == {
         "tokenizer_class": "Tokenizer", "bos_token": tok.bos_token, "eos_token": tok.eos_token, "pad_token": None,
         "chat_template": tok.chat_template, "model_max_length": CONTEXT}

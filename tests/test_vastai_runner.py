@@ -10,7 +10,7 @@ from runner.common import RunFailed
 from runner.ledger import Ledger
 from runner.vastai import VastOptions, destroy_leftovers, pick_offers, run_vastai
 from runner.vastai_api import Offer
-from worker.sampling import GREEDY
+from worker.contract import GREEDY
 
 
 class FakeVast:

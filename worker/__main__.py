@@ -11,11 +11,12 @@ from pathlib import Path
 
 from .chain import run_chain
 from .config import DEFAULT_CONTEXT
+from .contract import Sampling
 from .errors import ModelFileError, ModelNameError, WorkerError
+from .partition import Shard
 from .weights.fetch import DEFAULT_MODEL, default_cache_dir, default_ollama_dir
 from .models import open_model, open_worker
 from .reference import generate_full
-from .sampling import Sampling
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,7 +55,7 @@ def generate(args: argparse.Namespace) -> int:
     prompt_ids = tok.encode_prompt(args.prompt) if args.raw else tok.encode_chat(args.prompt)
     start = time.perf_counter()
     if args.stages:
-        workers = [open_worker(model, s, args.stages) for s in range(args.stages)]
+        workers = [open_worker(model, Shard.of(s, args.stages)) for s in range(args.stages)]
         ids = run_chain(workers, prompt_ids, args.max_tokens, sampling=sampling).token_ids
     else:
         ids = generate_full(model, prompt_ids, args.max_tokens, sampling).token_ids

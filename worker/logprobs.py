@@ -7,19 +7,11 @@ so the wire carries per requested token, never a vocabulary's worth of floats.
 """
 from __future__ import annotations
 
-import attrs
 import numpy as np
 
+from .contract import TokenLogprob
+
 FLOOR = -9999.0  # a logprob of -inf (a logit of -inf) is reported as this: JSON has no infinity
-
-
-@attrs.frozen
-class TokenLogprob:
-    """One position: the token there, its logprob, and the `top` most likely tokens with theirs."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -7,12 +7,13 @@ from typing import Callable
 import attrs
 
 from .batching import DEFAULT_MAX_SEQS
-from .partition import Role, layer_range, role_of
 from .compute.slice import TinygradSlice
+from .partition import Shard
 from .slice import Slice
 from .stage import StageWorker
 from .sources import open_source
 from .stub import STUB_BLOCKS, StubSlice, StubTokenizer
+from .tokens.vocabulary import Vocabulary
 from .weights.contract import WeightSource, narrow_kinds
 
 
@@ -41,16 +42,17 @@ def stub_model() -> Model:
     return Model("stub", STUB_BLOCKS, StubSlice, StubTokenizer)
 
 
-def open_worker(model: Model, stage: int, num_stages: int, *, max_seqs: int = DEFAULT_MAX_SEQS) -> StageWorker:
-    """Load exactly stage `stage`'s slice: its blocks, plus embedding (first) or head (last), with KV
-    caches for `max_seqs` requests at once."""
-    role = role_of(stage, num_stages)
-    layers = layer_range(model.total_blocks, stage, num_stages)
+def open_worker(model: Model, shard: Shard, *, max_seqs: int = DEFAULT_MAX_SEQS) -> StageWorker:
+    """Load exactly `shard`'s slice of `model`: its blocks, plus embedding (first) or head (last), with KV
+    caches for `max_seqs` requests at once; the worker keeps the model's Vocabulary (`worker.vocabulary`) on
+    the first and last stages."""
+    shard = shard.sized(model.total_blocks)
     # the tokenizer first: what building it needs for a while (~50 MB for Llama 3's) is freed before the
     # weights arrive, rather than adding to the stage's peak
     tokenizer = model.tokenizer()
-    compute = model.open_slice(layers, embed=role is Role.FIRST, head=role is Role.LAST, max_seqs=max_seqs)
-    return StageWorker(compute, tokenizer, stage=stage, num_stages=num_stages, total_blocks=model.total_blocks)
+    compute = model.open_slice(shard.blocks, embed=shard.embeds, head=shard.has_head, max_seqs=max_seqs)
+    vocabulary = Vocabulary(tokenizer, vocab_size=compute.vocab_size, max_context=compute.max_context)
+    return StageWorker(compute, vocabulary, shard)
 
 
 def open_model(spec: str, *, cache_dir: Path, ollama_models_dir: Path | None, progress: bool = True,

@@ -4,8 +4,9 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
+from .contract import GREEDY, Sampling
 from .models import Model
-from .sampling import GREEDY, Sampling, sample, stop_set
+from .sampling import sample, stop_set
 from .stopping import generation_done
 
 

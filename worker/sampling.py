@@ -10,7 +10,7 @@ plain temperature / top-p sampler's, so a seeded request draws the same stream i
 
 Two inputs would otherwise break the arithmetic rather than the request: a temperature so small that the
 logits divided by it overflow (1e-310 gives inf - inf = NaN probabilities), and a seed numpy cannot take.
-Below SAMPLING_EPS sampling is greedy, as vLLM's is (vllm/sampling_params.py, _SAMPLING_EPS = 1e-5): at
+Below SAMPLING_EPS (worker/contract.py) sampling is greedy, as vLLM's is (vllm/sampling_params.py, _SAMPLING_EPS = 1e-5): at
 such a temperature the most likely token has all the mass anyway. A seed is any integer 0..2**64 - 1
 (OpenAI's `seed` is an integer; numpy's SeedSequence takes any non-negative one); another is a WorkerError
 that fails its own request alone, as do logits that are not finite and logits every processor masked.
@@ -19,61 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import attrs
 import numpy as np
 
+from .contract import Sampling
 from .errors import WorkerError
 
-SAMPLING_EPS = 1e-5  # below this temperature, greedy
 MAX_SEED = 2 ** 64 - 1
-MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (vLLM's default max_logprobs is 20 too)
-MAX_LOGIT_BIAS = 100.0  # OpenAI's logit_bias range is -100..100
-
-_v = attrs.validators
-
-
-def _check_logit_bias(_, attribute, value) -> None:
-    ids = [token for token, _ in value]
-    for token, bias in value:
-        if not (isinstance(token, int) and token >= 0 and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
-            raise ValueError(f"logit_bias: ({token!r}, {bias!r}) is not a token id >= 0 with a bias in "
-                             f"-{MAX_LOGIT_BIAS:g}..{MAX_LOGIT_BIAS:g}")
-    if len(set(ids)) != len(ids):  # OpenAI's logit_bias is a map: one bias per token
-        raise ValueError(f"logit_bias: a token id appears more than once in {ids}")
-
-
-_token_ids = _v.deep_iterable(member_validator=[_v.instance_of(int), _v.ge(0)])
-
-
-@attrs.frozen
-class Sampling:
-    """How the last stage picks a request's tokens, and what it reports about them; vLLM's SamplingParams,
-    travelling in RequestStart. Every field's default leaves the sampler as plain greedy / temperature / top-p."""
-
-    temperature: float = attrs.field(default=0.0, validator=_v.ge(0.0))  # 0 = greedy argmax
-    top_p: float = attrs.field(default=1.0, validator=[_v.gt(0.0), _v.le(1.0)])
-    seed: int = 0  # with temperature > 0, the same seed gives the same tokens
-    top_k: int = attrs.field(default=0, validator=_v.ge(0))  # 0: off (the API's -1 becomes 0)
-    min_p: float = attrs.field(default=0.0, validator=[_v.ge(0.0), _v.le(1.0)])
-    repetition_penalty: float = attrs.field(default=1.0, validator=_v.gt(0.0))  # prompt and output tokens
-    presence_penalty: float = attrs.field(default=0.0, validator=[_v.ge(-2.0), _v.le(2.0)])  # output tokens
-    frequency_penalty: float = attrs.field(default=0.0, validator=[_v.ge(-2.0), _v.le(2.0)])  # output tokens
-    logit_bias: tuple[tuple[int, float], ...] = attrs.field(  # (token id, bias in -100..100), added to the logits
-        default=(), validator=_check_logit_bias)
-    min_tokens: int = attrs.field(default=0, validator=_v.ge(0))  # stop tokens are masked until this many
-    ignore_eos: bool = False  # the model's stop tokens do not end the request (stop_token_ids still do)
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), validator=_token_ids)  # more tokens that end it
-    logprobs: int | None = attrs.field(default=None, validator=_v.optional([_v.ge(0), _v.le(MAX_LOGPROBS)]))
-    prompt_logprobs: int | None = attrs.field(default=None,  # echo: each prompt token's logprob, top-n beside
-                                              validator=_v.optional([_v.ge(0), _v.le(MAX_LOGPROBS)]))
-    grammar: str = ""  # constrained decoding: the response_format as canonical JSON (worker/grammar.py)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < SAMPLING_EPS
-
-
-GREEDY = Sampling()
 
 
 def rng_for(sampling: Sampling) -> np.random.Generator:

@@ -14,7 +14,7 @@ from typing import Callable
 
 import attrs
 
-from worker.logprobs import TokenLogprob
+from worker.contract import TokenLogprob
 
 from node.api.openai_wire import ApiRequest
 

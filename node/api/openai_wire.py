@@ -22,8 +22,9 @@ import math
 
 import attrs
 
+from worker.contract import MAX_LOGPROBS, Sampling
 from worker.grammar import GrammarError, canonical_format
-from worker.sampling import MAX_LOGPROBS, MAX_SEED, Sampling
+from worker.sampling import MAX_SEED
 
 from node.api.openai_fields import ApiError, checked_text, field, shown
 from node.api.openai_messages import MAX_MESSAGES, MessageBudget, messages

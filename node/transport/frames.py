@@ -26,7 +26,7 @@ import attrs
 
 from roles.messages import (
     Activation, ActivationMeta, EndRequest, NextTokens, RequestStart, SegmentMeta, Token, WireError)
-from worker.logprobs import TokenLogprob
+from worker.contract import TokenLogprob
 
 from node.transport import wire
 

@@ -1,2 +1,2 @@
-"""Text to token ids and back: the tokenizer a stage uses (tokenizer.py), a GGUF vocabulary as llama.cpp reads
-it (gguf_vocab.py), and chat templates (chat.py)."""
+"""Text to token ids and back: the model's vocabulary as a stage serves it (vocabulary.py), the tokenizer it wraps
+(tokenizer.py), a GGUF vocabulary as llama.cpp reads it (gguf_vocab.py), and chat templates (chat.py)."""

@@ -23,9 +23,9 @@ import trio
 from cattrs.preconf.json import make_converter
 
 from ..errors import ModelFileError
-from .gguf_header import GGUFHeader, IncompleteHeader, config_from_header, parse_header
-from ..partition import Role, check_stage, layer_range, role_of
+from ..partition import Shard
 from .contract import stage_tensor_names
+from .gguf_header import GGUFHeader, IncompleteHeader, config_from_header, parse_header
 
 log = logging.getLogger(__name__)
 
@@ -67,19 +67,19 @@ _meta_json = make_converter(forbid_extra_keys=True)
 
 # --- pure decisions ----------------------------------------------------------------------------
 
-def cache_name(url: str, stage: int, num_stages: int) -> str:
+def cache_name(url: str, shard: Shard) -> str:
     """`<basename>.stage<S>of<N>.gguf` (S counts from 0, as STAGE does), so stages sharing a disk don't clash."""
     base = unquote(urlparse(url).path).rstrip("/").rsplit("/", 1)[-1]
     base = re.sub(r"\.gguf$", "", base, flags=re.IGNORECASE)
     base = re.sub(r"[^A-Za-z0-9._-]", "_", base).lstrip(".") or "model"
-    return f"{base}.stage{stage}of{num_stages}.gguf"
+    return f"{base}.stage{shard.index}of{shard.count}.gguf"
 
 
-def cache_hit(meta: SliceMeta | None, file_size: int | None, *, url: str, stage: int, num_stages: int) -> bool:
+def cache_hit(meta: SliceMeta | None, file_size: int | None, *, url: str, shard: Shard) -> bool:
     """A complete file fetched for this very url and stage split. Trusted without asking the server:
     a node must start offline from its cache."""
     return (meta is not None and file_size == meta.size
-            and (meta.url, meta.stage, meta.num_stages) == (url, stage, num_stages))
+            and (meta.url, meta.stage, meta.num_stages) == (url, shard.index, shard.count))
 
 
 def merge_ranges(ranges, gap: int) -> list[tuple[int, int]]:
@@ -145,14 +145,13 @@ def check_partial(url: str, status: int, headers: Mapping[str, str], start: int,
     return expect or Identity(total, etag, headers.get("last-modified")), last - first + 1
 
 
-def stage_names(header: GGUFHeader, url: str, stage: int, num_stages: int) -> list[str]:
-    """The tensors stage `stage` of `num_stages` loads, plus rope_freqs.weight when the file has it."""
+def stage_names(header: GGUFHeader, url: str, shard: Shard) -> list[str]:
+    """The tensors `shard` loads, plus rope_freqs.weight when the file has it."""
     # Rope factors shape the rotary embedding, not which tensors a stage needs; the loader
     # reads them later from the fetched rope_freqs.weight.
     config = config_from_header(header, url, None)
-    role = role_of(stage, num_stages)
-    names = stage_tensor_names(config, layer_range(config.n_layers, stage, num_stages),
-                               embed=role is Role.FIRST, head=role is Role.LAST)
+    shard = shard.sized(config.n_layers)
+    names = stage_tensor_names(config, shard.blocks, embed=shard.embeds, head=shard.has_head)
     if ROPE_FREQS in header.tensors:
         names.append(ROPE_FREQS)
     missing = [n for n in names if n not in header.tensors]
@@ -282,10 +281,10 @@ async def _download(client: httpx.AsyncClient, url: str, tmp: Path, prefix: byte
         raise ModelFileError(tmp, f"cannot write the slice of {url}: {e.strerror}") from e
 
 
-async def fetch_stage_slice(url: str, cache_dir: Path, *, stage: int, num_stages: int, client: httpx.AsyncClient,
+async def fetch_stage_slice(url: str, cache_dir: Path, *, shard: Shard, client: httpx.AsyncClient,
                             progress: Callable[[float], None] | None = None,
                             header_guess: int = HEADER_GUESS) -> Path:
-    """Download the header and stage `stage`'s tensors of the GGUF at `url` into a sparse file in `cache_dir`.
+    """Download the header and `shard`'s tensors of the GGUF at `url` into a sparse file in `cache_dir`.
 
     Returns the file, which GGUFSource opens as it would the whole one (only this stage's tensors
     hold data). A complete cached file for the same url and split returns at once, without network.
@@ -294,17 +293,16 @@ async def fetch_stage_slice(url: str, cache_dir: Path, *, stage: int, num_stages
     final name unless complete. Timeouts are the client's. `header_guess` is the first prefix asked
     for; tests make it small to exercise the growth.
     """
-    check_stage(stage, num_stages)
     cache_dir = Path(cache_dir)
-    path = cache_dir / cache_name(url, stage, num_stages)
+    path = cache_dir / cache_name(url, shard)
     meta_path = path.with_name(path.name + META_SUFFIX)
-    if cache_hit(read_meta(meta_path), _size_or_none(path), url=url, stage=stage, num_stages=num_stages):
+    if cache_hit(read_meta(meta_path), _size_or_none(path), url=url, shard=shard):
         _Progress(progress, 1).finish()
         return path
     meta_path.unlink(missing_ok=True)  # a stale fingerprint must not vouch for whatever comes next
 
     header, prefix, ident = await _fetch_header(client, url, header_guess)
-    names = stage_names(header, url, stage, num_stages)
+    names = stage_names(header, url, shard)
     ranges = clip_ranges(merge_ranges(tensor_ranges(header, names, ident.size, url), MERGE_GAP), len(prefix))
     meter = _Progress(progress, len(prefix) + sum(end - start for start, end in ranges))
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -316,7 +314,7 @@ async def fetch_stage_slice(url: str, cache_dir: Path, *, stage: int, num_stages
         tmp.unlink(missing_ok=True)
         raise
     _write_meta(meta_path, SliceMeta(
-        url=url, size=ident.size, etag=ident.etag, last_modified=ident.last_modified, stage=stage,
-        num_stages=num_stages, ranges=((0, len(prefix)), *ranges), tensors=tuple(names)))
+        url=url, size=ident.size, etag=ident.etag, last_modified=ident.last_modified, stage=shard.index,
+        num_stages=shard.count, ranges=((0, len(prefix)), *ranges), tensors=tuple(names)))
     meter.finish()
     return path

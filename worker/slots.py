@@ -1,0 +1,94 @@
+"""Which of a slice's `max_seqs` sequence slots (KV caches) each request holds, and the position it is at.
+
+A request takes a slot with its step at position 0 and holds it until released. Its first step may instead
+name a prefix-cache entry (StepItem.from_cache, worker/kept.py): it then starts at that position, in the
+entry's very slot (`take`) or in a free slot the entry's rows are copied into. A slot is needed and none is
+free: the least recently used entry gives up its own. Compute thread only, but for `len`.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import attrs
+import numpy as np
+
+from .contract import FromCache, Sampling, StepItem
+from .errors import WorkerError
+from .kept import KeptSlots
+from .sampling import rng_for
+
+
+@attrs.define
+class Request:
+    slot: int
+    next_position: int
+    sampling: Sampling
+    rng: np.random.Generator
+
+
+class Slots:
+    """`copy_rows(source, slot, n)` copies a slot's first n KV rows into another (the slice's)."""
+
+    def __init__(self, *, stage: int, max_seqs: int, max_context: int, copy_rows: Callable[[int, int, int], None]):
+        self.stage, self.max_seqs, self.max_context, self._copy_rows = stage, max_seqs, max_context, copy_rows
+        self.requests: dict[str, Request] = {}
+        self.kept = KeptSlots(stage)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def admit(self, item: StepItem, planned: dict[str, int], starting: dict[str, Request]) -> Request:
+        """Check one step's place and return its request; a step at position 0 of an unknown one starts it
+        (in `starting`, kept only once its batch has computed). `planned`: the next position per request,
+        counting earlier items of the batch."""
+        rid, position = item.request_id, item.position
+        if position + item.rows > self.max_context:
+            raise WorkerError(f"request {rid!r}: position {position} + {item.rows} tokens exceeds the "
+                              f"context of {self.max_context}")
+        req = self.requests.get(rid) or starting.get(rid)
+        if req is None:
+            if position != 0 and not (item.from_cache and item.from_cache.entry):
+                raise WorkerError(f"unknown request {rid!r} (never started here, or released)")
+            req = starting[rid] = self._start(item, starting)
+        expected = planned.get(rid, req.next_position)
+        if position != expected:
+            raise WorkerError(f"request {rid!r}: got position {position}, expected {expected}")
+        planned[rid] = position + item.rows
+        return req
+
+    def known(self, request_id: str) -> Request:
+        req = self.requests.get(request_id)
+        if req is None:
+            raise WorkerError(f"unknown request {request_id!r} (never started here, or released)")
+        return req
+
+    def release(self, request_id: str, *, keep_as: str = "") -> None:
+        """Free a request's slot, or (`keep_as`) keep its KV as the prefix-cache entry of that name; an unknown
+        request is a no-op."""
+        req = self.requests.pop(request_id, None)
+        if req is not None and keep_as:
+            self.kept.keep(keep_as, req.slot, req.next_position)
+
+    def _start(self, item: StepItem, starting: dict[str, Request]) -> Request:
+        """A request's slot: a free one, or its cached prefix's (taken, or copied into a free one)."""
+        rng = rng_for(item.sampling)  # a bad seed fails this request alone, before any slot changes
+        start = item.from_cache or FromCache()
+        self.kept.forget(start.drop)
+        if not start.entry:
+            return Request(self._free_slot(item, starting), 0, item.sampling, rng)
+        source = self.kept.source(start.entry, item.position, item.request_id)
+        if start.take:
+            return Request(self.kept.take(start.entry), item.position, item.sampling, rng)
+        slot = self._free_slot(item, starting, keep=start.entry)
+        self._copy_rows(source, slot, item.position)
+        return Request(slot, item.position, item.sampling, rng)
+
+    def _free_slot(self, item: StepItem, starting: dict[str, Request], keep: str = "") -> int:
+        """A slot no request or entry holds; failing that, the least recently used entry's other than `keep`
+        (entries stage 0 no longer counts, such as those of a chain before a stage was replaced)."""
+        taken = {r.slot for r in (*self.requests.values(), *starting.values())} | self.kept.slots()
+        free = next((s for s in range(self.max_seqs) if s not in taken), None)
+        if free is None and (free := self.kept.evict(other_than=keep)) is None:
+            raise WorkerError(f"request {item.request_id!r}: all {self.max_seqs} sequence slots of stage "
+                              f"{self.stage} are taken")
+        return free
