@@ -36,7 +36,13 @@ class EntryStage:
     @property
     def vocabulary(self):
         """Text to tokens and back, shared with the first actor; None while loading."""
-        return self.node.worker  # TODO(issue 35): the worker's Vocabulary, once it has one
+        worker = self.node.worker
+        return None if worker is None else worker.vocabulary
+
+    @property
+    def max_seqs(self) -> int | None:
+        worker = self.node.worker
+        return None if worker is None else worker.info.max_seqs
 
     @property
     def shard(self):

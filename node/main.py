@@ -62,13 +62,13 @@ class Replaced(RuntimeError):
     """The cluster has given this stage's place to another member: the node exits rather than serve on."""
 
 
-def load_worker(config: NodeConfig, model_spec: str):
+def load_worker(config: NodeConfig, model_spec: str, shard: Shard):
     """Runs on the compute thread: tinygrad state stays on the thread that made it."""
     try:
         model = open_model(model_spec, cache_dir=config.cache_dir, ollama_models_dir=config.ollama_models_dir,
                            progress=False, precision=config.precision, tuned=config.beam > 0,
                            max_context=config.ctx)
-        worker = open_worker(model, Shard.of(config.stage, config.num_stages), max_seqs=config.max_seqs)
+        worker = open_worker(model, shard, max_seqs=config.max_seqs)
     except (ModelFileError, ValueError) as exc:  # a bad path, file or name: the user's to fix, not a crash
         raise ModelRefused(f"stage {config.stage} cannot load model {config.model!r}: {exc}") from exc
     worker.warm_up(config.beam)
@@ -83,7 +83,7 @@ def slice_url(model: str) -> str | None:
     return None if installed_model(model) is not None else REGISTRY.get(model.strip().lower())
 
 
-async def fetch_own_slice(config: NodeConfig, swim: Swim) -> str:
+async def fetch_own_slice(config: NodeConfig, swim: Swim, shard: Shard) -> str:
     """For a remote GGUF, fetch only this stage's tensors (reporting progress through gossip) and
     return the local file; anything else is returned as given."""
     url = slice_url(config.model)
@@ -100,7 +100,7 @@ async def fetch_own_slice(config: NodeConfig, swim: Swim) -> str:
 
     async with httpx.AsyncClient(follow_redirects=True, timeout=60) as client:
         try:
-            path = await fetch_stage_slice(url, config.cache_dir, shard=Shard.of(config.stage, config.num_stages),
+            path = await fetch_stage_slice(url, config.cache_dir, shard=shard,
                                            client=client, progress=report)
         except ModelFileError as exc:
             raise ModelLoadError(f"stage {config.stage} cannot fetch its slice of {url}: {exc}") from exc
@@ -181,8 +181,8 @@ async def _serve(config, swim_config, on_listening, compute, task_status) -> Non
         # introduces the nodes only once every instance runs, and a node that came up early would
         # otherwise sit idle until then.
         started = time.perf_counter()
-        model_spec = await fetch_own_slice(config, swim)
-        worker = await compute.call(load_worker, config, model_spec)
+        model_spec = await fetch_own_slice(config, swim, shard)
+        worker = await compute.call(load_worker, config, model_spec, shard)
         event(log, "worker_ready", seconds=round(time.perf_counter() - started, 3), layers=str(worker.info.layers),
               weight_bytes=worker.info.weight_bytes)
         node.attach(worker)

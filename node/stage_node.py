@@ -111,8 +111,8 @@ class StageNode:
 
     def attach(self, worker, *, capacity: int | None = None) -> None:
         """The worker is loaded: from now on messages are admitted. `capacity`: see roles.make_actor."""
-        self.shard = self.shard.sized(worker.info.total_blocks)  # TODO: worker.info.shard
-        self.actor = make_actor(self.shard.index, self.shard.count, worker, capacity=capacity, **self.actor_settings)
+        self.shard = worker.info.shard  # sized: its blocks are known now
+        self.actor = make_actor(worker, capacity=capacity, **self.actor_settings)
         self.worker = worker
 
     def deliver(self, message, *, source: str | None = None, sent_at: float | None = None) -> None:

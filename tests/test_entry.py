@@ -33,9 +33,9 @@ def test_the_entry_stage_and_swim_have_every_member_the_api_uses(protocol, imple
     assert not missing
 
 
-def test_a_first_stage_worker_has_every_member_the_api_uses():
+def test_a_first_stage_workers_vocabulary_has_every_member_the_api_uses():
     worker = open_worker(stub_model(), Shard.of(0, 2))
-    assert not {m for m in members_of(Vocabulary) if not hasattr(worker, m)}
+    assert not {m for m in members_of(Vocabulary) if not hasattr(worker.vocabulary, m)}
 
 
 def test_the_api_imports_nothing_of_the_stage_node():
@@ -47,7 +47,7 @@ def test_the_api_imports_nothing_of_the_stage_node():
 
 @pytest.mark.parametrize("ids,code", [((1, 2, 10_000), PROMPT_INVALID), ((1,) * 600, PROMPT_TOO_LONG)])
 def test_the_actor_refuses_a_prompt_of_ids_out_of_the_vocabulary_or_the_context(ids, code):
-    first = make_actor(0, 2, open_worker(stub_model(), Shard.of(0, 2)))
+    first = make_actor(open_worker(stub_model(), Shard.of(0, 2)))
     with pytest.raises(Refused) as info:
         first.admit(InferenceRequest("r", "", max_tokens=1, prompt_token_ids=ids))
     assert (info.value.status, info.value.code) == (400, code)

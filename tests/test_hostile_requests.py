@@ -120,7 +120,7 @@ async def test_a_compute_job_that_raises_fails_its_request_naming_the_stage_and_
 def test_a_request_that_failed_a_stage_is_not_replayed_into_its_replacement():
     n = 3
     workers = [open_worker(stub_model(), Shard.of(s, n)) for s in range(n)]
-    first = make_actor(0, n, workers[0])
+    first = make_actor(workers[0])
     first.set_chain(("m1", "m2"), standing=True)
     first.admit(InferenceRequest("r", "Say hello", max_tokens=8, reply_to="http://runner"))
     step = first.plan()
@@ -276,9 +276,8 @@ def test_the_streaming_matcher_finds_what_a_search_of_the_whole_text_finds():
 
 
 class _Untokenizable:
-    """A first-stage worker that must not be asked to tokenize."""
-    info = type("Info", (), {"max_context": 512, "vocab_size": 32})()
-    longest_token_bytes = 1
+    """A vocabulary that must not be asked to tokenize."""
+    max_context, vocab_size, longest_token_bytes = 512, 32, 1
 
     def tokenize(self, *a, **kw):
         raise AssertionError("tokenized a prompt the context cannot hold")

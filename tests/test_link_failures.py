@@ -33,7 +33,7 @@ def request(rid, **kw):
 
 def stage0(max_seqs=2, max_queue=4) -> tuple:
     w = open_worker(stub_model(), Shard.of(0, N), max_seqs=max_seqs)
-    return make_actor(0, N, w, max_queue=max_queue), w
+    return make_actor(w, max_queue=max_queue), w
 
 
 def prefill(actor, w) -> dict[str, int]:
@@ -125,7 +125,7 @@ def test_a_segment_a_later_stage_cannot_take_fails_its_request_alone(stage, monk
         return real(request_id, *args, **kw)
     monkeypatch.setattr(roles.middle if stage == 1 else roles.last, "Unit", unit)
     w = open_worker(stub_model(), Shard.of(stage, N))
-    actor, dim = make_actor(stage, N, w), w.info.hidden_dim
+    actor, dim = make_actor(w), w.info.hidden_dim
     start = RequestStart(4, GREEDY, (3, 4, 5), "http://runner")
     segs = [(SegmentMeta(rid, 0, 3, (1.0,) * stage, start), b"\0" * 3 * dim * 4) for rid in ("poison", "good")]
     [send] = actor.admit(Activation.of(segs))

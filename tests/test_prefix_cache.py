@@ -30,7 +30,7 @@ class Chain:
     def __init__(self, n: int, *, max_seqs: int = 4, prefix_cache: bool = True, model=None):
         self.n, self.model, self.max_seqs, self.cache = n, model or stub_model(), max_seqs, prefix_cache
         self.workers = [open_worker(self.model, Shard.of(s, n), max_seqs=max_seqs) for s in range(n)]
-        self.actors = [make_actor(s, n, w, prefix_cache=prefix_cache) for s, w in enumerate(self.workers)]
+        self.actors = [make_actor(w, prefix_cache=prefix_cache) for w in self.workers]
         self.actors[0].set_chain(tuple(f"m{s}" for s in range(1, n)), standing=True)
         self.inbox: dict[int, list] = {s: [] for s in range(n)}
         self.replies: dict[str, object] = {}

@@ -22,7 +22,7 @@ class Cluster:
     def __init__(self, n: int, max_seqs: int = 4):
         self.n, self.model, self.max_seqs = n, stub_model(), max_seqs
         self.workers = [open_worker(self.model, Shard.of(s, n), max_seqs=max_seqs) for s in range(n)]
-        self.actors = [make_actor(s, n, w) for s, w in enumerate(self.workers)]
+        self.actors = [make_actor(w) for w in self.workers]
         self.inbox: dict[int, list] = {s: [] for s in range(n)}
         self.replies: dict[str, object] = {}
         self.progress: dict[str, list[int]] = {}
@@ -66,7 +66,7 @@ class Cluster:
         """The stage's process dies (what was sent to it is gone) and a fresh one takes its place."""
         self.inbox[stage] = []
         self.workers[stage] = open_worker(self.model, Shard.of(stage, self.n), max_seqs=self.max_seqs)
-        self.actors[stage] = make_actor(stage, self.n, self.workers[stage])
+        self.actors[stage] = make_actor(self.workers[stage])
         self.chain = tuple(f"{m}'" if i == stage - 1 else m for i, m in enumerate(self.chain))
 
     def reference(self, prompt: str) -> list[int]:
@@ -183,7 +183,7 @@ def test_the_first_request_of_a_replaced_stage_0_frees_every_slot_the_old_one_s_
     stale = list(c.inbox[1])  # the old entry's rows, still on their way
     c.inbox[0] = []
     c.workers[0] = open_worker(c.model, Shard.of(0, 3), max_seqs=c.max_seqs)  # its requests died with it
-    c.actors[0] = make_actor(0, 3, c.workers[0], node_id="entry-2")
+    c.actors[0] = make_actor(c.workers[0], node_id="entry-2")
     c.actors[0].set_chain(c.chain, standing=True)
     c.submit({f"new{i}": f"hi {i}" for i in range(c.max_seqs)})
     c.round(stages=1)
@@ -211,7 +211,7 @@ def test_a_stage_told_by_gossip_of_a_new_stage_0_frees_only_the_old_one_s_reques
 
 def test_a_replayed_start_carries_the_generated_tokens_and_the_last_stage_counts_them():
     w = open_worker(stub_model(), Shard.of(1, 2))
-    last = make_actor(1, 2, w)
+    last = make_actor(w)
     start = RequestStart(3, GREEDY, (1, 2), "http://runner", replayed=(5, 6))
     seg = SegmentMeta("a", 0, 4, start=start, generation=1)
     last.admit(Activation(ActivationMeta((seg,)), b"\0" * 4 * 4 * w.info.hidden_dim))

@@ -48,13 +48,13 @@ def step(actor, w):
 
 
 def test_make_actor_picks_the_role_of_the_stage():
-    assert [type(make_actor(s, 4, worker(s, 4))) for s in range(4)] == [FirstActor, MiddleActor, MiddleActor,
+    assert [type(make_actor(worker(s, 4))) for s in range(4)] == [FirstActor, MiddleActor, MiddleActor,
                                                                        LastActor]
 
 
 def test_first_tokenizes_embeds_and_sends_the_prompt_to_stage_1_with_its_start():
     w, ref = worker(0), worker(0)
-    actor = make_actor(0, N, w)
+    actor = make_actor(w)
     assert actor.admit(request(sampling=Sampling(temperature=0.5, seed=3))) == []
     [out] = step(actor, w)
     ids = ref.vocabulary.tokenize("Say hello")
@@ -68,7 +68,7 @@ def test_first_tokenizes_embeds_and_sends_the_prompt_to_stage_1_with_its_start()
 
 def test_first_batches_the_fed_back_tokens_of_several_requests_into_one_step():
     w, ref = worker(0, 2), worker(0, 2)
-    actor = make_actor(0, 2, w)
+    actor = make_actor(w)
     rids = [("a", "one"), ("b", "two words"), ("c", "three"), ("d", "four")]
     lens = {}
     for rid, prompt in rids:
@@ -88,7 +88,7 @@ def test_first_batches_the_fed_back_tokens_of_several_requests_into_one_step():
 
 def test_a_long_prompt_at_stage_0_rides_with_the_rows_of_a_request_decoding_down_the_chain():
     w = worker(0, 2)
-    actor = make_actor(0, 2, w, prompt_rows=4)
+    actor = make_actor(w, prompt_rows=4)
     actor.admit(request("s", prompt="one", max_tokens=50))
     pos = 0
     while (sent := step(actor, w)):  # the prompt in chunks of 4
@@ -106,7 +106,7 @@ def test_a_replay_s_rows_do_not_wait_for_a_request_decoding_down_the_chain():
     """After a stage is replaced every request is replayed; one whose replay is through decodes down the chain,
     and the others' replay rows go on at once: their streams stand still until they are through."""
     w = worker(0, 2)
-    actor = make_actor(0, 2, w, prompt_rows=4)
+    actor = make_actor(w, prompt_rows=4)
     actor.set_chain(("m1",), standing=True)
     for rid in ("a", "b"):
         actor.admit(request(rid, prompt="one", max_tokens=50))
@@ -128,7 +128,7 @@ def test_a_replay_s_rows_do_not_wait_for_a_request_decoding_down_the_chain():
 
 def test_a_done_token_ends_the_request_down_the_chain_and_frees_its_slot():
     w = worker(0)
-    actor = make_actor(0, N, w)
+    actor = make_actor(w)
     actor.admit(request())
     [prefill] = step(actor, w)
     pos = prefill.message.meta.segments[0].seq_len
@@ -160,7 +160,7 @@ def test_past_the_free_slots_requests_wait_in_order_and_past_the_queue_get_429()
 
 def test_cancel_ends_a_running_request_everywhere_and_drops_a_waiting_one_quietly():
     w = worker(0, max_seqs=1)
-    actor = make_actor(0, N, w, max_queue=4)
+    actor = make_actor(w, max_queue=4)
     actor.admit(request("run"))
     actor.admit(request("wait"))
     step(actor, w)
@@ -173,7 +173,7 @@ def test_cancel_ends_a_running_request_everywhere_and_drops_a_waiting_one_quietl
 
 def test_a_failure_reported_by_a_stage_is_answered_by_stage_0_which_ends_the_request():
     w = worker(0)
-    actor = make_actor(0, N, w)
+    actor = make_actor(w)
     actor.admit(request())
     step(actor, w)
     end = EndRequest("r1", EndReason.FAILED, "stage 2: out of memory", 2)
@@ -184,7 +184,7 @@ def test_a_failure_reported_by_a_stage_is_answered_by_stage_0_which_ends_the_req
 
 def test_middle_forwards_each_segment_with_its_compute_time_and_passes_ends_on():
     w, ref = worker(1), worker(1)
-    actor = make_actor(1, N, w)
+    actor = make_actor(w)
     h = embed_and_forward(worker(0), "r1", [3, 4, 5], 0)
     seg = SegmentMeta("r1", 0, 3, (1.25,), RequestStart(4, GREEDY, (3, 4, 5)))
     actor.admit(Activation(ActivationMeta((seg,)), h))
@@ -203,7 +203,7 @@ def test_last_samples_feeds_tokens_back_to_stage_0_and_replies_when_done():
     ws = [open_worker(model, Shard.of(s, N)) for s in range(N)]
     ids = ws[0].vocabulary.tokenize("Say hello")
     want = generate_full(model, ids, 2).token_ids
-    actor = make_actor(2, N, ws[2])
+    actor = make_actor(ws[2])
     h = forward_range(ws[1], "r1", embed_and_forward(ws[0], "r1", ids, 0), 0, len(ids))
     seg = SegmentMeta("r1", 0, len(ids), (1.0, 2.0), RequestStart(2, GREEDY, tuple(ids), "http://runner", 40.0))
     actor.admit(Activation(ActivationMeta((seg,)), h))
@@ -233,13 +233,13 @@ def test_last_samples_feeds_tokens_back_to_stage_0_and_replies_when_done():
 ])
 def test_a_message_outside_the_role_is_refused_with_409(stage, message):
     with pytest.raises(Refused) as info:
-        make_actor(stage, N, worker(stage)).admit(message)
+        make_actor(worker(stage)).admit(message)
     assert info.value.status == 409 and f"does not accept {type(message).__name__}" in info.value.message
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_an_activation_with_rows_of_an_unknown_request_is_refused_whole(stage):
-    actor = make_actor(stage, N, worker(stage))
+    actor = make_actor(worker(stage))
     good = SegmentMeta("ok", 0, 1, start=RequestStart(4, GREEDY, (1,)))
     bad = SegmentMeta("nope", 3, 1)
     with pytest.raises(Refused) as info:
@@ -250,13 +250,13 @@ def test_an_activation_with_rows_of_an_unknown_request_is_refused_whole(stage):
 
 def test_unknown_tokens_at_stage_0_are_refused_with_404():
     with pytest.raises(Refused) as info:
-        make_actor(0, N, worker(0)).admit(NextTokens((Token("nope", 1, 2, False),)))
+        make_actor(worker(0)).admit(NextTokens((Token("nope", 1, 2, False),)))
     assert info.value.status == 404 and "unknown request 'nope'" in info.value.message
 
 
 def test_a_worker_error_at_a_middle_stage_is_reported_to_stage_0():
     w = worker(1)
-    actor = make_actor(1, N, w)
+    actor = make_actor(w)
     seg = SegmentMeta("r1", 0, 1, start=RequestStart(4, GREEDY, (1,), "http://runner"))
     actor.admit(Activation(ActivationMeta((seg,)), b"\0" * 4 * w.info.hidden_dim))
     w.run = lambda items: [WorkerError("no free slot")]
@@ -297,7 +297,7 @@ def deliver(action, inbox, replies):
 def test_many_requests_routed_in_process_each_get_their_single_process_tokens(n):
     model = stub_model()
     workers = [open_worker(model, Shard.of(s, n), max_seqs=3) for s in range(n)]
-    actors = [make_actor(s, n, w) for s, w in enumerate(workers)]
+    actors = [make_actor(w) for w in workers]
     prompts = {f"r{i}": "x" * (1 + 7 * i) for i in range(8)}  # more than the slots: some wait their turn
     replies = route(actors, workers, prompts, 12)
     assert set(replies) == set(prompts)
@@ -329,7 +329,7 @@ def test_prompt_and_token_logprobs_come_back_as_one_process_computes_them(n):
     after them, and all of them travel with the first token; each token brings its own."""
     model = stub_model()
     workers = [open_worker(model, Shard.of(s, n), max_seqs=3) for s in range(n)]
-    actors = [make_actor(s, n, w, prompt_rows=2) for s, w in enumerate(workers)]
+    actors = [make_actor(w, prompt_rows=2) for w in workers]
     ids = workers[0].vocabulary.tokenize("a longer prompt, in chunks")
     sampling = Sampling(logprobs=2, prompt_logprobs=3)
     other = InferenceRequest("plain", "", max_tokens=3, reply_to="http://runner", prompt_token_ids=tuple(ids))

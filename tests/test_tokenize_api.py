@@ -29,11 +29,11 @@ CHAT = [{"role": "user", "content": "Say hello"}]
 class Entry:
     """Stage 0 as the API sees it, loaded, with no chain behind it: nothing is ever admitted."""
 
-    swim, url, shard, hidden_dim, last_answer = None, None, Shard.of(0, 2).sized(2), 16, {}
+    swim, url, shard, hidden_dim, last_answer, max_seqs = None, None, Shard.of(0, 2).sized(2), 16, {}, 1
 
     def __init__(self, worker):
         self.worker, self.loading, self.serving = worker, False, True
-        self.vocabulary = worker
+        self.vocabulary = worker.vocabulary
 
     def health(self) -> dict:
         return {"ready": not self.loading}
@@ -74,16 +74,16 @@ async def post(client, path, body):
 async def test_a_prompt_is_tokenized_as_v1_completions_takes_it(entry):
     node, client = entry
     status, body = await post(client, "/tokenize", {"model": "tiny", "prompt": "Say <|eot_id|> hello"})
-    ids = node.worker.vocabulary.tokenizer.encode_prompt("Say <|eot_id|> hello")  # special-token text stays text
+    ids = node.vocabulary.tokenizer.encode_prompt("Say <|eot_id|> hello")  # special-token text stays text
     assert status == 200 and body == {"count": len(ids), "max_model_len": CONTEXT, "tokens": ids}
 
 
 async def test_a_conversation_is_tokenized_through_the_chat_template_with_or_without_the_generation_prompt(entry):
     node, client = entry
-    tok = node.worker.vocabulary.tokenizer
+    tok = node.vocabulary.tokenizer
     _, with_prompt = await post(client, "/tokenize", {"messages": CHAT})
     _, without = await post(client, "/tokenize", {"messages": CHAT, "add_generation_prompt": False})
-    assert with_prompt["tokens"] == tok.encode_messages(CHAT) == node.worker.tokenize("Say hello")
+    assert with_prompt["tokens"] == tok.encode_messages(CHAT) == node.vocabulary.tokenize("Say hello")
     assert without["tokens"] == tok.encode_messages(CHAT, add_generation_prompt=False)
     assert with_prompt["count"] > without["count"]
 
@@ -102,7 +102,7 @@ async def test_detokenizing_what_tokenize_gave_is_the_text_the_template_wrote(en
     node, client = entry
     _, tokenized = await post(client, "/tokenize", {"messages": CHAT})
     status, body = await post(client, "/detokenize", {"model": "tiny", "tokens": tokenized["tokens"]})
-    assert status == 200 and body == {"prompt": node.worker.vocabulary.tokenizer.decode(tokenized["tokens"])}
+    assert status == 200 and body == {"prompt": node.vocabulary.tokenizer.decode(tokenized["tokens"])}
     assert body["prompt"].startswith("<|begin_of_text|><|start_header_id|>user") and "Say hello" in body["prompt"]
     assert (await post(client, "/detokenize", {"tokens": []}))[1] == {"prompt": ""}
 
@@ -111,7 +111,7 @@ async def test_tokenizer_info_names_the_special_tokens_and_the_chat_template(ent
     """What lm-eval's remote tokenizer reads before it sends a request (its probe needs eos_token)."""
     node, client = entry
     r = await client.get("/tokenizer_info")
-    tok = node.worker.vocabulary.tokenizer
+    tok = node.vocabulary.tokenizer
     assert r.status_code == 200 and r.json() == {
         "tokenizer_class": "Tokenizer", "bos_token": tok.bos_token, "eos_token": tok.eos_token, "pad_token": None,
         "chat_template": tok.chat_template, "model_max_length": CONTEXT}
@@ -127,8 +127,8 @@ async def test_a_count_past_the_context_is_reported_not_refused(entry):
 async def test_tokenizing_runs_in_a_worker_thread(entry, monkeypatch):
     node, client = entry
     loop_thread, threads = threading.get_ident(), []
-    real = node.worker.tokenize
-    monkeypatch.setattr(node.worker, "tokenize",
+    real = node.vocabulary.tokenize
+    monkeypatch.setattr(node.vocabulary, "tokenize",
                         lambda *a, **kw: threads.append(threading.get_ident()) or real(*a, **kw))
     assert (await post(client, "/tokenize", {"prompt": "hi"}))[0] == 200
     assert threads and loop_thread not in threads
@@ -146,8 +146,8 @@ async def test_another_model_is_404_model_not_found(entry):
 
 async def test_a_text_the_context_could_not_hold_is_refused_before_it_is_tokenized(entry, monkeypatch):
     node, client = entry
-    monkeypatch.setattr(node.worker, "tokenize", lambda *a, **kw: pytest.fail("tokenized"))
-    monkeypatch.setattr(node.worker, "tokenize_messages", lambda *a, **kw: pytest.fail("tokenized"))
+    monkeypatch.setattr(node.vocabulary, "tokenize", lambda *a, **kw: pytest.fail("tokenized"))
+    monkeypatch.setattr(node.vocabulary, "tokenize_messages", lambda *a, **kw: pytest.fail("tokenized"))
     too_long = "x" * (CONTEXT * LONGEST + 1)
     for body, param in (({"prompt": too_long}, "prompt"), ({"messages": [{"role": "user", "content": too_long}]},
                                                            "messages")):

@@ -15,8 +15,8 @@ slot, its KV, as a named entry (worker/kept.py); a request whose first step name
 are copied into. Entries are forgotten when stage 0 says (`drop`), or here when a slot is needed and only
 entries hold them.
 
-The first and last stages hold the model's Vocabulary (worker/tokens/vocabulary.py), `vocabulary`; the
-tokenizer ops here forward to it, each checked against the role that may call it, for the node's callers.
+The first and last stages hold the model's Vocabulary (worker/tokens/vocabulary.py), `vocabulary`: text to
+tokens and back is its, not the worker's (stage 0's node hands it to the API and the first actor).
 """
 from __future__ import annotations
 
@@ -124,46 +124,6 @@ class StageWorker:
     def slots_in_use(self) -> int:
         """How many slots are held; safe to read from any thread."""
         return len(self._slots)
-
-    # -- the vocabulary's ops, as node/ and roles/ call them today ------------------------------
-    def tokenize(self, prompt: str, *, chat: bool = True, add_special_tokens: bool = True) -> list[int]:
-        self.info.require(Role.FIRST, "tokenize")
-        return self.vocabulary.tokenize(prompt, chat=chat, add_special_tokens=add_special_tokens)
-
-    def tokenize_messages(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
-        self.info.require(Role.FIRST, "tokenize_messages")
-        return self.vocabulary.tokenize_messages(messages, add_generation_prompt=add_generation_prompt)
-
-    @property
-    def longest_token_bytes(self) -> int:
-        self.info.require(Role.FIRST, "longest_token_bytes")
-        return self.vocabulary.longest_token_bytes
-
-    def token_strs(self, tokens: list[int]) -> list[str]:
-        self.info.require(Role.FIRST, "token_strs")
-        return self.vocabulary.token_strs(tokens)
-
-    def prompt_text(self, tokens: list[int]) -> str:
-        self.info.require(Role.FIRST, "prompt_text")
-        return self.vocabulary.prompt_text(tokens)
-
-    def tokenizer_info(self) -> dict:
-        self.info.require(Role.FIRST, "tokenizer_info")
-        return self.vocabulary.tokenizer_info()
-
-    def detokenize(self, tokens: list[int]) -> str:
-        self.info.require(Role.LAST, "detokenize")
-        return self.vocabulary.detokenize(tokens)
-
-    def token_bytes(self, tokens: list[int], *, specials: bool = False) -> bytes:
-        if self.vocabulary is None:
-            raise WorkerError(f"token_bytes is a first- or last-stage op; this worker is stage {self.info.stage} "
-                              f"of {self.info.num_stages} (middle)")
-        return self.vocabulary.token_bytes(tokens, specials=specials)
-
-    def check_tokens(self, tokens: list[int]) -> None:
-        """Raises WorkerError unless every id is one of the vocabulary's."""
-        check_token_ids(tokens, self.info.vocab_size)
 
     # -- internals ---------------------------------------------------------------------------
     def _compute(self, accepted: list[tuple[int, StepItem, Request]], starting: dict[str, Request],

@@ -15,8 +15,9 @@ from worker.partition import Shard
 from node.membership.gossip import Member
 
 
-class ModelInfo(Protocol):
-    """The model's figures the API reads (worker/stage.py's WorkerInfo)."""
+class Vocabulary(Protocol):
+    """The model's vocabulary as the API uses it (worker/tokens/vocabulary.py's): its figures, and text to tokens
+    and back, safe from any thread. Tokenizing is slow for a long text: the API calls it in a worker thread."""
 
     @property
     def max_context(self) -> int: ...
@@ -24,16 +25,6 @@ class ModelInfo(Protocol):
     def vocab_size(self) -> int: ...
     @property
     def stop_ids(self) -> frozenset[int]: ...
-    @property
-    def total_blocks(self) -> int: ...
-
-
-class Vocabulary(Protocol):
-    """The entry stage's worker as the API uses it: its figures, and text to tokens and back. Tokenizing is
-    slow for a long text: the API calls it in a worker thread."""
-
-    @property
-    def info(self) -> ModelInfo: ...
     @property
     def longest_token_bytes(self) -> int: ...
     def tokenize(self, prompt: str, *, chat: bool = True, add_special_tokens: bool = True) -> list[int]: ...
@@ -58,6 +49,9 @@ class Entry(Protocol):
     @property
     def vocabulary(self) -> Vocabulary | None:
         """Text to tokens and back; None while loading."""
+    @property
+    def max_seqs(self) -> int | None:
+        """The entry stage's sequence slots: no request asks for more choices (`n`) at once; None while loading."""
     @property
     def url(self) -> str | None:
         """The advertised address: the API's requests name it as their reply_to."""

@@ -63,7 +63,7 @@ def add_openai_routes(app: QuartTrio, node: Entry, *, model_name: str) -> None:
 
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": started, "owned_by": "pp",
-                "max_model_len": ready(node).info.max_context}
+                "max_model_len": ready(node).max_context}
 
     @app.get("/v1/models")
     async def models():
@@ -121,19 +121,18 @@ def _close_when_over(asgi_app):
 
 
 async def _complete(app: QuartTrio, node: Entry, model_name: str, *, chat: bool):
-    worker, body = await read_json(node)
-    info = worker.info
-    limits = limits_for(vocab_size=info.vocab_size, max_seqs=info.max_seqs, max_context=info.max_context,
-                        longest_token_bytes=worker.longest_token_bytes)
+    vocab, body = await read_json(node)
+    limits = limits_for(vocab_size=vocab.vocab_size, max_seqs=node.max_seqs, max_context=vocab.max_context,
+                        longest_token_bytes=vocab.longest_token_bytes)
     api = await prepared(functools.partial(parse_request, body, chat=chat, seed_if_unset=secrets.randbits(31),
                                            limits=limits))
     check_model(api.model, model_name)
-    texts = await prepared(functools.partial(prompts, worker, api))
+    texts = await prepared(functools.partial(prompts, vocab, api))
     request_id = uuid.uuid4().hex
     choices = [Choice(i * api.n + j, f"{request_id}-{i * api.n + j}", tuple(ids), text)
                for i, (ids, text) in enumerate(texts) for j in range(api.n)]
-    completion = Completion(api, request_id, choices, lambda t: worker.token_bytes([t], specials=True))
-    follow = _Follow(node, worker, completion, _admit(node, worker, api, choices))
+    completion = Completion(api, request_id, choices, lambda t: vocab.token_bytes([t], specials=True))
+    follow = _Follow(node, vocab, completion, _admit(node, vocab, api, choices))
     request.scope[_FOLLOWS].append(follow)  # no checkpoint since the admission: nothing can be lost between
     if not api.stream:
         try:
@@ -149,11 +148,11 @@ async def _complete(app: QuartTrio, node: Entry, model_name: str, *, chat: bool)
     return response
 
 
-def _admit(node: Entry, worker: Vocabulary, api: ApiRequest, choices: list[Choice]) -> trio.MemoryReceiveChannel:
+def _admit(node: Entry, vocab: Vocabulary, api: ApiRequest, choices: list[Choice]) -> trio.MemoryReceiveChannel:
     """Every choice is a request of the engine's, admitted together or not at all; their events share one
     channel. max_tokens past what the context holds is refused, as vLLM does (max_tokens 0 runs one token:
     the prompt's logprobs come with it, and the answer leaves it out)."""
-    requests = [_engine_request(node, worker, api, c) for c in choices]
+    requests = [_engine_request(node, vocab, api, c) for c in choices]
     send, events = trio.open_memory_channel(float("inf"))
     admitted: list[str] = []
     try:
@@ -163,7 +162,7 @@ def _admit(node: Entry, worker: Vocabulary, api: ApiRequest, choices: list[Choic
     except Refused as exc:
         for rid in admitted:
             node.close_local(rid, cancel=True)
-        raise _refused(exc, api, worker.info.max_context, len(requests[len(admitted)].prompt_token_ids)) from None
+        raise _refused(exc, api, vocab.max_context, len(requests[len(admitted)].prompt_token_ids)) from None
     except BaseException:
         for rid in admitted:
             node.close_local(rid, cancel=True)
@@ -173,8 +172,8 @@ def _admit(node: Entry, worker: Vocabulary, api: ApiRequest, choices: list[Choic
     return events
 
 
-def _engine_request(node: Entry, worker: Vocabulary, api: ApiRequest, c: Choice) -> InferenceRequest:
-    context, prompt = worker.info.max_context, c.prompt_token_ids
+def _engine_request(node: Entry, vocab: Vocabulary, api: ApiRequest, c: Choice) -> InferenceRequest:
+    context, prompt = vocab.max_context, c.prompt_token_ids
     room = context - len(prompt)  # a prompt that leaves none is the actor's to refuse (PROMPT_TOO_LONG)
     if room > 0 and api.max_tokens is not None and api.max_tokens > room:
         raise ApiError(400, f"This model's maximum context length is {context} tokens. However, you requested "
@@ -200,12 +199,12 @@ def _refused(exc: Refused, api: ApiRequest, context: int, prompt_len: int) -> Ap
 class _Follow:
     """A request's choices followed from the entry: their tokens become text pieces, in order per choice."""
 
-    def __init__(self, node: Entry, worker: Vocabulary, completion: Completion, events: trio.MemoryReceiveChannel):
-        self.node, self.worker, self.completion, self.events = node, worker, completion, events
+    def __init__(self, node: Entry, vocab: Vocabulary, completion: Completion, events: trio.MemoryReceiveChannel):
+        self.node, self.vocab, self.completion, self.events = node, vocab, completion, events
         api = completion.request
         self.choices = {c.request_id: c for c in completion.choices}
         self.texts = {rid: TextStream(api.stop, include_stop=api.include_stop_str_in_output) for rid in self.choices}
-        self.stops = stop_set(worker.info.stop_ids, api.sampling)  # what ends a choice, as the last stage says
+        self.stops = stop_set(vocab.stop_ids, api.sampling)  # what ends a choice, as the last stage says
         self.over: set[str] = set()  # choices ended (or ended by us): nothing to cancel on the way out
 
     async def pieces(self):
@@ -244,7 +243,7 @@ class _Follow:
         if event.logprob is not None:
             c.logprobs.append(event.logprob)
             entries.append((token, event.logprob))
-        new = "" if token in self.stops else stream.push(self.worker.token_bytes(
+        new = "" if token in self.stops else stream.push(self.vocab.token_bytes(
             [token], specials=not api.skip_special_tokens))
         if event.done:
             new += stream.flush()

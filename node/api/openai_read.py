@@ -49,11 +49,11 @@ async def prepared(work: Callable[[], T]) -> T:
 
 
 async def read_json(node: Entry) -> tuple[Vocabulary, object]:
-    """The entry's worker and the request's JSON body, read within what the model's context could need."""
-    worker = ready(node)
-    longest = await trio.to_thread.run_sync(lambda: worker.longest_token_bytes)  # made once, from the vocabulary
-    raw = await read_body(body_limit(worker.info.max_context, longest))
-    return worker, await prepared(functools.partial(parse_body, raw))
+    """The entry's vocabulary and the request's JSON body, read within what the model's context could need."""
+    vocab = ready(node)
+    longest = await trio.to_thread.run_sync(lambda: vocab.longest_token_bytes)  # made once, from the vocabulary
+    raw = await read_body(body_limit(vocab.max_context, longest))
+    return vocab, await prepared(functools.partial(parse_body, raw))
 
 
 def check_model(model: str | None, model_name: str) -> None:
@@ -87,39 +87,39 @@ def too_large(limit: int) -> ApiError:
                     code="request_too_large")
 
 
-def prompts(worker: Vocabulary, api: ApiRequest) -> list[tuple[list[int], str]]:
+def prompts(vocab: Vocabulary, api: ApiRequest) -> list[tuple[list[int], str]]:
     """In a worker thread: each prompt's ids and text (what `echo` shows), or the ApiError refusing one."""
     if api.chat:
-        return [(tokenized(worker, "messages", messages=api.messages), "")]
+        return [(tokenized(vocab, "messages", messages=api.messages), "")]
     out = []
     for n, prompt in enumerate(api.prompts):
         param = "prompt" if len(api.prompts) == 1 else f"prompt[{n}]"
         if isinstance(prompt, tuple):  # more ids than the context holds are refused unchecked
-            if len(prompt) > worker.info.max_context:
-                raise too_long(worker.info.max_context, param, f"{len(prompt)} tokens")
-            ids, text = list(prompt), worker.token_bytes(list(prompt), specials=not api.skip_special_tokens
+            if len(prompt) > vocab.max_context:
+                raise too_long(vocab.max_context, param, f"{len(prompt)} tokens")
+            ids, text = list(prompt), vocab.token_bytes(list(prompt), specials=not api.skip_special_tokens
                                                           ).decode("utf-8", errors="replace")
         else:
-            ids, text = tokenized(worker, param, text=prompt), prompt
+            ids, text = tokenized(vocab, param, text=prompt), prompt
         out.append((ids, text))
     return out
 
 
-def tokenized(worker: Vocabulary, param: str, *, text: str | None = None, messages: tuple[dict, ...] = (),
+def tokenized(vocab: Vocabulary, param: str, *, text: str | None = None, messages: tuple[dict, ...] = (),
               add_special_tokens: bool = True, add_generation_prompt: bool = True) -> list[int]:
     """In a worker thread: a raw `text`'s ids, or (text None) the conversation's through the chat template,
     or the ApiError refusing it. A text of more characters than the context's tokens could spell (each at
     most the longest token's bytes) is refused untokenized. Whether the ids leave room in the context is the
     actor's to say (roles/first.py), when the request is admitted."""
-    context, longest = worker.info.max_context, worker.longest_token_bytes
+    context, longest = vocab.max_context, vocab.longest_token_bytes
     chars = sum(len(m["content"] or "") for m in messages) if text is None else len(text)
     if chars > context * longest:
         raise too_long(context, param, f"{chars} characters, more than {context} tokens of at most {longest} "
                                         f"characters each can hold")
     try:
         if text is None:
-            return worker.tokenize_messages(list(messages), add_generation_prompt=add_generation_prompt)
-        return worker.tokenize(text, chat=False, add_special_tokens=add_special_tokens)
+            return vocab.tokenize_messages(list(messages), add_generation_prompt=add_generation_prompt)
+        return vocab.tokenize(text, chat=False, add_special_tokens=add_special_tokens)
     except WorkerError as exc:
         raise ApiError(400, f"{param}: {exc}", param=param.split("[")[0], code="invalid_value") from None
 

@@ -21,7 +21,7 @@ They are the client surface (a client API key: node/transport/auth.py), refuse i
 bounded as /v1/completions is: a body larger than the context could need is a 413 and one that stalls a 408, a
 text of more characters than the context could hold in tokens (or more ids than it holds) is refused before
 any work on it, a conversation's turns and characters are bounded as on /v1/chat/completions, and parsing,
-tokenizing and detokenizing run in worker threads (openai_api.prepared), never on the event loop.
+tokenizing and detokenizing run in worker threads (openai_read.prepared), never on the event loop.
 """
 from __future__ import annotations
 
@@ -88,31 +88,30 @@ async def _answered(work: Callable[[], Awaitable[dict]]):
 
 
 async def _tokenize(node: Entry, model_name: str) -> dict:
-    worker, body = await read_json(node)
-    info = worker.info
-    budget = limits_for(vocab_size=info.vocab_size, max_seqs=info.max_seqs, max_context=info.max_context,
-                        longest_token_bytes=worker.longest_token_bytes).messages
+    vocab, body = await read_json(node)
+    budget = limits_for(vocab_size=vocab.vocab_size, max_seqs=node.max_seqs, max_context=vocab.max_context,
+                        longest_token_bytes=vocab.longest_token_bytes).messages
     req = await prepared(functools.partial(parse_tokenize, body, budget))
     check_model(req.model, model_name)
     param = "prompt" if req.prompt is not None else "messages"
     ids = await prepared(functools.partial(
-        tokenized, worker, param, text=req.prompt, messages=req.messages, add_special_tokens=req.add_special_tokens,
+        tokenized, vocab, param, text=req.prompt, messages=req.messages, add_special_tokens=req.add_special_tokens,
         add_generation_prompt=req.add_generation_prompt))
-    answer = {"count": len(ids), "max_model_len": info.max_context, "tokens": ids}
+    answer = {"count": len(ids), "max_model_len": vocab.max_context, "tokens": ids}
     if req.return_token_strs:
-        answer["token_strs"] = await prepared(functools.partial(worker.token_strs, ids))
+        answer["token_strs"] = await prepared(functools.partial(vocab.token_strs, ids))
     return answer
 
 
 async def _detokenize(node: Entry, model_name: str) -> dict:
-    worker, body = await read_json(node)
+    vocab, body = await read_json(node)
     model, tokens = parse_detokenize(body)
     check_model(model, model_name)
-    context = worker.info.max_context
+    context = vocab.max_context
     if len(tokens) > context:
         raise too_long(context, "tokens", f"{len(tokens)} tokens")
     try:
-        return {"prompt": await prepared(functools.partial(worker.prompt_text, list(tokens)))}
+        return {"prompt": await prepared(functools.partial(vocab.prompt_text, list(tokens)))}
     except WorkerError as exc:  # an id out of the vocabulary
         raise ApiError(400, f"tokens: {exc}", param="tokens", code="invalid_value") from None
 
