@@ -168,5 +168,6 @@ def chain_view(swim, num_stages: int) -> tuple[tuple[str, ...] | None, bool]:
 
 def chain_capacity(swim, num_stages: int) -> int | None:
     """The fewest sequence slots any stage of the chain has: stage 0 admits no more requests at once."""
-    slots = [m.meta.max_seqs for m in _holders(swim, range(num_stages)) if m is not None and m.meta.max_seqs is not None]
+    slots = [m.meta.max_seqs for m in _holders(swim, range(num_stages))
+             if m is not None and m.meta.max_seqs is not None]
     return min(slots) if slots else None

@@ -30,7 +30,8 @@ class LinkEnds:
         return LinkStream(dest, source=node.name, resolve=node.peers.addr_of, client=node.client.http,
                           stats=node.hops, on_lost=lambda messages, error: node.links.lost(dest, messages, error),
                           still_live=lambda message: still_live(message, node.actor.is_live), faults=node.faults,
-                          moved=node.peers.moved, on_refused=lambda message, error: self.refused(node.name, message, error))
+                          moved=node.peers.moved,
+                          on_refused=lambda message, error: self.refused(node.name, message, error))
 
     def take_frame(self, link_id: str, source: str, seq: int, sent_at: float, message) -> None:
         """A frame of a link stream: delivered once (a resent one is skipped). A refusal cannot be answered

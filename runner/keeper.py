@@ -3,7 +3,8 @@ member dead, or its process or instance ended — start a replacement for the sa
 has joined, loaded its slice and is ready. Stage 0 holds its requests meanwhile (it admits none and
 computes nothing while a stage is missing) and replays them through the new chain (roles/first.py).
 Stage 0 itself is where clients connect: when it goes, their streams go with it; its replacement serves
-new requests, and the other stages free the slots of the old entry's requests (StageNode._follow_entry).
+new requests, and the other stages free the slots of the old entry's requests
+(node/downstream.py, DownstreamStage.watch).
 
 A holder that was only frozen is not killed here: once it wakes it learns it was declared dead and exits
 by itself (node.main.step_aside_when_replaced); the run's teardown stops whatever is left. The exception is

@@ -15,7 +15,7 @@ still live are resent. If the receiver restarted (the boot id it answers with ch
 are lost: the stages after it still hold those requests' beginnings, so a resent start would arrive
 there twice (and a refused batch fails every request in it); their requests fail, naming it. So do they
 when the window no longer reaches back far enough. A receiver that refuses a frame reports the failure
-of its requests to stage 0 itself, since nobody reads its answer (StageNode.refused_on_link).
+of its requests to stage 0 itself, since nobody reads its answer (node/stage_links.py, LinkEnds.refused).
 
 A stream the receiver ends early (a malformed frame, a handler that failed) is reset by its HTTP/2 layer
 (node/transport/h2_early_answer.py); the sender sees the reset at its next write once its connection has
