@@ -183,7 +183,7 @@ async def _serve(config, swim_config, on_listening, compute, task_status) -> Non
         started = time.perf_counter()
         model_spec = await fetch_own_slice(config, swim, shard)
         worker = await compute.call(load_worker, config, model_spec, shard)
-        event(log, "worker_ready", seconds=round(time.perf_counter() - started, 3), layers=str(worker.info.layers),
+        event(log, "worker_ready", seconds=round(time.perf_counter() - started, 3), layers=str(worker.info.shard.blocks),
               weight_bytes=worker.info.weight_bytes)
         node.attach(worker)
         # The loaded model is hundreds of thousands of objects that live as long as the process; a full

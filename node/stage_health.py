@@ -20,7 +20,7 @@ def health(node) -> dict:
     info = node.worker.info if node.worker is not None else None
     links = node.links
     return {"ok": True, "node": node.node_id, "stage": node.shard.index, "role": node.shard.role.value,
-            "ready": info is not None, "layers": [info.layers.start, info.layers.stop] if info else None,
+            "ready": info is not None, "layers": [info.shard.blocks.start, info.shard.blocks.stop] if info else None,
             "max_seqs": info.max_seqs if info else None, "max_batch": info.max_batch if info else None,
             **memory(node.worker),
             **node.side.figures(),

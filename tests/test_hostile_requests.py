@@ -100,7 +100,7 @@ async def test_a_compute_job_that_raises_fails_its_request_naming_the_stage_and_
     real_run = StageWorker.run
 
     def poisoned_run(self, items):
-        if self.info.stage == stage and any(i.request_id == "poison" for i in items):
+        if self.info.shard.index == stage and any(i.request_id == "poison" for i in items):
             raise RuntimeError("injected: the kernel fell over")
         return real_run(self, items)
     monkeypatch.setattr(StageWorker, "run", poisoned_run)

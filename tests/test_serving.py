@@ -103,7 +103,7 @@ async def test_slots_come_back_on_every_stage_after_finish_failure_and_cancel(nu
 
         def failing_run(self, items):
             out = real_run(self, items)
-            if self.info.stage == 1:
+            if self.info.shard.index == 1:
                 out = [WorkerError("injected fault") if i.request_id == "doomed" else o for i, o in zip(items, out)]
             return out
         monkeypatch.setattr(StageWorker, "run", failing_run)
@@ -175,7 +175,7 @@ async def test_a_stage_failing_mid_stream_ends_the_stream_with_an_error_event_an
 
     def failing_run(self, items):
         out = real_run(self, items)
-        if self.info.stage == 1:
+        if self.info.shard.index == 1:
             out = [WorkerError("injected fault") if i.position >= fail_from else o for i, o in zip(items, out)]
         return out
     monkeypatch.setattr(StageWorker, "run", failing_run)

@@ -22,8 +22,8 @@ def chain3(model):
 
 
 def test_each_stage_reports_its_role_and_slice(model, chain3):
-    assert [w.info.role for w in chain3] == [Role.FIRST, Role.MIDDLE, Role.LAST]
-    assert [b for w in chain3 for b in w.info.layers] == list(range(model.total_blocks))
+    assert [w.info.shard.role for w in chain3] == [Role.FIRST, Role.MIDDLE, Role.LAST]
+    assert [b for w in chain3 for b in w.info.shard.blocks] == list(range(model.total_blocks))
     assert all(w.info.hidden_dim > 0 and w.info.vocab_size > 0 and w.info.stop_ids for w in chain3)
 
 

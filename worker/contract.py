@@ -120,31 +120,11 @@ class WorkerInfo:
     max_seqs: int = 1
     max_batch: int = 1
 
-    @property
-    def stage(self) -> int:
-        return self.shard.index
-
-    @property
-    def num_stages(self) -> int:
-        return self.shard.count
-
-    @property
-    def role(self) -> Role:
-        return self.shard.role
-
-    @property
-    def layers(self) -> range:
-        return self.shard.blocks
-
-    @property
-    def total_blocks(self) -> int:
-        return self.shard.total_blocks
-
     def require(self, role: Role, op: str) -> None:
         """Raises WorkerError unless this worker plays `role`: `op` is that role's alone."""
-        if self.role is not role:
-            raise WorkerError(f"{op} is a {role.value}-stage op; this worker is stage {self.stage} "
-                              f"of {self.num_stages} ({self.role.value})")
+        if self.shard.role is not role:
+            raise WorkerError(f"{op} is a {role.value}-stage op; this worker is stage {self.shard.index} "
+                              f"of {self.shard.count} ({self.shard.role.value})")
 
 
 class Worker(Protocol):

@@ -153,7 +153,7 @@ class StageWorker:
 
 def _check_input(item: StepItem, info: WorkerInfo) -> None:
     """Raises WorkerError unless `item` carries what its stage takes: token ids on the first, hidden rows elsewhere."""
-    if info.role is Role.FIRST:
+    if info.shard.first:
         if not item.tokens:
             raise WorkerError(f"request {item.request_id!r}: no tokens")
         check_token_ids(list(item.tokens), info.vocab_size)
@@ -166,7 +166,7 @@ def _check_input(item: StepItem, info: WorkerInfo) -> None:
 
 def _input(item: StepItem, info: WorkerInfo, compute: Slice) -> np.ndarray:
     """An item's rows as the slice takes them: its tokens embedded (the first stage), or its hidden bytes."""
-    if info.role is Role.FIRST:
+    if info.shard.first:
         return compute.embed(list(item.tokens))
     return np.frombuffer(item.hidden, dtype=np.float32).reshape(item.seq_len, info.hidden_dim)
 
