@@ -9,8 +9,9 @@ import pytest
 from cluster import API_KEY, start_cluster
 from node.api.entry import Entry, Members, Vocabulary
 from node.membership.swim import Swim
+from node.downstream import DownstreamStage
 from node.entry import EntryStage
-from node.stage_node import StageNode
+from node.stage_node import StageNode, StageSide
 from roles import make_actor
 from roles.actions import PROMPT_INVALID, PROMPT_TOO_LONG, Refused
 from roles.messages import InferenceRequest
@@ -68,3 +69,8 @@ async def test_the_api_shapes_the_actors_refusals_of_a_prompt_of_ids(nursery, tm
         assert (status, error["code"], error["param"]) == (400, "context_length_exceeded", "prompt")
         assert f"maximum context length is {context} tokens" in error["message"]
     nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("side", [EntryStage, DownstreamStage])
+def test_each_stage_side_has_every_member_the_driver_uses(side):
+    assert not {m for m in members_of(StageSide) if not hasattr(side, m)}
