@@ -10,6 +10,11 @@ another node (it was frozen or cut off too long) — it steps aside rather than 
 """
 from __future__ import annotations
 
+import time
+
+STARTED = time.monotonic()  # before the imports below, which are a part of a node's boot (bench/boot.py)
+
+import functools
 import logging
 import os
 import signal
@@ -19,7 +24,7 @@ from pathlib import Path
 import trio
 
 from node.config.parse import parse_config
-from node.observe.log import error_event, setup_logging
+from node.observe.log import error_event, event, setup_logging
 from node.transport.app import ListenError
 from node.main import ModelLoadError, ModelRefused, Replaced, run_node
 
@@ -27,16 +32,18 @@ from node.main import ModelLoadError, ModelRefused, Replaced, run_node
 EXIT_REPLACED = 3  # the cluster gave this stage to another node (see node.main.Replaced)
 
 
-def announce(url: str) -> None:
+def announce(url: str, *, imported: float) -> None:
     print(f"PP_GPU_NODE_ADDR={url}", flush=True)
+    # logged once listening: a node refused before that says one line only
+    event(logging.getLogger("pp.node"), "imported", seconds=round(imported - STARTED, 3))
 
 
-async def serve_until_signalled(config) -> None:
+async def serve_until_signalled(config, imported: float) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_cancel_on_signal, nursery.cancel_scope)
         if config.exit_on_stdin_eof:
             nursery.start_soon(_cancel_on_stdin_eof, nursery.cancel_scope)
-        await run_node(config, on_listening=announce)
+        await run_node(config, on_listening=functools.partial(announce, imported=imported))
 
 
 async def _cancel_on_stdin_eof(scope: trio.CancelScope) -> None:
@@ -56,10 +63,11 @@ async def _cancel_on_signal(scope: trio.CancelScope) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    imported = time.monotonic()
     config = parse_config(os.environ, sys.argv[1:] if argv is None else argv, home=Path.home())
     setup_logging(config.log_level, node_id=config.node_id)
     try:
-        trio.run(serve_until_signalled, config)
+        trio.run(serve_until_signalled, config, imported)
     except BaseExceptionGroup as group:
         refused, _ = group.split((ListenError, ModelRefused))
         if refused is not None:  # a bad --port/--bind or model: argparse's convention, one line

@@ -63,16 +63,22 @@ class Replaced(RuntimeError):
 
 
 def load_worker(config: NodeConfig, model_spec: str, shard: Shard):
-    """Runs on the compute thread: tinygrad state stays on the thread that made it."""
+    """Runs on the compute thread: tinygrad state stays on the thread that made it. Returns the worker and
+    the seconds each phase took (the boot's timeline: bench/boot.py)."""
+    clock = time.perf_counter()
     try:
         model = open_model(model_spec, cache_dir=config.cache_dir, ollama_models_dir=config.ollama_models_dir,
                            progress=False, precision=config.precision, tuned=config.beam > 0,
                            max_context=config.ctx)
+        opened = time.perf_counter()
         worker = open_worker(model, shard, max_seqs=config.max_seqs)
     except (ModelFileError, ValueError) as exc:  # a bad path, file or name: the user's to fix, not a crash
         raise ModelRefused(f"stage {config.stage} cannot load model {config.model!r}: {exc}") from exc
-    worker.warm_up(config.beam)
-    return worker
+    loaded = time.perf_counter()
+    captured = worker.warm_up(config.beam)
+    return worker, {"open_model_s": round(opened - clock, 3), "weights_s": round(loaded - opened, 3),
+                    "capture_s": round(time.perf_counter() - loaded, 3),
+                    "capture_by_bucket_s": {b: round(s, 3) for b, s in captured.items()}}
 
 
 def slice_url(model: str) -> str | None:
@@ -182,9 +188,9 @@ async def _serve(config, swim_config, on_listening, compute, task_status) -> Non
         # otherwise sit idle until then.
         started = time.perf_counter()
         model_spec = await fetch_own_slice(config, swim, shard)
-        worker = await compute.call(load_worker, config, model_spec, shard)
+        worker, phases = await compute.call(load_worker, config, model_spec, shard)
         event(log, "worker_ready", seconds=round(time.perf_counter() - started, 3), layers=str(worker.info.shard.blocks),
-              weight_bytes=worker.info.weight_bytes)
+              weight_bytes=worker.info.weight_bytes, **phases)
         node.attach(worker)
         # The loaded model is hundreds of thousands of objects that live as long as the process; a full
         # collection scanned them all on the event loop (200-340 ms, /health with it, under a burst of

@@ -147,7 +147,7 @@ class Worker(Protocol):
     def grammar_matcher(self, grammar: str) -> Matcher:
         """The last stage: a request's constrained decoding, fresh at its first token."""
 
-    def warm_up(self, beam: int = 0) -> None: ...
+    def warm_up(self, beam: int = 0) -> dict[int, float]: ...
 
     @property
     def kept(self) -> dict[str, int]:

@@ -95,10 +95,10 @@ class StageWorker:
         except GrammarError as exc:
             raise WorkerError(f"response_format: {exc}") from None
 
-    def warm_up(self, beam: int = 0) -> None:
+    def warm_up(self, beam: int = 0) -> dict[int, float]:
         """Compile before the first request (a node calls this before it reports ready); with `beam`, search
         for faster kernels first (tinygrad's BEAM; what it finds is cached on disk for the next boot)."""
-        self.compute.warm_up(beam)
+        return self.compute.warm_up(beam)
 
     def release(self, request_id: str, *, keep_as: str = "") -> None:
         """Free a request's slot, or (`keep_as`) keep its KV as the prefix-cache entry of that name, replacing

@@ -352,22 +352,27 @@ class StageModel:
         inputs.write(floats, ints)
         return _read(self._graphs[bucket](inputs.floats, inputs.ints, kv_len=int(positions.max()) + 1))[:n]
 
-    def warm_up(self, beam: int = 0) -> None:
+    def warm_up(self, beam: int = 0) -> dict[int, float]:
         """Compile and capture every bucket's graph now, so that no request pays a compile, and time each
         call to cut later steps into the cheapest calls. The calls write only the scratch slot.
 
         `beam` > 0: tinygrad's kernel search (BEAM) picks each kernel's tiling by timing candidates while a
         graph is captured. It costs minutes at a first boot; tinygrad keeps what it found in its on-disk
         cache (table beam_search) and kernel_cache keeps the lowered programs, so the next boot of the same
-        slice pays neither. Narrow weights then take the split matmul form (worker/compute/linear.py)."""
+        slice pays neither. Narrow weights then take the split matmul form (worker/compute/linear.py).
+
+        Returns the seconds each bucket's capture took (its step graph and, on the last stage, its head's),
+        for the boot's timeline (bench/boot.py)."""
         if beam and not self.searched:  # graphs captured before (by a call) are captured again in that form
             self.searched, self._graphs, self._head_graphs = True, self._new_graphs(), self._new_head_graphs()
-        cost = {}
+        cost, captured = {}, {}
         for bucket in self.buckets:
             zeros = np.zeros((bucket, self.config.dim), dtype=np.float32)
             args = (zeros, np.full(bucket, self.scratch_slot), np.arange(bucket) % self.config.max_context)
+            started = time.perf_counter()
             with Context(BEAM=beam) if beam else contextlib.nullcontext():  # else tinygrad's own BEAM setting
                 self._run(*args)  # the first call captures the graph
+            captured[bucket] = time.perf_counter() - started
             times = []
             for _ in range(WARM_UP_TIMINGS):
                 started = time.perf_counter()
@@ -375,9 +380,12 @@ class StageModel:
                 times.append(time.perf_counter() - started)
             cost[bucket] = sorted(times)[len(times) // 2]
             if self.head is not None:
+                started = time.perf_counter()
                 with Context(BEAM=beam) if beam else contextlib.nullcontext():
                     self._logits(zeros)  # captures this bucket's head graph
+                captured[bucket] += time.perf_counter() - started
         self.bucket_cost = cost
+        return captured
 
 
 def _capture_on_first_call(jit: TinyJit) -> TinyJit:

@@ -83,5 +83,5 @@ class TinygradSlice:
     def copy_rows(self, src: int, dst: int, rows: int) -> None:
         self.model.copy_rows(src, dst, rows)
 
-    def warm_up(self, beam: int = 0) -> None:
-        self.model.warm_up(beam)
+    def warm_up(self, beam: int = 0) -> dict[int, float]:
+        return self.model.warm_up(beam)
