@@ -18,14 +18,14 @@ import trio
 from roles import DEFAULT_MAX_QUEUE, make_actor
 from roles.actions import Progress, Refused, Send
 from roles.messages import EndRequest, InferenceRequest
-from roles.topology import stage_name
+from roles.topology import ENTRY, stage_name
 from worker.partition import Shard
 
 from node.membership.gossip import State
 from node.membership.swim import Swim
 from node.observe import hops
 from node.observe.figures import StageFigures
-from node.observe.log import as_extra, error_event
+from node.observe.log import as_extra, error_event, event
 from node.observe.metrics import NodeMetrics
 from node.stage_health import health, metrics_snapshot
 from node.stage_links import LinkEnds, Peers
@@ -37,6 +37,7 @@ from node.transport.replies import Replies
 from node.transport.sends import Sender
 
 log = logging.getLogger("pp.node")
+CAPTURE_IDLE_S = 2.0  # no work for this long: the stage may capture a step bucket it has not yet (warm_more)
 
 
 class StageSide(Protocol):
@@ -83,6 +84,7 @@ class StageNode:
         self.swim: Swim | None = None
         self.url: str | None = None  # advertised; the entry's own API requests name it as their reply_to
         self.worker = self.actor = self.links = None  # the actor is made with the worker: its size comes from the slice
+        self._warming = self._chain_up = False
         self._work = trio.Event()
 
     @property
@@ -113,7 +115,7 @@ class StageNode:
         """The worker is loaded: from now on messages are admitted. `capacity`: see roles.make_actor."""
         self.shard = worker.info.shard  # sized: its blocks are known now
         self.actor = make_actor(worker, capacity=capacity, **self.actor_settings)
-        self.worker = worker
+        self.worker, self._warming = worker, True  # after a lazy warm_up, the other buckets wait their capture
 
     def deliver(self, message, *, source: str | None = None, sent_at: float | None = None) -> None:
         """Admit a message from the network for the next steps, or refuse it (raises Refused). A message
@@ -163,6 +165,7 @@ class StageNode:
                                self.link_ends.open_stream)
             if self.swim is not None:
                 nursery.start_soon(self.side.watch, self.swim)
+                nursery.start_soon(self._watch_chain_up, self.swim)
             task_status.started()
             await self._compute_loop(compute)
 
@@ -170,8 +173,7 @@ class StageNode:
         while True:
             step = self.actor.plan()
             if step is None:
-                await self._work.wait()
-                self._work = trio.Event()
+                await self._idle(compute)
                 continue
             started = hops.now()
             for link, arrived in self._arrivals:
@@ -191,6 +193,39 @@ class StageNode:
             self.figures.stepped(sum(u.rows for u in step.units), ran_to - ran_from, resumed - started)
             for action in self.actor.finish(step, outcome):
                 self.post(action)
+
+    async def _idle(self, compute) -> None:
+        """Nothing to compute: wait for work. Once the chain serves, a stage with step buckets left to capture
+        (a lazy warm_up) captures one whenever CAPTURE_IDLE_S pass without work: not while the chain boots,
+        whose stages share the machine, nor between the steps of a request being answered."""
+        if self._warming and self._chain_up:
+            with trio.move_on_after(CAPTURE_IDLE_S):
+                await self._work.wait()
+            if not self._work.is_set():
+                self._warming = await self._warm_more(compute)
+                return
+        else:
+            await self._work.wait()
+        self._work = trio.Event()
+
+    async def _watch_chain_up(self, swim: Swim) -> None:
+        """pp-entry resolves: every stage is ready, and the chain serves."""
+        await swim.wait_until(lambda s: s.resolve(ENTRY) is not None)
+        self._chain_up = True
+        self.wake()
+
+    async def _warm_more(self, compute) -> bool:
+        """Capture one more step bucket (worker/compute/warm.py); whether any is left."""
+        try:
+            captured = await compute.call(self.worker.warm_more)
+        except trio.ClosedResourceError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - steps go on in the buckets already captured
+            log.error("capture_failed", exc_info=exc)
+            return False
+        if captured is not None:
+            event(log, "captured", bucket=captured[0], seconds=round(captured[1], 3))
+        return captured is not None
 
     def _step_failed(self, step, exc: Exception) -> None:
         error = f"compute failed: {type(exc).__name__}: {exc}"

@@ -147,7 +147,8 @@ class Worker(Protocol):
     def grammar_matcher(self, grammar: str) -> Matcher:
         """The last stage: a request's constrained decoding, fresh at its first token."""
 
-    def warm_up(self, beam: int = 0) -> dict[int, float]: ...
+    def warm_up(self, beam: int = 0, *, lazy: bool = False) -> dict[int, float]: ...
+    def warm_more(self) -> tuple[int, float] | None: ...
 
     @property
     def kept(self) -> dict[str, int]:

@@ -34,4 +34,5 @@ class Slice(Protocol):
     def copy_rows(self, src: int, dst: int, rows: int) -> None: ...
 
     # compile what the first request would, before it arrives; beam > 0: tinygrad's kernel search first
-    def warm_up(self, beam: int = 0) -> dict[int, float]: ...  # seconds each bucket's capture took
+    def warm_up(self, beam: int = 0, *, lazy: bool = False) -> dict[int, float]: ...  # seconds each capture took
+    def warm_more(self) -> tuple[int, float] | None: ...  # (lazy) the next bucket captured, and its seconds

@@ -95,10 +95,17 @@ class StageWorker:
         except GrammarError as exc:
             raise WorkerError(f"response_format: {exc}") from None
 
-    def warm_up(self, beam: int = 0) -> dict[int, float]:
+    def warm_up(self, beam: int = 0, *, lazy: bool = False) -> dict[int, float]:
         """Compile before the first request (a node calls this before it reports ready); with `beam`, search
-        for faster kernels first (tinygrad's BEAM; what it finds is cached on disk for the next boot)."""
-        return self.compute.warm_up(beam)
+        for faster kernels first (tinygrad's BEAM; what it finds is cached on disk for the next boot). `lazy`:
+        only the smallest step bucket now, the others one at a time by warm_more (worker/compute/warm.py).
+        Returns each capture's seconds."""
+        return self.compute.warm_up(beam, lazy=lazy)
+
+    def warm_more(self) -> tuple[int, float] | None:
+        """After a lazy warm_up, between steps: capture the next bucket (its size and seconds), or None once
+        every one is."""
+        return self.compute.warm_more()
 
     def release(self, request_id: str, *, keep_as: str = "") -> None:
         """Free a request's slot, or (`keep_as`) keep its KV as the prefix-cache entry of that name, replacing

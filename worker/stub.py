@@ -69,8 +69,11 @@ class StubSlice:
         ids = np.asarray(token_ids, dtype=np.int64)[:, None]
         return ((ids * 7 + np.arange(STUB_DIM)) % _MOD).astype(np.float32)
 
-    def warm_up(self, beam: int = 0) -> dict[int, float]:
+    def warm_up(self, beam: int = 0, *, lazy: bool = False) -> dict[int, float]:
         return {}  # nothing to compile
+
+    def warm_more(self) -> tuple[int, float] | None:
+        return None
 
     def forward_batch(self, hidden: np.ndarray, segments: list[Segment], logit_rows=None) -> np.ndarray:
         """Each segment on its own slot's cache, as the tinygrad slice does in one batched step."""

@@ -34,17 +34,13 @@ takes a hidden state in and all slices compile the same kernels whatever their r
 """
 from __future__ import annotations
 
-import contextlib
-
-import time
-
 import attrs
 import numpy as np
-from tinygrad import Context, Device, Tensor, TinyJit, UOp, dtypes
+from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
 from tinygrad.device import Buffer
 from tinygrad.uop.ops import KernelInfo
 
-from . import cpu_attention, device_wait, kernel_cache, whole_graphs
+from . import cpu_attention, device_wait, kernel_cache, warm, whole_graphs
 from .replay import Replay
 from ..batching import DEFAULT_MAX_SEQS, Segment, bucket_sizes, default_max_batch, split_rows, unmeasured_cost
 from ..config import ModelConfig
@@ -59,7 +55,6 @@ _FROM_BLOB = {np.float32: dtypes.float32, np.float16: dtypes.float16, np.int8: d
 
 # HF rotate-half RoPE: the first and second halves of each head form the rotary pairs.
 
-WARM_UP_TIMINGS = 3  # replays per bucket at boot; the median prices the bucket
 
 def rope_tables(config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin of every position × frequency, (max_context, head_dim // 2) float32."""
@@ -217,6 +212,7 @@ class StageModel:
         self._inputs = {b: _StepInputs(b, config.dim, config.head_dim) for b in self.buckets}
         self._head_inputs = {b: Tensor.zeros(b, config.dim).contiguous().realize() for b in self._head_graphs}
         self.bucket_cost = unmeasured_cost(self.buckets)  # seconds per call, once warm_up has timed them
+        self._beam = 0  # the kernel search warm_up was asked for, which later captures keep
 
     @property
     def max_batch(self) -> int:
@@ -273,16 +269,24 @@ class StageModel:
         return linear(_rms_norm(x, norm, self.config.norm_eps), out, searched=self.searched).realize()
 
     def _logits(self, hidden: np.ndarray) -> np.ndarray:
-        """The head over `hidden` (rows, dim), in calls of the largest bucket, each padded to its bucket."""
+        """The head over `hidden` (rows, dim), in calls of the largest captured bucket, each padded to its
+        bucket."""
+        ready = self._ready()
         outs = []
-        for i in range(0, len(hidden), self.max_batch):
-            part = hidden[i:i + self.max_batch]
-            bucket = next(b for b in self.buckets if b >= len(part))
-            padded = np.zeros((bucket, self.config.dim), dtype=np.float32)
-            padded[:len(part)] = part
-            _write(self._head_inputs[bucket], padded)
-            outs.append(_read(self._head_graphs[bucket](self._head_inputs[bucket]))[:len(part)])
+        for i in range(0, len(hidden), ready[-1]):
+            part = hidden[i:i + ready[-1]]
+            outs.append(self.head_call(next(b for b in ready if b >= len(part)), part))
         return np.concatenate(outs)
+
+    def head_call(self, bucket: int, part: np.ndarray) -> np.ndarray:
+        padded = np.zeros((bucket, self.config.dim), dtype=np.float32)
+        padded[:len(part)] = part
+        _write(self._head_inputs[bucket], padded)
+        return _read(self._head_graphs[bucket](self._head_inputs[bucket]))[:len(part)]
+
+    def _ready(self) -> list[int]:
+        """The buckets steps may use: those captured (all of them before warm_up, captured as they are called)."""
+        return sorted(self.bucket_cost)
 
     def forward_batch(self, hidden: np.ndarray, segments: list[Segment], logit_rows=None) -> np.ndarray:
         """hidden (rows, dim) float32, the rows of `segments` in order → next hidden (rows, dim); with a
@@ -296,7 +300,7 @@ class StageModel:
         data = np.ascontiguousarray(hidden, dtype=np.float32)
         outs, i = [], 0
         for n in split_rows(len(data), self.bucket_cost):
-            outs.append(self._run(data[i:i + n], slots[i:i + n], positions[i:i + n]))
+            outs.append(self.run_graph(data[i:i + n], slots[i:i + n], positions[i:i + n]))
             i += n
         out = np.concatenate(outs)
         if self.head is None:
@@ -336,10 +340,12 @@ class StageModel:
             if s.position + s.length > self.config.max_context:
                 raise ValueError(f"position {s.position + s.length} exceeds the context of {self.config.max_context}")
 
-    def _run(self, hidden: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """One graph call: pad the rows up to their bucket with scratch-slot rows at position 0."""
+    def run_graph(self, hidden: np.ndarray, slots: np.ndarray, positions: np.ndarray,
+             bucket: int | None = None) -> np.ndarray:
+        """One graph call: pad the rows up to their bucket (the smallest captured one that holds them) with
+        scratch-slot rows at position 0."""
         n = len(hidden)
-        bucket = next(b for b in self.buckets if b >= n)
+        bucket = bucket or next(b for b in self._ready() if b >= n)
         pad = bucket - n
         c = self.config
         positions = np.concatenate([positions, np.zeros(pad, dtype=positions.dtype)])
@@ -352,9 +358,10 @@ class StageModel:
         inputs.write(floats, ints)
         return _read(self._graphs[bucket](inputs.floats, inputs.ints, kv_len=int(positions.max()) + 1))[:n]
 
-    def warm_up(self, beam: int = 0) -> dict[int, float]:
-        """Compile and capture every bucket's graph now, so that no request pays a compile, and time each
-        call to cut later steps into the cheapest calls. The calls write only the scratch slot.
+    def warm_up(self, beam: int = 0, buckets: tuple[int, ...] | None = None) -> dict[int, float]:
+        """Capture the graphs of `buckets` (default: every one) now, so that no request pays their compile,
+        and price each; until the others are captured (warm_more), steps use these alone. The calls write
+        only the scratch slot (worker/compute/warm.py).
 
         `beam` > 0: tinygrad's kernel search (BEAM) picks each kernel's tiling by timing candidates while a
         graph is captured. It costs minutes at a first boot; tinygrad keeps what it found in its on-disk
@@ -365,27 +372,20 @@ class StageModel:
         for the boot's timeline (bench/boot.py)."""
         if beam and not self.searched:  # graphs captured before (by a call) are captured again in that form
             self.searched, self._graphs, self._head_graphs = True, self._new_graphs(), self._new_head_graphs()
-        cost, captured = {}, {}
-        for bucket in self.buckets:
-            zeros = np.zeros((bucket, self.config.dim), dtype=np.float32)
-            args = (zeros, np.full(bucket, self.scratch_slot), np.arange(bucket) % self.config.max_context)
-            started = time.perf_counter()
-            with Context(BEAM=beam) if beam else contextlib.nullcontext():  # else tinygrad's own BEAM setting
-                self._run(*args)  # the first call captures the graph
-            captured[bucket] = time.perf_counter() - started
-            times = []
-            for _ in range(WARM_UP_TIMINGS):
-                started = time.perf_counter()
-                self._run(*args)
-                times.append(time.perf_counter() - started)
-            cost[bucket] = sorted(times)[len(times) // 2]
-            if self.head is not None:
-                started = time.perf_counter()
-                with Context(BEAM=beam) if beam else contextlib.nullcontext():
-                    self._logits(zeros)  # captures this bucket's head graph
-                captured[bucket] += time.perf_counter() - started
-        self.bucket_cost = cost
+        self._beam, self.bucket_cost, captured = beam, {}, {}
+        for bucket in buckets or self.buckets:
+            captured[bucket], self.bucket_cost[bucket] = warm.capture(self, bucket, beam)
         return captured
+
+    def warm_more(self) -> tuple[int, float] | None:
+        """Capture the smallest bucket not captured yet, and let steps use it: its size and the capture's
+        seconds, or None when every bucket is captured."""
+        missing = [b for b in self.buckets if b not in self.bucket_cost]
+        if not missing:
+            return None
+        took, cost = warm.capture(self, missing[0], self._beam)
+        self.bucket_cost = {**self.bucket_cost, missing[0]: cost}
+        return missing[0], took
 
 
 def _capture_on_first_call(jit: TinyJit) -> TinyJit:

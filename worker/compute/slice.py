@@ -83,5 +83,8 @@ class TinygradSlice:
     def copy_rows(self, src: int, dst: int, rows: int) -> None:
         self.model.copy_rows(src, dst, rows)
 
-    def warm_up(self, beam: int = 0) -> dict[int, float]:
-        return self.model.warm_up(beam)
+    def warm_up(self, beam: int = 0, *, lazy: bool = False) -> dict[int, float]:
+        return self.model.warm_up(beam, self.model.buckets[:1] if lazy else None)
+
+    def warm_more(self) -> tuple[int, float] | None:
+        return self.model.warm_more()

@@ -1,0 +1,69 @@
+"""A node captures its smallest step bucket at boot and serves; the other buckets are captured later, one at a
+time, while it idles once the chain serves (worker/compute/warm.py, StageNode._idle). Until then steps are cut
+into the captured buckets alone, and every answer is the same as with every bucket captured."""
+import numpy as np
+import trio
+
+from cluster import PATIENT_SWIM, start_cluster
+from node import stage_node
+from node.stage_node import StageNode
+from worker.chain import run_chain
+from worker.models import open_worker, tinygrad_model
+from worker.partition import Shard
+from worker.weights.tiny import TinySource
+
+
+def chain(n: int = 2) -> list:
+    model = tinygrad_model(TinySource())
+    return [open_worker(model, Shard.of(i, n)) for i in range(n)]
+
+
+def captured(worker) -> list[int]:
+    return sorted(worker.compute.model.bucket_cost)
+
+
+def test_a_lazy_warm_up_captures_only_the_smallest_bucket_and_steps_use_it_alone():
+    workers = chain()
+    assert [list(w.warm_up(lazy=True)) for w in workers] == [[1], [1]]
+    result = run_chain(workers, list(range(3, 40)), 4)  # a prompt of 37 rows: 37 calls of bucket 1
+    assert len(result.token_ids) == 4 and [captured(w) for w in workers] == [[1], [1]]
+
+
+def test_warm_more_captures_the_other_buckets_smallest_first_then_says_none():
+    [first, _] = chain()
+    first.warm_up(lazy=True)
+    buckets = first.compute.model.buckets
+    taken = []
+    while (more := first.warm_more()) is not None:
+        taken.append(more[0])
+        assert more[1] > 0
+    assert taken == list(buckets[1:]) and captured(first) == list(buckets)
+
+
+def test_a_lazily_warmed_chain_answers_bit_for_bit_as_a_fully_warmed_one():
+    lazy, full = chain(3), chain(3)
+    for w in lazy:
+        w.warm_up(lazy=True)
+    for w in full:
+        w.warm_up()
+    prompt = list(range(5, 30))
+    a, b = run_chain(lazy, prompt, 6), run_chain(full, prompt, 6)
+    assert a.token_ids == b.token_ids
+    assert all(np.array_equal(x, y) for x, y in zip(a.logits, b.logits))
+
+
+async def test_a_stage_captures_its_other_buckets_once_the_chain_serves_and_it_idles(nursery, tmp_path, monkeypatch):
+    monkeypatch.setattr(stage_node, "CAPTURE_IDLE_S", 0.05)
+    nodes, real_init = [], StageNode.__init__
+
+    def init(self, *args, **kw):
+        real_init(self, *args, **kw)
+        nodes.append(self)
+    monkeypatch.setattr(StageNode, "__init__", init)
+    orch, _, _ = await start_cluster(nursery, 2, tmp_path, model="tiny", swim_config=PATIENT_SWIM)
+    with trio.fail_after(120):
+        while not all(captured(n.worker) == list(n.worker.compute.model.buckets) for n in nodes):
+            await trio.sleep(0.05)
+        response = await orch.submit("Say hello", max_tokens=4)
+    assert response.error is None and len(response.token_ids) == 4
+    nursery.cancel_scope.cancel()
