@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import re
 import secrets
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -129,17 +130,36 @@ async def _retire(opts: SeedOptions, progress: Callable[[str], None], holder: Lo
 
 
 async def _start_children(nursery, opts, token, seed_url, run_dir, children, progress) -> None:
-    prev = None
-    for stage in range(opts.num_stages):
-        child = await _start_child(nursery, opts, token, seed_url, stage, prev, run_dir / f"stage{stage}.log")
-        children.append(child)
+    """Every stage at once, each on a port picked here, so that each can be handed its predecessor's address
+    as PEER_DIRECT before that one listens (the spec's chain of direct peers; gossip's join retries until it
+    answers). Started one after another, each waited for the one before to import and listen (issue 36)."""
+    ports = [where[1] if (where := fixed_address(opts, stage)) else free_port() for stage in range(opts.num_stages)]
+    started: list[Child | None] = [None] * opts.num_stages
+
+    async def start(stage: int) -> None:
+        peer = f"http://{LOOPBACK}:{ports[stage - 1]}" if stage > 0 else None
+        started[stage] = child = await _start_child(nursery, opts, token, seed_url, stage, peer,
+                                                    run_dir / f"stage{stage}.log", port=ports[stage])
         progress(f"stage {stage}/{opts.num_stages - 1} listening at {child.url} (pid {child.process.pid})")
-        prev = child.url
+
+    async with trio.open_nursery() as starting:
+        for stage in range(opts.num_stages):
+            starting.start_soon(start, stage)
+    children.extend(started)
 
 
-async def _start_child(nursery, opts, token, seed_url, stage, peer, log_path) -> Child:
+def free_port(host: str = LOOPBACK) -> int:
+    """A port nothing listens on now, for a stage to listen on in a moment."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+async def _start_child(nursery, opts, token, seed_url, stage, peer, log_path, *, port: int | None = None) -> Child:
     """One node process. Serving, its exit is the keeper's to handle, not a failure of the run."""
     env = node_env(opts, token, seed_url, stage, peer)
+    if port is not None:
+        env["PP_PORT"] = str(port)
     return await nursery.start(functools.partial(run_child, stage, env, log_path, grace_s=opts.grace_s,
                                                  supervised=opts.serve))
 
