@@ -16,10 +16,11 @@ from typing import Protocol, TypeVar
 import trio
 
 from node.membership import rules, swim_state
-from node.membership.gossip import Ack, Heard, Member, Nack, Ping, PingReq, SwimConfig, Sync
+from node.membership.gossip import Ack, Heard, Member, Nack, Ping, PingReq, State, SwimConfig, Sync
 from node.membership.swim_state import SwimState
 
 log = logging.getLogger(__name__)
+PUSH_FANOUT = 8  # members a change of own metadata is pushed to at once (the rest hear it by gossip)
 T = TypeVar("T")
 
 
@@ -58,6 +59,7 @@ class Swim:
         self._seeds = tuple(addr for addr in seeds if addr != self_member.addr)
         self._seq = itertools.count(1)
         self._changed = trio.Event()  # set and replaced on every view change
+        self._news = trio.Event()  # own metadata changed: the sync loop pushes it at once
         # Set, with yield_when_dead, once an answer holds this member dead (SwimState.yields): its owner exits.
         self.declared_dead = trio.Event()
 
@@ -99,9 +101,12 @@ class Swim:
     # --- own metadata -------------------------------------------------------------------------------------
 
     def update_meta(self, **changes: object) -> Member:
-        """Change own metadata (names, ready, progress...) and gossip it; each call bumps the incarnation, so
+        """Change own metadata (names, ready, progress...) and gossip it, pushed at once to up to PUSH_FANOUT
+        alive members (the sync loop's next round) rather than left to piggyback on the next probes: a stage
+        that says it is ready is seen ready in one round trip (issue 36). Each call bumps the incarnation, so
         throttle progress reports to a few per minute."""
         self._step(swim_state.announce, **changes)
+        self._news.set()
         return self.me
 
     # --- inbound, called by the HTTP layer ----------------------------------------------------------------
@@ -213,8 +218,16 @@ class Swim:
             self._step(swim_state.expire)
 
     async def _sync_loop(self) -> None:
+        """A full sync with one member every sync_interval_s; own news (update_meta) goes to several at once."""
         while True:
-            await trio.sleep(self.config.sync_interval_s)
+            with trio.move_on_after(self.config.sync_interval_s):
+                await self._news.wait()
+            if self._news.is_set():
+                self._news = trio.Event()
+                others = sorted(m.addr for m in self._state.view.values()  # the runner, an observer, too
+                                if m.state is State.ALIVE and m.id != self._id)
+                await _any(self.join, self._rng.sample(others, min(PUSH_FANOUT, len(others))))
+                continue
             peer = rules.pick_sync_peer(self._state.view, self._id, self._rng)
             if peer is not None:
                 await self.join(peer.addr)
