@@ -144,6 +144,17 @@ async def test_metadata_update_reaches_everyone_and_resolve_finds_it(nursery, au
     assert announced.meta == Meta(names=("pp-stage-1",), ready=True) and announced.incarnation == 2
 
 
+async def test_a_metadata_update_is_pushed_to_every_member_before_a_probe_period_passes(nursery, autojump_clock):
+    # piggybacked on probes alone, the news reaches one member a period: pushed, it reaches them all in one go
+    net = SwimNet(nursery)
+    nodes = await converged_cluster(nursery, net)
+    await trio.sleep(T_S / 2)  # mid-period: no probe of this period is left to carry it
+    announced = nodes[2].swim.update_meta(names=("pp-stage-1",), ready=True)
+    with trio.fail_after(T_S * 0.9):
+        await wait_everywhere(nodes, lambda s: s.resolve("pp-stage-1"))
+    assert [node.swim.resolve("pp-stage-1") for node in nodes] == [announced] * N
+
+
 async def test_member_cut_off_until_all_views_split_rejoins_once_the_network_heals(nursery, autojump_clock):
     # While n4 is cut off, it and the others declare each other dead. Afterwards nobody probes anybody
     # across the split; n4, alone, syncs with its seed every period, and dead verdicts in a sync count only
