@@ -193,6 +193,8 @@ class StageNode:
             self.figures.stepped(sum(u.rows for u in step.units), ran_to - ran_from, resumed - started)
             for action in self.actor.finish(step, outcome):
                 self.post(action)
+            if self._warming and self.worker.wants_capture:  # under steady load: never idle long enough
+                self._warming = await self._warm_more(compute)
 
     async def _idle(self, compute) -> None:
         """Nothing to compute: wait for work. Once the chain serves, a stage with step buckets left to capture

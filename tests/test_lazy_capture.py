@@ -2,12 +2,15 @@
 time, while it idles once the chain serves (worker/compute/warm.py, StageNode._idle). Until then steps are cut
 into the captured buckets alone, and every answer is the same as with every bucket captured."""
 import numpy as np
+import pytest
 import trio
 
 from cluster import PATIENT_SWIM, start_cluster
 from node import stage_node
 from node.stage_node import StageNode
+from worker.batching import Segment
 from worker.chain import run_chain
+from worker.compute import warm
 from worker.models import open_worker, tinygrad_model
 from worker.partition import Shard
 from worker.weights.tiny import TinySource
@@ -50,6 +53,25 @@ def test_a_lazily_warmed_chain_answers_bit_for_bit_as_a_fully_warmed_one():
     a, b = run_chain(lazy, prompt, 6), run_chain(full, prompt, 6)
     assert a.token_ids == b.token_ids
     assert all(np.array_equal(x, y) for x, y in zip(a.logits, b.logits))
+
+
+@pytest.mark.parametrize("rows,captured,wanted", [
+    (1, {1}, False), (2, {1}, True), (3, {1, 2}, False), (4, {1, 2}, True), (16, {1, 2, 4, 8, 16}, False),
+    (16, {1, 2, 4, 8}, True), (5, {1, 2, 4, 16}, False),
+])
+def test_a_step_wants_a_missing_bucket_no_larger_than_its_rows(rows, captured, wanted):
+    assert warm.wanted(rows, captured, (1, 2, 4, 8, 16)) is wanted
+
+
+def test_steps_that_keep_wanting_a_missing_bucket_ask_for_its_capture_and_it_resets():
+    [first, _] = chain()
+    first.warm_up(lazy=True)
+    model, hidden = first.compute.model, np.zeros((4, first.compute.model.config.dim), dtype=np.float32)
+    for step in range(warm.DEMAND_STEPS):
+        assert not first.wants_capture, step
+        model.forward_batch(hidden, [Segment(0, 0, 4)])
+    assert first.wants_capture
+    assert first.warm_more()[0] == 2 and not first.wants_capture
 
 
 async def test_a_stage_captures_its_other_buckets_once_the_chain_serves_and_it_idles(nursery, tmp_path, monkeypatch):

@@ -107,6 +107,12 @@ class StageWorker:
         every one is."""
         return self.compute.warm_more()
 
+    @property
+    def wants_capture(self) -> bool:
+        """Steps keep wanting a bucket not captured yet: capture it now rather than at an idle moment (a plain
+        read, safe from the event loop)."""
+        return self.compute.wants_capture
+
     def release(self, request_id: str, *, keep_as: str = "") -> None:
         """Free a request's slot, or (`keep_as`) keep its KV as the prefix-cache entry of that name, replacing
         any entry of the name; releasing an unknown request is a no-op so teardown can be repeated."""

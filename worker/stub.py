@@ -75,6 +75,8 @@ class StubSlice:
     def warm_more(self) -> tuple[int, float] | None:
         return None
 
+    wants_capture = False
+
     def forward_batch(self, hidden: np.ndarray, segments: list[Segment], logit_rows=None) -> np.ndarray:
         """Each segment on its own slot's cache, as the tinygrad slice does in one batched step."""
         outs, offset = [], 0

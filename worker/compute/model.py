@@ -213,6 +213,7 @@ class StageModel:
         self._head_inputs = {b: Tensor.zeros(b, config.dim).contiguous().realize() for b in self._head_graphs}
         self.bucket_cost = unmeasured_cost(self.buckets)  # seconds per call, once warm_up has timed them
         self._beam = 0  # the kernel search warm_up was asked for, which later captures keep
+        self._demand = 0  # steps since the last capture that a bucket not captured yet would have served
 
     @property
     def max_batch(self) -> int:
@@ -294,10 +295,11 @@ class StageModel:
         names (indices into the step's rows: every row of a prompt whose logprobs were asked for). The rows
         run as one or more graph calls, in order (split_rows picks the cheapest cut), so a segment may be
         any length."""
-        self._check(hidden, segments)
+        _check(hidden, segments, self.config, self.max_seqs)
         slots = np.concatenate([np.full(s.length, s.slot) for s in segments])
         positions = np.concatenate([np.arange(s.position, s.position + s.length) for s in segments])
         data = np.ascontiguousarray(hidden, dtype=np.float32)
+        self._demand += warm.wanted(len(data), self.bucket_cost, self.buckets)
         outs, i = [], 0
         for n in split_rows(len(data), self.bucket_cost):
             outs.append(self.run_graph(data[i:i + n], slots[i:i + n], positions[i:i + n]))
@@ -329,19 +331,8 @@ class StageModel:
             else:
                 block.cache[dst * ctx:dst * ctx + rows].assign(block.cache[src * ctx:src * ctx + rows]).realize()
 
-    def _check(self, hidden: np.ndarray, segments: list[Segment]) -> None:
-        rows = sum(s.length for s in segments)
-        if not segments or hidden.shape != (rows, self.config.dim):
-            raise ValueError(f"hidden {hidden.shape} does not match {rows} rows of {len(segments)} segments "
-                             f"× dim {self.config.dim}")
-        for s in segments:
-            if not 0 <= s.slot < self.max_seqs or s.length < 1 or s.position < 0:
-                raise ValueError(f"{s}: need slot in 0..{self.max_seqs - 1}, position >= 0, length >= 1")
-            if s.position + s.length > self.config.max_context:
-                raise ValueError(f"position {s.position + s.length} exceeds the context of {self.config.max_context}")
-
     def run_graph(self, hidden: np.ndarray, slots: np.ndarray, positions: np.ndarray,
-             bucket: int | None = None) -> np.ndarray:
+                  bucket: int | None = None) -> np.ndarray:
         """One graph call: pad the rows up to their bucket (the smallest captured one that holds them) with
         scratch-slot rows at position 0."""
         n = len(hidden)
@@ -384,8 +375,27 @@ class StageModel:
         if not missing:
             return None
         took, cost = warm.capture(self, missing[0], self._beam)
-        self.bucket_cost = {**self.bucket_cost, missing[0]: cost}
+        self.bucket_cost, self._demand = {**self.bucket_cost, missing[0]: cost}, 0
         return missing[0], took
+
+    @property
+    def wants_capture(self) -> bool:
+        """Enough steps were cut short for want of a bucket not captured yet (warm.DEMAND_STEPS) that the next
+        capture should not wait for an idle moment, which a stage under steady load never has."""
+        return self._demand >= warm.DEMAND_STEPS
+
+
+def _check(hidden: np.ndarray, segments: list[Segment], config: ModelConfig, max_seqs: int) -> None:
+    """A step's rows and segments fit the slice: its width, its slots and its context."""
+    rows = sum(s.length for s in segments)
+    if not segments or hidden.shape != (rows, config.dim):
+        raise ValueError(f"hidden {hidden.shape} does not match {rows} rows of {len(segments)} segments "
+                         f"× dim {config.dim}")
+    for s in segments:
+        if not 0 <= s.slot < max_seqs or s.length < 1 or s.position < 0:
+            raise ValueError(f"{s}: need slot in 0..{max_seqs - 1}, position >= 0, length >= 1")
+        if s.position + s.length > config.max_context:
+            raise ValueError(f"position {s.position + s.length} exceeds the context of {config.max_context}")
 
 
 def _capture_on_first_call(jit: TinyJit) -> TinyJit:

@@ -88,3 +88,7 @@ class TinygradSlice:
 
     def warm_more(self) -> tuple[int, float] | None:
         return self.model.warm_more()
+
+    @property
+    def wants_capture(self) -> bool:
+        return self.model.wants_capture
