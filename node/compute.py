@@ -75,6 +75,9 @@ class ComputeThread:
 
     async def call(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         """Run `fn(*args, **kwargs)` on the compute thread; return its result or raise its exception here."""
+        # A caller cancelled by the same shutdown that closed the thread hears of its cancellation, not of the
+        # closure (several nodes in one process share a thread that may close before they have stopped).
+        await trio.lowlevel.checkpoint_if_cancelled()
         if self._closed:
             raise trio.ClosedResourceError(f"compute thread {self.thread.name!r} is closed")
         job = _Job(fn, args, kwargs, self._token)

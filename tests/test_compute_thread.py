@@ -151,6 +151,16 @@ async def test_exiting_the_block_stops_the_thread_and_refuses_later_calls():
         await compute.call(int)
 
 
+async def test_a_cancelled_caller_of_a_closed_thread_hears_it_was_cancelled_not_that_the_thread_closed():
+    # nodes in one process share a thread, which their shared shutdown may close before a node has stopped
+    async with open_compute_thread() as compute:
+        pass
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await compute.call(lambda: 1)
+    assert scope.cancelled_caught
+
+
 async def test_exiting_a_cancelled_block_still_waits_for_the_running_job_and_stops_the_thread():
     started, never = threading.Event(), threading.Event()
 
