@@ -211,7 +211,8 @@ class StageModel:
         self._graphs, self._head_graphs = self._new_graphs(), self._new_head_graphs()
         self._inputs = {b: _StepInputs(b, config.dim, config.head_dim) for b in self.buckets}
         self._head_inputs = {b: Tensor.zeros(b, config.dim).contiguous().realize() for b in self._head_graphs}
-        self.bucket_cost = unmeasured_cost(self.buckets)  # seconds per call, once warm_up has timed them
+        # the buckets steps may use (all of them before warm_up) and one call's seconds in each
+        self.bucket_cost = unmeasured_cost(self.buckets)
         self._beam = 0  # the kernel search warm_up was asked for, which later captures keep
         self._demand = 0  # steps since the last capture that a bucket not captured yet would have served
 
@@ -272,7 +273,7 @@ class StageModel:
     def _logits(self, hidden: np.ndarray) -> np.ndarray:
         """The head over `hidden` (rows, dim), in calls of the largest captured bucket, each padded to its
         bucket."""
-        ready = self._ready()
+        ready = [b for b in self.buckets if b in self.bucket_cost]
         outs = []
         for i in range(0, len(hidden), ready[-1]):
             part = hidden[i:i + ready[-1]]
@@ -285,10 +286,6 @@ class StageModel:
         _write(self._head_inputs[bucket], padded)
         return _read(self._head_graphs[bucket](self._head_inputs[bucket]))[:len(part)]
 
-    def _ready(self) -> list[int]:
-        """The buckets steps may use: those captured (all of them before warm_up, captured as they are called)."""
-        return sorted(self.bucket_cost)
-
     def forward_batch(self, hidden: np.ndarray, segments: list[Segment], logit_rows=None) -> np.ndarray:
         """hidden (rows, dim) float32, the rows of `segments` in order → next hidden (rows, dim); with a
         head, the logits of each segment's last row (len(segments), vocab), or of the rows `logit_rows`
@@ -299,7 +296,8 @@ class StageModel:
         slots = np.concatenate([np.full(s.length, s.slot) for s in segments])
         positions = np.concatenate([np.arange(s.position, s.position + s.length) for s in segments])
         data = np.ascontiguousarray(hidden, dtype=np.float32)
-        self._demand += warm.wanted(len(data), self.bucket_cost, self.buckets)
+        if len(self.bucket_cost) < len(self.buckets):  # a lazy warm_up left buckets to capture
+            self._demand += warm.wanted(len(data), self.bucket_cost, self.buckets)
         outs, i = [], 0
         for n in split_rows(len(data), self.bucket_cost):
             outs.append(self.run_graph(data[i:i + n], slots[i:i + n], positions[i:i + n]))
@@ -336,7 +334,7 @@ class StageModel:
         """One graph call: pad the rows up to their bucket (the smallest captured one that holds them) with
         scratch-slot rows at position 0."""
         n = len(hidden)
-        bucket = bucket or next(b for b in self._ready() if b >= n)
+        bucket = bucket or next(b for b in self.buckets if b >= n and b in self.bucket_cost)
         pad = bucket - n
         c = self.config
         positions = np.concatenate([positions, np.zeros(pad, dtype=positions.dtype)])
