@@ -34,6 +34,8 @@ takes a hidden state in and all slices compile the same kernels whatever their r
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import attrs
 import numpy as np
 from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
@@ -51,7 +53,7 @@ from ..weights.contract import EMBEDDING, OUTPUT_NORM
 
 # numpy types the CPU device can compute on in place, as tinygrad's
 _FROM_BLOB = {np.float32: dtypes.float32, np.float16: dtypes.float16, np.int8: dtypes.int8, np.uint8: dtypes.uint8,
-              np.uint16: dtypes.uint16}
+              np.uint16: dtypes.uint16, np.int32: dtypes.int32}
 
 # HF rotate-half RoPE: the first and second halves of each head form the rotary pairs.
 
@@ -86,12 +88,12 @@ def _kv_store(cache: UOp, rows: UOp, index: UOp) -> UOp:
 class Block:
     """One transformer block and the KV cache of every slot: (slots × max_context, 2 × kv_heads × head_dim)."""
 
-    def __init__(self, config: ModelConfig, w: dict[str, Tensor], slots: int):
+    def __init__(self, config: ModelConfig, w: dict[str, Tensor], slots: int, zeros: Callable[..., Tensor]):
         self.config, self.w, self.slots = config, w, slots
         c = config
         # on the CPU, worker/compute/cpu_attention.py's kernel; elsewhere tinygrad's own attention
         self.hand_written = Device.DEFAULT.startswith("CPU") and c.head_dim % 8 == 0
-        self.cache = Tensor.zeros(slots * c.max_context, 2 * c.n_kv_heads * c.head_dim).contiguous().realize()
+        self.cache = zeros((slots * c.max_context, 2 * c.n_kv_heads * c.head_dim))
 
     def __call__(self, x: Tensor, rows: _Rows, kv_len: UOp, searched: bool) -> Tensor:
         c, w = self.config, self.w
@@ -144,9 +146,9 @@ class _StepInputs:
     ints (3, b) = position | slot | cache row. On the CPU they are written in place through a
     zero-copy view; copying a fresh numpy array in costs more than a small step (docs/benchmarks.md)."""
 
-    def __init__(self, rows: int, dim: int, head_dim: int):
-        self.floats = Tensor.zeros(rows, dim + head_dim).contiguous().realize()
-        self.ints = Tensor.zeros(3, rows, dtype=dtypes.int32).contiguous().realize()
+    def __init__(self, rows: int, dim: int, head_dim: int, zeros: Callable[..., Tensor]):
+        self.floats = zeros((rows, dim + head_dim))
+        self.ints = zeros((3, rows), np.int32)
 
     def write(self, floats: np.ndarray, ints: np.ndarray) -> None:
         _write(self.floats, floats)
@@ -197,7 +199,7 @@ class StageModel:
         self._backing: list[np.ndarray] = []  # host arrays the CPU device uses in place (see _put)
         dev = {name: self._on_device(tensors.pop(name)) for name in [n for n in tensors if n != EMBEDDING]}
         self.blocks = [Block(config, {k.split(".")[2]: v for k, v in dev.items() if k.startswith(f"blk.{i}.")},
-                             max_seqs + 1) for i in layers]
+                             max_seqs + 1, self._zeros) for i in layers]
         self.head, self._head_host = None, None
         if head_weight is not None:
             host = tensors[head_weight] if head_weight not in dev else None  # a tied head: the embedding
@@ -209,8 +211,8 @@ class StageModel:
         whole_graphs.install()  # before the first capture
         device_wait.install()
         self._graphs, self._head_graphs = self._new_graphs(), self._new_head_graphs()
-        self._inputs = {b: _StepInputs(b, config.dim, config.head_dim) for b in self.buckets}
-        self._head_inputs = {b: Tensor.zeros(b, config.dim).contiguous().realize() for b in self._head_graphs}
+        self._inputs = {b: _StepInputs(b, config.dim, config.head_dim, self._zeros) for b in self.buckets}
+        self._head_inputs = {b: self._zeros((b, config.dim)) for b in self._head_graphs}
         # the buckets steps may use (all of them before warm_up) and one call's seconds in each
         self.bucket_cost = unmeasured_cost(self.buckets)
         self._beam = 0  # the kernel search warm_up was asked for, which later captures keep
@@ -229,6 +231,11 @@ class StageModel:
 
     def _on_device(self, weight: np.ndarray | Packed) -> Tensor | DeviceWeight:
         return to_device(weight, self._put) if isinstance(weight, Packed) else self._put(weight)
+
+    def _zeros(self, shape: tuple[int, ...], dtype=np.float32) -> Tensor:
+        """A buffer of zeros on the device, from host memory: a zeros kernel per shape cost 0.3-0.6 s of
+        scheduling each, 2-3 s of a slice's load (issue 36's profile)."""
+        return self._put(np.zeros(shape, dtype))
 
     def _put(self, array: np.ndarray) -> Tensor:
         """An array on the device. The CPU device computes on the host array itself (no copy, kept alive
