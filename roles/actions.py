@@ -188,8 +188,10 @@ def from_cache(start: RequestStart | None) -> FromCache | None:
 
 
 def compute(step: Step, worker: Worker, items: list) -> tuple[list, float]:
-    """On the compute thread: free the slots of ended requests, then run the step's items as one batch.
-    Returns the results and the step's wall time in ms."""
+    """On the compute thread: tell the worker of replayed requests, free the slots of ended ones, then run
+    the step's items as one batch. Returns the results and the step's wall time in ms."""
+    for rid in step.restart:
+        worker.restart(rid)
     for rid, keep_as in step.release:
         worker.release(rid, keep_as=keep_as)
     ms: list[float] = []

@@ -79,6 +79,7 @@ class Step:
     units: tuple[Unit, ...]
     # requests whose slots the worker frees before computing, each with the name to keep its KV under ("": none)
     release: tuple[tuple[str, str], ...]
+    restart: tuple[str, ...] = ()  # requests whose next rows begin a new life in the slot they hold (a replay)
 
 
 def decode_group(running: int, num_stages: int) -> int:
@@ -141,6 +142,7 @@ class StageQueue:
         self.waiting: list[Unit] = []
         self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._release: list[tuple[str, str]] = []
+        self._restart: list[str] = []
 
     def add(self, unit: Unit) -> None:
         self.waiting.append(unit)
@@ -158,10 +160,10 @@ class StageQueue:
         self._release.append((request_id, keep_as))
 
     def restart(self, request_id: str) -> None:
-        """The request begins a new life (a replay): drop its waiting rows and free its slot before the next
-        step, which may hold its new first rows."""
+        """The request begins a new life (a replay): drop its waiting rows; before the next step, which may
+        hold its new first rows, the worker hears of it (what the slot holds is not computed again)."""
         self.waiting = [u for u in self.waiting if u.request_id != request_id]
-        self._release.append((request_id, ""))
+        self._restart.append(request_id)
 
     def release_again(self, releases) -> None:
         """Free these slots before the next step: those of a step whose compute failed before freeing them."""
@@ -182,8 +184,8 @@ class StageQueue:
             else:
                 rest.append(unit)
         self.waiting = rest
-        if not units and not self._release:
+        if not units and not self._release and not self._restart:
             return None
-        step = Step(tuple(units), tuple(self._release))
-        self._release = []
+        step = Step(tuple(units), tuple(self._release), tuple(self._restart))
+        self._release, self._restart = [], []
         return step

@@ -139,6 +139,9 @@ class Worker(Protocol):
     def release(self, request_id: str, *, keep_as: str = "") -> None:
         """Free a request's slot, or keep its KV as the prefix-cache entry `keep_as`."""
 
+    def restart(self, request_id: str) -> None:
+        """The request's next item begins a new life (a replay), in the slot it holds."""
+
     def sample(self, request_id: str, logits: np.ndarray, *, prompt_ids: Sequence[int] = (),
                output_ids: Sequence[int] = (), stop_ids: frozenset[int] | None = None,
                allowed: np.ndarray | None = None) -> int:

@@ -2,21 +2,63 @@
 sequence slots, each holding the KV of a finished request's first `length` positions, least recently used
 first. A request starts from one by taking its slot, or by having its rows copied into a free slot; where
 no slot is free, the least recently used entry gives up its own (entries stage 0 no longer counts, such as
-those of a chain before a stage was replaced)."""
+those of a chain before a stage was replaced).
+
+Beside its KV, a first or middle stage keeps the output rows it passed on (`KeptRows`), for a request and for
+an entry alike: a replay of the request serves them again rather than computing them (worker/slots.py)."""
 from __future__ import annotations
 
 import collections
 from collections.abc import Iterable
 
 import attrs
+import numpy as np
 
 from .errors import PrefixMissing
+
+
+class KeptRows:
+    """The output rows of positions [first, end), as the arrays the steps made (never written after). Rows
+    are added in runs; a run that does not touch the ones held starts them over."""
+
+    def __init__(self, first: int = 0, chunks: tuple[np.ndarray, ...] = ()):
+        self.first, self._chunks = first, list(chunks)
+        self.end = first + sum(len(c) for c in chunks)
+
+    def add(self, position: int, rows: np.ndarray) -> None:
+        if self._chunks and position == self.end:
+            self._chunks.append(rows)
+            self.end += len(rows)
+        elif self._chunks and position + len(rows) == self.first:
+            self._chunks.insert(0, rows)
+            self.first = position
+        else:
+            self.first, self.end, self._chunks = position, position + len(rows), [rows]
+
+    def span(self, lo: int, hi: int) -> np.ndarray:
+        """The rows of positions [lo, hi), which must lie inside [first, end)."""
+        if not self.first <= lo < hi <= self.end:
+            raise ValueError(f"rows [{lo}, {hi}) are not all kept: [{self.first}, {self.end}) are")
+        out, at = [], self.first
+        for chunk in self._chunks:
+            a, b = max(lo, at), min(hi, at + len(chunk))
+            if a < b:
+                out.append(chunk[a - at:b - at])
+            at += len(chunk)
+        return out[0] if len(out) == 1 else np.concatenate(out)
+
+    def below(self, position: int) -> KeptRows:
+        """The rows of the positions below `position` (the same arrays)."""
+        if min(position, self.end) <= self.first:
+            return KeptRows()
+        return KeptRows(self.first, (self.span(self.first, min(position, self.end)),))
 
 
 @attrs.frozen
 class _Kept:
     slot: int
     length: int  # positions whose KV the slot holds
+    rows: KeptRows = attrs.Factory(KeptRows)
 
 
 class KeptSlots:
@@ -35,14 +77,17 @@ class KeptSlots:
     def slots(self) -> set[int]:
         return {k.slot for k in self._kept.values()}
 
-    def keep(self, name: str, slot: int, length: int) -> None:
-        """Keep `slot` under `name`, replacing any entry of the name."""
+    def keep(self, name: str, slot: int, length: int, rows: KeptRows | None = None) -> None:
+        """Keep `slot` under `name`, replacing any entry of the name; `rows`: the output rows kept with it."""
         self._kept.pop(name, None)
-        self._kept[name] = _Kept(slot, length)
+        self._kept[name] = _Kept(slot, length, rows if rows is not None else KeptRows())
 
     def forget(self, names: Iterable[str]) -> None:
         for name in names:
             self._kept.pop(name, None)
+
+    def rows(self, name: str) -> KeptRows:
+        return self._kept[name].rows
 
     def source(self, name: str, position: int, request_id: str) -> int:
         """The slot of the entry a request starts from at `position`, now the most recently used; raises

@@ -4,6 +4,10 @@ A request takes a slot with its step at position 0 and holds it until released. 
 name a prefix-cache entry (StepItem.from_cache, worker/kept.py): it then starts at that position, in the
 entry's very slot (`take`) or in a free slot the entry's rows are copied into. A slot is needed and none is
 free: the least recently used entry gives up its own. Compute thread only, but for `len`.
+
+A replay (issue 36): `restart` marks a request whose next item begins a new life. That life keeps the slot
+and the KV it holds (`held`: the positions of the earlier life, the same tokens), and may start at any
+position up to there; worker/stage.py then computes only what the slot lacks (worker/resume.py).
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import numpy as np
 
 from .contract import FromCache, Sampling, StepItem
 from .errors import WorkerError
-from .kept import KeptSlots
+from .kept import KeptRows, KeptSlots
 from .sampling import rng_for
 
 
@@ -24,6 +28,14 @@ class Request:
     next_position: int
     sampling: Sampling
     rng: np.random.Generator
+    rows: KeptRows = attrs.Factory(KeptRows)  # first and middle stages: the output rows passed on
+    held: int = 0  # this life's first positions whose KV an earlier life left in the slot
+    restarting: bool = False  # the next item begins a new life
+
+    @property
+    def valid(self) -> int:
+        """Positions whose KV the slot holds: what this life computed, or an earlier one left."""
+        return max(self.held, self.next_position)
 
 
 class Slots:
@@ -46,6 +58,8 @@ class Slots:
             raise WorkerError(f"request {rid!r}: position {position} + {item.rows} tokens exceeds the "
                               f"context of {self.max_context}")
         req = self.requests.get(rid) or starting.get(rid)
+        if req is not None and req.restarting:
+            req = self._resume(req, item)
         if req is None:
             if position != 0 and not (item.from_cache and item.from_cache.entry):
                 raise WorkerError(f"unknown request {rid!r} (never started here, or released)")
@@ -67,7 +81,30 @@ class Slots:
         request is a no-op."""
         req = self.requests.pop(request_id, None)
         if req is not None and keep_as:
-            self.kept.keep(keep_as, req.slot, req.next_position)
+            self.kept.keep(keep_as, req.slot, req.next_position, req.rows.below(req.next_position))
+
+    def restart(self, request_id: str) -> None:
+        """The request's next item begins a new life, which keeps the slot and what it holds; an unknown
+        request (never started here, or released) starts afresh."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            req.restarting = True
+
+    def _resume(self, req: Request, item: StepItem) -> Request | None:
+        """The new life's first item, in the slot of the earlier one; None where it starts past what the slot
+        holds (the slot is freed: the item starts afresh). A prefix-cache entry the item names is not needed:
+        one it was to take is given up, as stage 0 counts it taken."""
+        rng = rng_for(item.sampling)  # a bad seed fails this request alone, before anything changes
+        if item.position > req.valid:
+            self.requests.pop(item.request_id)
+            return None
+        start = item.from_cache or FromCache()
+        self.kept.forget(start.drop)
+        if start.take and start.entry:
+            self.kept.forget([start.entry])
+        req.held, req.next_position, req.restarting = req.valid, item.position, False
+        req.sampling, req.rng = item.sampling, rng
+        return req
 
     def _start(self, item: StepItem, starting: dict[str, Request]) -> Request:
         """A request's slot: a free one, or its cached prefix's (taken, or copied into a free one)."""
@@ -77,11 +114,12 @@ class Slots:
         if not start.entry:
             return Request(self._free_slot(item, starting), 0, item.sampling, rng)
         source = self.kept.source(start.entry, item.position, item.request_id)
+        rows = self.kept.rows(start.entry).below(item.position)
         if start.take:
-            return Request(self.kept.take(start.entry), item.position, item.sampling, rng)
+            return Request(self.kept.take(start.entry), item.position, item.sampling, rng, rows)
         slot = self._free_slot(item, starting, keep=start.entry)
         self._copy_rows(source, slot, item.position)
-        return Request(slot, item.position, item.sampling, rng)
+        return Request(slot, item.position, item.sampling, rng, rows)
 
     def _free_slot(self, item: StepItem, starting: dict[str, Request], keep: str = "") -> int:
         """A slot no request or entry holds; failing that, the least recently used entry's other than `keep`

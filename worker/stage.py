@@ -29,6 +29,7 @@ from .errors import WorkerError
 from .batching import Segment
 from .grammar import GrammarError, Matcher
 from .partition import Role, Shard
+from .resume import pieces
 from .sampling import sample, stop_set
 from .slice import Slice
 from .slots import Request, Slots
@@ -118,6 +119,11 @@ class StageWorker:
         any entry of the name; releasing an unknown request is a no-op so teardown can be repeated."""
         self._slots.release(request_id, keep_as=keep_as)
 
+    def restart(self, request_id: str) -> None:
+        """The request's next item begins a new life (a replay): it keeps the slot, and the rows the slot holds
+        are not computed again (worker/resume.py). An unknown request starts afresh."""
+        self._slots.restart(request_id)
+
     @property
     def kept(self) -> dict[str, int]:
         """The prefix-cache entries held here and the positions each holds (compute thread)."""
@@ -141,27 +147,55 @@ class StageWorker:
     # -- internals ---------------------------------------------------------------------------
     def _compute(self, accepted: list[tuple[int, StepItem, Request]], starting: dict[str, Request],
                  results: list) -> None:
-        segments = [Segment(req.slot, item.position, item.rows) for _, item, req in accepted]
-        hidden = np.concatenate([_input(item, self.info, self.compute) for _, item, _ in accepted])
-        wanted = _logit_rows([item for _, item, _ in accepted]) if self.role is Role.LAST else None
+        """Run the rows the slots lack as one batch (a replay's kept ones are not computed: worker/resume.py)
+        and fill in each item's result."""
+        last = self.role is Role.LAST
+        plans = [(i, item, req, self._pieces(item, req)) for i, item, req in accepted]
+        segments, inputs, wants_all = [], [], []
+        for _, item, req, parts in plans:
+            rows = _input(item, self.info, self.compute)
+            for start, stop, computed in parts:
+                if computed:
+                    segments.append(Segment(req.slot, start, stop - start))
+                    inputs.append(rows[start - item.position:stop - item.position])
+                    wants_all.append(item.all_logits)
+        out = self._forward(segments, inputs, wants_all, accepted) if segments else None
+        self._slots.requests.update(starting)
+        offset, n = 0, 0
+        for i, item, req, parts in plans:
+            req.next_position = item.position + item.rows
+            if last:  # one computed segment per item, its logits rows in order
+                k = segments[n].length if wants_all[n] else 1
+                results[i] = out[offset:offset + k] if wants_all[n] else out[offset]
+                offset, n = offset + k, n + 1
+                continue
+            chunks = []
+            for start, stop, computed in parts:
+                if computed:
+                    chunks.append(out[offset:offset + stop - start])
+                    req.rows.add(start, chunks[-1])
+                    offset += stop - start
+                else:
+                    chunks.append(req.rows.span(start, stop))
+            results[i] = (chunks[0] if len(chunks) == 1 else np.concatenate(chunks)).tobytes()
+
+    def _pieces(self, item: StepItem, req: Request) -> list:
+        if self.role is Role.LAST:  # every row's logits wanted: nothing is skipped
+            return pieces(item.position, item.rows, held=0 if item.all_logits else req.held, kept=None)
+        return pieces(item.position, item.rows, held=req.held, kept=(req.rows.first, req.rows.end))
+
+    def _forward(self, segments: list[Segment], inputs: list[np.ndarray], wants_all: list[bool],
+                 accepted: list) -> np.ndarray:
+        """The batch's computed rows: hidden rows, or (the last stage) the logits its segments want."""
+        hidden = np.concatenate(inputs)
         try:
-            out = (self.compute.forward_batch(hidden, segments) if wanted is None
-                   else self.compute.forward_batch(hidden, segments, logit_rows=wanted[0]))
+            if self.role is not Role.LAST or not any(wants_all):
+                return self.compute.forward_batch(hidden, segments)
+            return self.compute.forward_batch(hidden, segments, logit_rows=_logit_rows(segments, wants_all))
         except BaseException:
             for _, item, _ in accepted:
                 self.release(item.request_id)
             raise
-        self._slots.requests.update(starting)
-        offset = 0
-        for n, (i, item, req) in enumerate(accepted):
-            req.next_position = item.position + item.rows
-            if self.role is not Role.LAST:
-                results[i] = out[offset:offset + item.rows].tobytes()
-            elif wanted is None:
-                results[i] = out[n]
-            else:
-                results[i] = out[wanted[1][n]] if item.all_logits else out[wanted[1][n].stop - 1]
-            offset += item.rows
 
 
 def _check_input(item: StepItem, info: WorkerInfo) -> None:
@@ -184,15 +218,11 @@ def _input(item: StepItem, info: WorkerInfo, compute: Slice) -> np.ndarray:
     return np.frombuffer(item.hidden, dtype=np.float32).reshape(item.seq_len, info.hidden_dim)
 
 
-def _logit_rows(items: list[StepItem]) -> tuple[np.ndarray, list[slice]] | None:
-    """Which of a step's rows the head runs on, where some item wants every row's logits: the step's row
-    indices, and each item's slice of the head's output. None where every item wants only its last row."""
-    if not any(item.all_logits for item in items):
-        return None
-    rows, spans, offset, taken = [], [], 0, 0
-    for item in items:
-        mine = range(offset, offset + item.rows) if item.all_logits else range(offset + item.rows - 1, offset + item.rows)
-        rows.extend(mine)
-        spans.append(slice(taken, taken + len(mine)))
-        taken, offset = taken + len(mine), offset + item.rows
-    return np.asarray(rows), spans
+def _logit_rows(segments: list[Segment], wants_all: list[bool]) -> np.ndarray:
+    """Which of a step's rows the head runs on, where some segment wants every row's logits (a prompt's
+    logprobs): all of those segments' rows, and the last row of each other one, in order."""
+    rows, offset = [], 0
+    for s, every in zip(segments, wants_all):
+        rows.extend(range(offset, offset + s.length) if every else [offset + s.length - 1])
+        offset += s.length
+    return np.asarray(rows)
