@@ -63,15 +63,22 @@ def test_a_step_wants_a_missing_bucket_no_larger_than_its_rows(rows, captured, w
     assert warm.wanted(rows, captured, (1, 2, 4, 8, 16)) is wanted
 
 
+@pytest.mark.parametrize("most,captured,bucket", [
+    (4, {1}, 4), (5, {1}, 4), (16, {1}, 16), (64, {1, 16}, 8), (3, {1, 2}, 4), (0, {1}, 2), (1, {1, 2}, 4),
+])
+def test_the_bucket_captured_on_demand_is_the_largest_the_steps_wanted(most, captured, bucket):
+    assert warm.demanded(most, captured, (1, 2, 4, 8, 16)) == bucket
+
+
 def test_steps_that_keep_wanting_a_missing_bucket_ask_for_its_capture_and_it_resets():
     [first, _] = chain()
     first.warm_up(lazy=True)
     model, hidden = first.compute.model, np.zeros((4, first.compute.model.config.dim), dtype=np.float32)
-    for step in range(warm.DEMAND_STEPS):
+    for step in range(warm.DEMAND_ROWS // 4):
         assert not first.wants_capture, step
         model.forward_batch(hidden, [Segment(0, 0, 4)])
     assert first.wants_capture
-    assert first.warm_more()[0] == 2 and not first.wants_capture
+    assert first.warm_more()[0] == 4 and not first.wants_capture
 
 
 async def test_a_stage_captures_its_other_buckets_once_the_chain_serves_and_it_idles(nursery, tmp_path, monkeypatch):

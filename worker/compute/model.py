@@ -216,7 +216,8 @@ class StageModel:
         # the buckets steps may use (all of them before warm_up) and one call's seconds in each
         self.bucket_cost = unmeasured_cost(self.buckets)
         self._beam = 0  # the kernel search warm_up was asked for, which later captures keep
-        self._demand = 0  # steps since the last capture that a bucket not captured yet would have served
+        # since the last capture: rows of steps a bucket not captured yet would have served, and the most in one
+        self._demand, self._demand_most = 0, 0
 
     @property
     def max_batch(self) -> int:
@@ -307,7 +308,8 @@ class StageModel:
         positions = np.concatenate([np.arange(s.position, s.position + s.length) for s in segments])
         data = np.ascontiguousarray(hidden, dtype=np.float32)
         if len(self.bucket_cost) < len(self.buckets):  # a lazy warm_up left buckets to capture
-            self._demand += warm.wanted(len(data), self.bucket_cost, self.buckets)
+            if warm.wanted(len(data), self.bucket_cost, self.buckets):
+                self._demand, self._demand_most = self._demand + len(data), max(self._demand_most, len(data))
         outs, i = [], 0
         for n in split_rows(len(data), self.bucket_cost):
             outs.append(self.run_graph(data[i:i + n], slots[i:i + n], positions[i:i + n]))
@@ -377,20 +379,21 @@ class StageModel:
         return captured
 
     def warm_more(self) -> tuple[int, float] | None:
-        """Capture the smallest bucket not captured yet, and let steps use it: its size and the capture's
-        seconds, or None when every bucket is captured."""
-        missing = [b for b in self.buckets if b not in self.bucket_cost]
-        if not missing:
+        """Capture a bucket not captured yet, and let steps use it: the one the steps since the last capture
+        wanted most (warm.demanded), or at an idle moment the smallest. Its size and the capture's seconds,
+        or None when every bucket is captured."""
+        if len(self.bucket_cost) == len(self.buckets):
             return None
-        took, cost = warm.capture(self, missing[0], self._beam)
-        self.bucket_cost, self._demand = {**self.bucket_cost, missing[0]: cost}, 0
-        return missing[0], took
+        bucket = warm.demanded(self._demand_most if self.wants_capture else 0, self.bucket_cost, self.buckets)
+        took, cost = warm.capture(self, bucket, self._beam)
+        self.bucket_cost, self._demand, self._demand_most = {**self.bucket_cost, bucket: cost}, 0, 0
+        return bucket, took
 
     @property
     def wants_capture(self) -> bool:
-        """Enough steps were cut short for want of a bucket not captured yet (warm.DEMAND_STEPS) that the next
+        """Enough rows were cut short for want of a bucket not captured yet (warm.DEMAND_ROWS) that the next
         capture should not wait for an idle moment, which a stage under steady load never has."""
-        return self._demand >= warm.DEMAND_STEPS
+        return self._demand >= warm.DEMAND_ROWS
 
 
 def _check(hidden: np.ndarray, segments: list[Segment], config: ModelConfig, max_seqs: int) -> None:
