@@ -142,7 +142,8 @@ class LastActor(DownstreamActor):
                      for u, p in zip(step.units, progress)]
         results, ms = compute(step, worker, [StepItem(u.request_id, u.position, hidden=u.hidden, seq_len=u.rows,
                                                       sampling=u.start.sampling if u.start else GREEDY,
-                                                      all_logits=all_rows, from_cache=from_cache(u.start))
+                                                      all_logits=all_rows, logits=u.sample,
+                                                      from_cache=from_cache(u.start))
                                              for u, all_rows in zip(step.units, every_row)])
         return [r if isinstance(r, WorkerError) or p is None else self._pick(worker, u, p, r, all_rows)
                 for u, p, r, all_rows in zip(step.units, progress, results, every_row)], ms

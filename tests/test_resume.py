@@ -39,6 +39,15 @@ def test_an_item_is_cut_into_what_is_held_and_what_is_computed(position, rows, h
     assert pieces(position, rows, held=held, kept=kept) == expected
 
 
+@pytest.mark.parametrize("position, rows, held, expected", [
+    (0, 10, 25, [(0, 10, False)]),  # a prompt chunk before the last, all held: nothing at all
+    (0, 10, 6, [(0, 6, False), (6, 10, True)]),
+    (0, 10, 0, [(0, 10, True)]),
+])
+def test_the_last_stage_skips_every_held_row_of_a_chunk_whose_logits_nobody_wants(position, rows, held, expected):
+    assert pieces(position, rows, held=held, kept=None, last_row=False) == expected
+
+
 def test_kept_rows_grow_in_runs_and_hand_out_any_span():
     rows = KeptRows()
     data = np.arange(40, dtype=np.float32).reshape(10, 4)
@@ -170,3 +179,15 @@ def test_a_new_life_that_starts_past_what_the_slot_holds_starts_afresh():
     with pytest.raises(Exception, match="unknown request"):
         one(w0, StepItem(RID, 100, tokens=(2,)))  # the slot was freed: a start past position 0 is refused
     assert RID not in w0.active
+
+
+def test_the_last_stage_gives_no_logits_for_a_prompt_chunk_before_the_last():
+    model, workers = chain(2)
+    hidden = one(workers[0], StepItem(RID, 0, tokens=tuple(PROMPT)))
+    counted = Counted(workers)
+    head = []
+    inner = workers[1].compute.forward_batch
+    workers[1].compute.forward_batch = lambda h, segs, logit_rows=None: head.append(len(logit_rows)) or inner(
+        h, segs, logit_rows=logit_rows)
+    assert one(workers[1], StepItem(RID, 0, hidden=hidden, seq_len=len(PROMPT), logits=False)) is None
+    assert head == [0] and counted.total(1) == len(PROMPT)  # the rows fill the KV; the head runs on none

@@ -99,6 +99,7 @@ class StepItem:
     seq_len: int = 0  # rows of `hidden`; the first stage takes len(tokens)
     sampling: Sampling = GREEDY  # kept when the request starts (position 0), for the last stage's sampler
     all_logits: bool = False  # last stage: the logits of every row (a prompt's logprobs), not only the last
+    logits: bool = True  # last stage: the last row's logits are wanted (False: a prompt chunk before the last)
     from_cache: FromCache | None = None  # on a request's first step: where its slot comes from (prefix cache)
 
     @property

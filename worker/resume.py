@@ -15,13 +15,17 @@ from __future__ import annotations
 Piece = tuple[int, int, bool]
 
 
-def pieces(position: int, rows: int, *, held: int, kept: tuple[int, int] | None) -> list[Piece]:
+def pieces(position: int, rows: int, *, held: int, kept: tuple[int, int] | None, last_row: bool = True
+           ) -> list[Piece]:
     """The item [position, position + rows) of a request whose slot holds the earlier life's first `held`
     positions. `kept`: the positions [first, end) whose output rows are kept (first and middle stages);
-    None: the last stage, which needs no rows, only its KV, but computes the item's last row."""
+    None: the last stage, which needs no rows, only its KV, but computes the item's last row where its
+    logits are wanted (`last_row`)."""
     stop = position + rows
     if kept is None:
-        skip = min(held, stop - 1)
+        skip = min(held, stop - 1 if last_row else stop)
+        if skip >= stop:
+            return [(position, stop, False)]
         return [(position, skip, False), (skip, stop, True)] if skip > position else [(position, stop, True)]
     lo, hi = max(position, kept[0]), min(stop, kept[1], held)
     if lo >= hi:

@@ -149,25 +149,24 @@ class StageWorker:
                  results: list) -> None:
         """Run the rows the slots lack as one batch (a replay's kept ones are not computed: worker/resume.py)
         and fill in each item's result."""
-        last = self.role is Role.LAST
         plans = [(i, item, req, self._pieces(item, req)) for i, item, req in accepted]
-        segments, inputs, wants_all = [], [], []
+        segments, inputs, wants = [], [], []
         for _, item, req, parts in plans:
             rows = _input(item, self.info, self.compute)
             for start, stop, computed in parts:
                 if computed:
                     segments.append(Segment(req.slot, start, stop - start))
                     inputs.append(rows[start - item.position:stop - item.position])
-                    wants_all.append(item.all_logits)
-        out = self._forward(segments, inputs, wants_all, accepted) if segments else None
+                    wants.append(_wanted(item))
+        out = self._forward(segments, inputs, wants, accepted) if segments else None
         self._slots.requests.update(starting)
-        offset, n = 0, 0
+        offset = 0
         for i, item, req, parts in plans:
             req.next_position = item.position + item.rows
-            if last:  # one computed segment per item, its logits rows in order
-                k = segments[n].length if wants_all[n] else 1
-                results[i] = out[offset:offset + k] if wants_all[n] else out[offset]
-                offset, n = offset + k, n + 1
+            if self.role is Role.LAST:  # the logits rows of the item's one computed piece, if it wants any
+                k = _logit_count(item, item.rows)
+                results[i] = None if not k else out[offset] if not item.all_logits else out[offset:offset + k]
+                offset += k
                 continue
             chunks = []
             for start, stop, computed in parts:
@@ -181,21 +180,31 @@ class StageWorker:
 
     def _pieces(self, item: StepItem, req: Request) -> list:
         if self.role is Role.LAST:  # every row's logits wanted: nothing is skipped
-            return pieces(item.position, item.rows, held=0 if item.all_logits else req.held, kept=None)
+            return pieces(item.position, item.rows, held=0 if item.all_logits else req.held, kept=None,
+                          last_row=item.logits)
         return pieces(item.position, item.rows, held=req.held, kept=(req.rows.first, req.rows.end))
 
-    def _forward(self, segments: list[Segment], inputs: list[np.ndarray], wants_all: list[bool],
+    def _forward(self, segments: list[Segment], inputs: list[np.ndarray], wants: list[str],
                  accepted: list) -> np.ndarray:
         """The batch's computed rows: hidden rows, or (the last stage) the logits its segments want."""
         hidden = np.concatenate(inputs)
         try:
-            if self.role is not Role.LAST or not any(wants_all):
+            if self.role is not Role.LAST:
                 return self.compute.forward_batch(hidden, segments)
-            return self.compute.forward_batch(hidden, segments, logit_rows=_logit_rows(segments, wants_all))
+            return self.compute.forward_batch(hidden, segments, logit_rows=_logit_rows(segments, wants))
         except BaseException:
             for _, item, _ in accepted:
                 self.release(item.request_id)
             raise
+
+
+def _wanted(item: StepItem) -> str:
+    """The last stage: which logits of an item's computed rows are wanted: "all", the "last" row's, or "none"."""
+    return "all" if item.all_logits else "last" if item.logits else "none"
+
+
+def _logit_count(item: StepItem, rows: int) -> int:
+    return {"all": rows, "last": 1, "none": 0}[_wanted(item)]
 
 
 def _check_input(item: StepItem, info: WorkerInfo) -> None:
@@ -218,11 +227,12 @@ def _input(item: StepItem, info: WorkerInfo, compute: Slice) -> np.ndarray:
     return np.frombuffer(item.hidden, dtype=np.float32).reshape(item.seq_len, info.hidden_dim)
 
 
-def _logit_rows(segments: list[Segment], wants_all: list[bool]) -> np.ndarray:
-    """Which of a step's rows the head runs on, where some segment wants every row's logits (a prompt's
-    logprobs): all of those segments' rows, and the last row of each other one, in order."""
+def _logit_rows(segments: list[Segment], wants: list[str]) -> np.ndarray:
+    """Which of a step's rows the head runs on: every row of a segment that wants "all" (a prompt's logprobs),
+    the last of one that wants the "last", none of the others' (prompt chunks before the last), in order."""
     rows, offset = [], 0
-    for s, every in zip(segments, wants_all):
-        rows.extend(range(offset, offset + s.length) if every else [offset + s.length - 1])
+    for s, want in zip(segments, wants):
+        rows.extend(range(offset, offset + s.length) if want == "all" else
+                    [offset + s.length - 1] if want == "last" else [])
         offset += s.length
-    return np.asarray(rows)
+    return np.asarray(rows, dtype=np.int64)

@@ -87,6 +87,8 @@ class StubSlice:
         if not self._head:
             return out.astype(np.float32)
         rows = np.cumsum([s.length for s in segments]) - 1 if logit_rows is None else logit_rows
+        if not len(rows):
+            return np.zeros((0, STUB_VOCAB), dtype=np.float32)
         return np.stack([self._logits(out[r]) for r in rows])
 
     def copy_rows(self, src: int, dst: int, rows: int) -> None:

@@ -318,6 +318,8 @@ class StageModel:
         if self.head is None:
             return out
         rows = np.cumsum([s.length for s in segments]) - 1 if logit_rows is None else np.asarray(logit_rows)
+        if not len(rows):  # prompt chunks before the last: no logits wanted
+            return np.zeros((0, self.config.vocab_size), dtype=np.float32)
         return self._logits(out[rows])
 
     def forward(self, hidden: np.ndarray, start_pos: int) -> np.ndarray:
