@@ -75,7 +75,8 @@ def load_worker(config: NodeConfig, model_spec: str, shard: Shard):
     except (ModelFileError, ValueError) as exc:  # a bad path, file or name: the user's to fix, not a crash
         raise ModelRefused(f"stage {config.stage} cannot load model {config.model!r}: {exc}") from exc
     loaded = time.perf_counter()
-    captured = worker.warm_up(config.beam, lazy=True)  # the other buckets are captured while serving
+    # the other buckets are captured while serving
+    captured = worker.warm_up(config.beam, lazy=True, prompt_rows=config.chunked_prefill_size)
     return worker, {"open_model_s": round(opened - clock, 3), "weights_s": round(loaded - opened, 3),
                     "capture_s": round(time.perf_counter() - loaded, 3),
                     "capture_by_bucket_s": {b: round(s, 3) for b, s in captured.items()}}

@@ -27,14 +27,14 @@ def captured(worker) -> list[int]:
 
 def test_a_lazy_warm_up_captures_only_the_smallest_bucket_and_steps_use_it_alone():
     workers = chain()
-    assert [list(w.warm_up(lazy=True)) for w in workers] == [[1], [1]]
+    assert [list(w.warm_up(lazy=True, prompt_rows=1)) for w in workers] == [[1], [1]]
     result = run_chain(workers, list(range(3, 40)), 4)  # a prompt of 37 rows: 37 calls of bucket 1
     assert len(result.token_ids) == 4 and [captured(w) for w in workers] == [[1], [1]]
 
 
 def test_warm_more_captures_the_other_buckets_smallest_first_then_says_none():
     [first, _] = chain()
-    first.warm_up(lazy=True)
+    first.warm_up(lazy=True, prompt_rows=1)
     buckets = first.compute.model.buckets
     taken = []
     while (more := first.warm_more()) is not None:
@@ -46,7 +46,7 @@ def test_warm_more_captures_the_other_buckets_smallest_first_then_says_none():
 def test_a_lazily_warmed_chain_answers_bit_for_bit_as_a_fully_warmed_one():
     lazy, full = chain(3), chain(3)
     for w in lazy:
-        w.warm_up(lazy=True)
+        w.warm_up(lazy=True, prompt_rows=1)
     for w in full:
         w.warm_up()
     prompt = list(range(5, 30))
@@ -55,24 +55,30 @@ def test_a_lazily_warmed_chain_answers_bit_for_bit_as_a_fully_warmed_one():
     assert all(np.array_equal(x, y) for x, y in zip(a.logits, b.logits))
 
 
-@pytest.mark.parametrize("rows,captured,wanted", [
-    (1, {1}, False), (2, {1}, True), (3, {1, 2}, False), (4, {1, 2}, True), (16, {1, 2, 4, 8, 16}, False),
-    (16, {1, 2, 4, 8}, True), (5, {1, 2, 4, 16}, False),
+@pytest.mark.parametrize("rows,captured,missing", [
+    (1, {1}, None), (2, {1}, 2), (3, {1, 2}, None), (4, {1, 2}, 4), (4, {1, 4}, None), (3, {1, 4}, 2),
+    (16, {1, 2, 4, 8, 16}, None), (16, {1, 2, 4, 8}, 16), (12, {1, 4}, 8), (5, {1, 4, 16}, None), (40, {1, 4}, 16),
 ])
-def test_a_step_wants_a_missing_bucket_no_larger_than_its_rows(rows, captured, wanted):
-    assert warm.wanted(rows, captured, (1, 2, 4, 8, 16)) is wanted
+def test_a_missing_bucket_serves_a_step_where_the_plain_cut_of_its_rows_holds_it(rows, captured, missing):
+    assert warm.missing_for(rows, captured, (1, 2, 4, 8, 16)) == missing
+    assert warm.wanted(rows, captured, (1, 2, 4, 8, 16)) is (missing is not None)
 
 
-@pytest.mark.parametrize("most,captured,bucket", [
-    (4, {1}, 4), (5, {1}, 4), (16, {1}, 16), (64, {1, 16}, 8), (3, {1, 2}, 4), (0, {1}, 2), (1, {1, 2}, 4),
+@pytest.mark.parametrize("prompt_rows,boot", [(None, (1, 16)), (4, (1, 4)), (1, (1,)), (3, (1, 4)), (64, (1, 16))])
+def test_a_node_captures_the_smallest_bucket_and_the_one_a_prompt_chunk_fills_at_boot(prompt_rows, boot):
+    assert warm.boot_buckets((1, 2, 4, 8, 16), prompt_rows) == boot
+
+
+@pytest.mark.parametrize("want,captured,bucket", [
+    (4, {1}, 4), (16, {1}, 16), (8, {1, 16}, 8), (0, {1}, 2), (2, {1, 2}, 4), (0, {1, 4}, 2),
 ])
-def test_the_bucket_captured_on_demand_is_the_largest_the_steps_wanted(most, captured, bucket):
-    assert warm.demanded(most, captured, (1, 2, 4, 8, 16)) == bucket
+def test_the_bucket_captured_on_demand_is_the_largest_the_steps_lacked(want, captured, bucket):
+    assert warm.demanded(want, captured, (1, 2, 4, 8, 16)) == bucket
 
 
 def test_steps_that_keep_wanting_a_missing_bucket_ask_for_its_capture_and_it_resets():
     [first, _] = chain()
-    first.warm_up(lazy=True)
+    first.warm_up(lazy=True, prompt_rows=1)
     model, hidden = first.compute.model, np.zeros((4, first.compute.model.config.dim), dtype=np.float32)
     for step in range(warm.DEMAND_ROWS // 4):
         assert not first.wants_capture, step

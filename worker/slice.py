@@ -34,7 +34,8 @@ class Slice(Protocol):
     def copy_rows(self, src: int, dst: int, rows: int) -> None: ...
 
     # compile what the first request would, before it arrives; beam > 0: tinygrad's kernel search first
-    def warm_up(self, beam: int = 0, *, lazy: bool = False) -> dict[int, float]: ...  # seconds each capture took
+    def warm_up(self, beam: int = 0, *, lazy: bool = False, prompt_rows: int | None = None
+                ) -> dict[int, float]: ...  # seconds each capture took
     def warm_more(self) -> tuple[int, float] | None: ...  # (lazy) the next bucket captured, and its seconds
     @property
     def wants_capture(self) -> bool: ...  # steps keep wanting a bucket not captured yet

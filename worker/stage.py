@@ -96,12 +96,12 @@ class StageWorker:
         except GrammarError as exc:
             raise WorkerError(f"response_format: {exc}") from None
 
-    def warm_up(self, beam: int = 0, *, lazy: bool = False) -> dict[int, float]:
+    def warm_up(self, beam: int = 0, *, lazy: bool = False, prompt_rows: int | None = None) -> dict[int, float]:
         """Compile before the first request (a node calls this before it reports ready); with `beam`, search
         for faster kernels first (tinygrad's BEAM; what it finds is cached on disk for the next boot). `lazy`:
-        only the smallest step bucket now, the others one at a time by warm_more (worker/compute/warm.py).
-        Returns each capture's seconds."""
-        return self.compute.warm_up(beam, lazy=lazy)
+        only the smallest step bucket and the one a prompt chunk of `prompt_rows` fills now, the others one at
+        a time by warm_more (worker/compute/warm.py). Returns each capture's seconds."""
+        return self.compute.warm_up(beam, lazy=lazy, prompt_rows=prompt_rows)
 
     def warm_more(self) -> tuple[int, float] | None:
         """After a lazy warm_up, between steps: capture the next bucket (its size and seconds), or None once

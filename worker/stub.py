@@ -69,7 +69,7 @@ class StubSlice:
         ids = np.asarray(token_ids, dtype=np.int64)[:, None]
         return ((ids * 7 + np.arange(STUB_DIM)) % _MOD).astype(np.float32)
 
-    def warm_up(self, beam: int = 0, *, lazy: bool = False) -> dict[int, float]:
+    def warm_up(self, beam: int = 0, *, lazy: bool = False, prompt_rows: int | None = None) -> dict[int, float]:
         return {}  # nothing to compile
 
     def warm_more(self) -> tuple[int, float] | None:

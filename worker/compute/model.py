@@ -216,7 +216,7 @@ class StageModel:
         # the buckets steps may use (all of them before warm_up) and one call's seconds in each
         self.bucket_cost = unmeasured_cost(self.buckets)
         self._beam = 0  # the kernel search warm_up was asked for, which later captures keep
-        # since the last capture: rows of steps a bucket not captured yet would have served, and the most in one
+        # since the last capture: rows of steps a bucket not captured yet would have served, and the largest one
         self._demand, self._demand_most = 0, 0
 
     @property
@@ -308,8 +308,8 @@ class StageModel:
         positions = np.concatenate([np.arange(s.position, s.position + s.length) for s in segments])
         data = np.ascontiguousarray(hidden, dtype=np.float32)
         if len(self.bucket_cost) < len(self.buckets):  # a lazy warm_up left buckets to capture
-            if warm.wanted(len(data), self.bucket_cost, self.buckets):
-                self._demand, self._demand_most = self._demand + len(data), max(self._demand_most, len(data))
+            if (want := warm.missing_for(len(data), self.bucket_cost, self.buckets)) is not None:
+                self._demand, self._demand_most = self._demand + len(data), max(self._demand_most, want)
         outs, i = [], 0
         for n in split_rows(len(data), self.bucket_cost):
             outs.append(self.run_graph(data[i:i + n], slots[i:i + n], positions[i:i + n]))

@@ -8,6 +8,7 @@ import numpy as np
 
 from ..batching import DEFAULT_MAX_SEQS, Segment
 from ..config import ModelConfig
+from . import warm
 from .model import StageModel
 from ..weights.packed import Packed
 from ..weights.packed import dense as packed_dense
@@ -83,8 +84,9 @@ class TinygradSlice:
     def copy_rows(self, src: int, dst: int, rows: int) -> None:
         self.model.copy_rows(src, dst, rows)
 
-    def warm_up(self, beam: int = 0, *, lazy: bool = False) -> dict[int, float]:
-        return self.model.warm_up(beam, self.model.buckets[:1] if lazy else None)
+    def warm_up(self, beam: int = 0, *, lazy: bool = False, prompt_rows: int | None = None) -> dict[int, float]:
+        buckets = self.model.buckets
+        return self.model.warm_up(beam, warm.boot_buckets(buckets, prompt_rows) if lazy else None)
 
     def warm_more(self) -> tuple[int, float] | None:
         return self.model.warm_more()

@@ -1,10 +1,14 @@
-"""Capturing a slice's step graphs, one bucket at a time. A node captures the smallest bucket at boot and
-serves as soon as it is ready; the others are captured later, one between two steps, while the node has
+"""Capturing a slice's step graphs, one bucket at a time. A node captures at boot the smallest bucket and the one
+a prompt chunk fills (`boot_buckets`: decode rows and a chunked prefill's rows, a replay's included), and
+serves as soon as they are ready; the others are captured later, one between two steps, while the node has
 nothing to compute (StageWorker.warm_more), or at once after the steps since the last capture held DEMAND_ROWS
-rows a missing bucket would have served better (a stage under steady load is never idle): then the largest
-such bucket, since a replay's or a long prompt's rows want the largest. Until a bucket is captured, steps are cut into the buckets
-that are (worker/batching.py's split_rows prices only those), so a step never waits for a capture it does not
-need. Each capture is timed, and its bucket priced by the median of a few replays."""
+rows that a missing bucket would have served (a stage under steady load is never idle).
+
+A step is cut into the buckets captured (worker/batching.py's split_rows prices only those), so it never
+waits for a capture it does not need. A missing bucket serves a step where it is part of the step's rows cut
+the plain way, largest buckets first (`missing_for`: 12 rows are 8 + 4): a bucket the step's rows could only
+pad up to would not serve it better. Each capture is timed, and its bucket priced by the median of a few
+replays."""
 from __future__ import annotations
 
 import contextlib
@@ -17,18 +21,34 @@ WARM_UP_TIMINGS = 3  # replays per bucket after its capture; the median prices t
 DEMAND_ROWS = 64  # rows of steps a missing bucket would have served before it is captured without waiting for idle
 
 
+def boot_buckets(buckets: tuple[int, ...], prompt_rows: int | None) -> tuple[int, ...]:
+    """Pure: the buckets a node captures before it serves: the smallest, and the smallest that holds one
+    prompt chunk of `prompt_rows` (None: no cap, so the largest)."""
+    rows = buckets[-1] if prompt_rows is None else min(prompt_rows, buckets[-1])
+    return tuple(dict.fromkeys((buckets[0], next(b for b in buckets if b >= rows))))
+
+
+def missing_for(rows: int, captured, buckets: tuple[int, ...]) -> int | None:
+    """Pure: the largest bucket, not captured yet, of a step of `rows` rows cut the plain way (largest buckets
+    first); None where every bucket of that cut is captured."""
+    cut, left = [], rows
+    while left > 0:
+        b = max((b for b in buckets if b <= left), default=buckets[0])
+        cut.append(b)
+        left -= b
+    return max((b for b in cut if b not in captured), default=None)
+
+
 def wanted(rows: int, captured, buckets: tuple[int, ...]) -> bool:
-    """Pure: whether a step of `rows` rows would be served by a bucket not captured yet (one no larger than
-    it), so is cut into more calls than it needs."""
-    return any(b <= rows and b not in captured for b in buckets)
+    """Pure: whether a missing bucket would serve a step of `rows` rows (missing_for)."""
+    return missing_for(rows, captured, buckets) is not None
 
 
-def demanded(largest_rows: int, captured, buckets: tuple[int, ...]) -> int:
-    """Pure: the bucket to capture for steps of up to `largest_rows` rows: the largest missing one that fits
-    them, else the smallest missing one."""
+def demanded(want: int, captured, buckets: tuple[int, ...]) -> int:
+    """Pure: the bucket to capture: `want`, the largest the steps since the last capture lacked, where it is
+    missing (0: none), else the smallest missing one."""
     missing = [b for b in buckets if b not in captured]
-    fits = [b for b in missing if b <= largest_rows]
-    return fits[-1] if fits else missing[0]
+    return want if want in missing else missing[0]
 
 
 def capture(model, bucket: int, beam: int) -> tuple[float, float]:
