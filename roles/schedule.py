@@ -10,7 +10,9 @@ and the next step takes as many as fit in one batch of `max_rows`. The planner i
    sequence slots, so each step has room for every slot's decode row and at least as many prompt rows:
    prompts always advance too. The chunked prefill size (`prompt_rows`, a node's --chunked-prefill-size)
    caps a step's prompt rows lower still, so that a long prompt costs the streams decoding beside it
-   little per step (issue 25: the stall a prefill puts on them), at the price of more steps for it.
+   little per step (issue 25: the stall a prefill puts on them), at the price of more steps for it. Not while
+   a replay's rows wait: its stream stands still until they are through, and so usually does every other
+   (a replacement's chain replays every request in flight), so they go as fast as the step's room allows.
 3. A request's rows are taken in position order: a later piece is taken only after every earlier one.
 
 So the bound on a decode's wait is one step of at most `max_rows` rows, whatever the prompts' length.
@@ -102,6 +104,11 @@ def bucket_fill(decodes: int, room: int, max_rows: int) -> int:
     return max(fits) if fits else room
 
 
+def replays(unit: Unit) -> bool:
+    """A replay's prompt rows (a later life's): its stream stands still until they are through (rule 2)."""
+    return not unit.decode and unit.generation > 0
+
+
 def plan_rows(waiting: Sequence[Unit], max_rows: int, prompt_rows: int | None = None,
               decode_rows: int | None = None) -> list[int]:
     """How many rows of each waiting unit the next step takes (0: none), by the rules above; `prompt_rows`
@@ -115,7 +122,7 @@ def plan_rows(waiting: Sequence[Unit], max_rows: int, prompt_rows: int | None = 
         if u.decode and budget > 0 and decodes > 0 and u.request_id not in seen:  # never ahead of its own rows
             take[i], budget, decodes = 1, budget - 1, decodes - 1
         seen.add(u.request_id)
-    if prompt_rows is not None:
+    if prompt_rows is not None and not (prompt_rows and any(replays(u) for u in waiting)):
         budget = min(budget, prompt_rows)
     budget = bucket_fill(sum(take), budget, max_rows)
     blocked: set[str] = set()  # requests with an earlier piece not fully taken

@@ -14,6 +14,11 @@ def p(rid, rows, pos=0):
     return Unit(rid, pos, rows, decode=False, tokens=tuple(range(rows)))
 
 
+def r(rid, rows, pos=0):
+    """A replay's prompt rows: a later life's."""
+    return Unit(rid, pos, rows, decode=False, tokens=tuple(range(rows)), generation=1)
+
+
 @pytest.mark.parametrize("waiting,max_rows,want", [
     ([], 4, []),
     ([d("a"), d("b")], 4, [1, 1]),
@@ -38,6 +43,9 @@ def test_a_step_takes_waiting_rows_oldest_first_up_to_its_size_and_in_each_reque
     ([p("a", 2), p("b", 5)], 8, 4, [2, 2]),  # it bounds a step's prompt rows together
     ([d("x"), d("y"), p("a", 10)], 3, 4, [1, 1, 1]),  # the step's room still bounds everything
     ([d("x"), p("a", 10)], 8, None, [1, 7]),  # no chunk size: the step's room
+    ([r("a", 10)], 8, 3, [8]),  # a replay's rows wait: the chunk size does not bound the step
+    ([d("x"), r("a", 10), p("b", 5)], 8, 3, [1, 7, 0]),
+    ([r("a", 10)], 8, 0, [0]),  # no prompt rows at all (rule 5) still means none
 ])
 def test_the_chunked_prefill_size_caps_a_step_s_prompt_rows_beside_its_decodes(waiting, max_rows, prompt_rows, want):
     assert plan_rows(waiting, max_rows, prompt_rows) == want
