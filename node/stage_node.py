@@ -199,9 +199,10 @@ class StageNode:
     async def _idle(self, compute) -> None:
         """Nothing to compute: wait for work. Once the chain serves, a stage with step buckets left to capture
         (a lazy warm_up) captures one whenever CAPTURE_IDLE_S pass without work: not while the chain boots,
-        whose stages share the machine, nor between the steps of a request being answered, nor while a stage
-        is missing (its replacement boots, perhaps on this machine, and a replay follows)."""
-        if self._warming and self._chain_up and self._chain_whole():
+        whose stages share the machine, nor between the steps of a request being answered, nor while requests
+        hold slots here: rows that stop coming for them mean a stage is missing, whose replacement boots
+        (perhaps on this machine) and a replay follows, which a capture would only delay."""
+        if self._warming and self._chain_up and not self.worker.slots_in_use:
             with trio.move_on_after(CAPTURE_IDLE_S):
                 await self._work.wait()
             if not self._work.is_set():
@@ -210,11 +211,6 @@ class StageNode:
         else:
             await self._work.wait()
         self._work = trio.Event()
-
-    def _chain_whole(self) -> bool:
-        """Every stage of the chain has a ready holder, alive."""
-        holders = [self.swim.resolve(stage_name(i)) for i in range(self.shard.count)]
-        return all(m is not None and m.meta.ready and m.state is State.ALIVE for m in holders)
 
     async def _watch_chain_up(self, swim: Swim) -> None:
         """pp-entry resolves: every stage is ready, and the chain serves."""

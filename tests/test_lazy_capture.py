@@ -76,6 +76,32 @@ def test_the_bucket_captured_on_demand_is_the_largest_the_steps_lacked(want, cap
     assert warm.demanded(want, captured, (1, 2, 4, 8, 16)) == bucket
 
 
+COSTS = {1: 0.005, 4: 0.0092}  # a 10-block SmolLM2 slice's calls on this box (bucket 16 took 0.0305)
+
+
+def test_a_missing_bucket_is_priced_on_the_line_through_the_timed_ones():
+    assert warm.estimated({1: 0.005}, 16) is None
+    assert warm.estimated(COSTS, 16) == pytest.approx(0.005 + 15 * 0.0042 / 3)
+    assert warm.estimated(COSTS, 2) == pytest.approx(0.0064)
+
+
+@pytest.mark.parametrize("rows,want,seconds", [
+    (4, None, None),                                  # bucket 4 is there: nothing is lost
+    (16, 16, 4 * 0.0092 - (0.005 + 15 * 0.0014)),     # four calls of 4 against one of 16
+    (2, 2, 0.0092 - 0.0064),                          # padded to 4 (cheaper than 1 + 1) against one of 2
+])
+def test_a_step_loses_what_its_cut_costs_beyond_the_cut_with_the_bucket_it_lacks(rows, want, seconds):
+    found = warm.lost(rows, COSTS, (1, 2, 4, 8, 16))
+    assert (found is None) if want is None else (found[0] == want and found[1] == pytest.approx(seconds))
+
+
+def test_a_replay_s_prefill_does_not_pay_for_a_capture_it_would_not_earn_back():
+    """1440 rows in steps of 16 on a slice with buckets 1 and 4: each step loses ~11 ms without bucket 16,
+    ~1 s in all, less than the ~1.2 s a capture costs: no capture on demand in the middle of it."""
+    lost = sum(warm.lost(16, COSTS, (1, 2, 4, 8, 16))[1] for _ in range(1440 // 16))
+    assert 0.5 < lost < 1.2
+
+
 def test_steps_that_keep_wanting_a_missing_bucket_ask_for_its_capture_and_it_resets():
     [first, _] = chain()
     first.warm_up(lazy=True, prompt_rows=1)

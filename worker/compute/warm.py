@@ -2,7 +2,8 @@
 a prompt chunk fills (`boot_buckets`: decode rows and a chunked prefill's rows, a replay's included), and
 serves as soon as they are ready; the others are captured later, one between two steps, while the node has
 nothing to compute (StageWorker.warm_more), or at once after the steps since the last capture held DEMAND_ROWS
-rows that a missing bucket would have served (a stage under steady load is never idle).
+rows that a missing bucket would have served, and what those steps lost without it outweighs a capture
+(`lost`: ski rental, priced by the buckets already timed; a stage under steady load is never idle).
 
 A step is cut into the buckets captured (worker/batching.py's split_rows prices only those), so it never
 waits for a capture it does not need. A missing bucket serves a step where it is part of the step's rows cut
@@ -16,6 +17,8 @@ import time
 
 import numpy as np
 from tinygrad import Context
+
+from ..batching import split_rows
 
 WARM_UP_TIMINGS = 3  # replays per bucket after its capture; the median prices the bucket
 DEMAND_ROWS = 64  # rows of steps a missing bucket would have served before it is captured without waiting for idle
@@ -37,6 +40,34 @@ def missing_for(rows: int, captured, buckets: tuple[int, ...]) -> int | None:
         cut.append(b)
         left -= b
     return max((b for b in cut if b not in captured), default=None)
+
+
+def estimated(cost: dict[int, float], bucket: int) -> float | None:
+    """Pure: a bucket's call time on the least-squares line through the timed buckets' (rows, seconds): a
+    call costs a fixed part and a part per row. None with fewer than two timed."""
+    if len(cost) < 2:
+        return None
+    xs, ys = np.array(list(cost), dtype=float), np.array(list(cost.values()))
+    slope, intercept = np.polyfit(xs, ys, 1)
+    return max(float(intercept + slope * bucket), min(ys))
+
+
+def cut_cost(rows: int, cost: dict[int, float]) -> float:
+    """Pure: the time of a step of `rows` rows cut into the buckets priced in `cost`, at the least cost."""
+    buckets = sorted(cost)
+    return sum(cost[next(b for b in buckets if b >= n)] for n in split_rows(rows, cost))
+
+
+def lost(rows: int, cost: dict[int, float], buckets: tuple[int, ...]) -> tuple[int, float | None] | None:
+    """Pure: the missing bucket a step of `rows` rows wants (missing_for) and the seconds its cut loses
+    without it (None: not enough buckets timed to say); None where it wants none."""
+    want = missing_for(rows, cost, buckets)
+    if want is None:
+        return None
+    guess = estimated(cost, want)
+    if guess is None:
+        return want, None
+    return want, max(0.0, cut_cost(rows, cost) - cut_cost(rows, {**cost, want: guess}))
 
 
 def wanted(rows: int, captured, buckets: tuple[int, ...]) -> bool:
