@@ -93,6 +93,7 @@ async def _keep(swim, stage, holder, member_id, replace, ready_timeout_s, progre
     while True:
         why = await race(holder.ended, lambda: declared_dead(swim, member_id))
         lost_at = trio.current_time()
+        swim.confirm_dead(member_id)  # its process or instance is gone: no view need wait out a suspicion
         retired.add(member_id)
         held = "requests in flight wait" if stage else "its requests in flight were lost with it"
         progress(f"stage {stage} at {holder.url} {why}; starting a replacement ({held})")

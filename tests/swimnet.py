@@ -36,7 +36,8 @@ class SwimNet:
     def __init__(self, nursery: trio.Nursery):
         self._nursery = nursery
         self._nodes: dict[str, Swim] = {}
-        self.unreachable: set[str] = set()  # connection refused
+        self.unreachable: set[str] = set()  # no answer that says why (a partition, a dropped host)
+        self.gone: set[str] = set()  # connection refused: nothing listens there any more
         self.dropped: set[tuple[str, str]] = set()  # (src, dst): requests src -> dst vanish; the caller times out
         self.latency_s: dict[tuple[str, str], float] = {}  # one-way, per direction
         self.sent: Counter[tuple[str, str, str]] = Counter()  # (src, dst, kind): attempts
@@ -51,8 +52,10 @@ class SwimNet:
     async def deliver(self, src: str, dst: str, kind: str, msg: Any, handle: Callable[[Swim, Any], Awaitable[Any]]
                       ) -> Any:
         self.sent[(src, dst, kind)] += 1
+        if dst in self.gone:
+            raise TransportError(dst, "connection refused", refused=True)
         if dst in self.unreachable or dst not in self._nodes:
-            raise TransportError(dst, "connection refused")
+            raise TransportError(dst, "unreachable")
         if (src, dst) in self.dropped:
             await trio.sleep_forever()
         done, box = trio.Event(), {}
@@ -171,8 +174,9 @@ async def start_cluster(nursery: trio.Nursery, net: SwimNet, n: int) -> list[Nod
     return [first] + [await start_node(nursery, net, f"n{i}", seeds=[first.addr]) for i in range(1, n)]
 
 
-def kill(net: SwimNet, node: Node) -> None:
-    net.unreachable.add(node.addr)
+def kill(net: SwimNet, node: Node, *, refused: bool = False) -> None:
+    """The node stops; `refused`: its host refuses connections to it (its process exited), else no answer comes."""
+    (net.gone if refused else net.unreachable).add(node.addr)
     node.scope.cancel()
 
 

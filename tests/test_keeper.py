@@ -10,11 +10,15 @@ from runner.keeper import keep_stages, ready_member
 
 
 class View:
-    """The part of Swim the keeper reads: members() and wait_until()."""
+    """The part of Swim the keeper uses: members(), wait_until(), and confirm_dead() (recorded)."""
 
     def __init__(self, members):
         self._members = {m.id: m for m in members}
         self._changed = trio.Event()
+        self.confirmed: list[str] = []
+
+    def confirm_dead(self, member_id):
+        self.confirmed.append(member_id)
 
     def members(self):
         return dict(self._members)
@@ -100,6 +104,7 @@ async def test_a_holder_whose_process_ends_is_replaced_and_retired(nursery, auto
     await trio.sleep(10)
     assert c.started == [(1, 1)] and c.replaced == [(1, "u1.1")] and c.retired == ["u1"]
     assert any("stage 1 replaced in 5.0 s by u1.1; requests in flight resume" in line for line in c.lines)
+    assert c.view.confirmed == ["m1"]  # gossip hears it from the runner at once, with no suspicion to wait out
 
 
 async def test_a_member_gossip_declares_dead_is_replaced_though_its_process_runs(nursery, autojump_clock):

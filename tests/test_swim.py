@@ -55,6 +55,34 @@ async def test_killed_member_is_dead_in_every_survivor_within_the_detection_boun
     assert all(len(node.swim.alive()) == N - 1 for node in survivors)
 
 
+async def test_a_member_whose_connections_are_refused_is_dead_everywhere_without_a_suspicion_timeout(
+        nursery, autojump_clock):
+    """A refused connection is a probe's own proof that the process is gone: the first prober declares it dead
+    at once, and every view that hears the accusation checks it with a probe of its own right away."""
+    net = SwimNet(nursery)
+    nodes = await converged_cluster(nursery, net)
+    await trio.sleep(7.3 * T_S)
+    victim, survivors = nodes[3], nodes[:3] + nodes[4:]
+    kill(net, victim, refused=True)
+    with trio.fail_after((N - 1) * T_S + 3 * T_S):  # a round before the first probe, then the news; no timeout
+        async with trio.open_nursery() as waiters:
+            for node in survivors:
+                waiters.start_soon(node.swim.wait_for_dead, "n3")
+    assert [state_of("n3", node.swim) for node in survivors] == [State.DEAD] * 4
+
+
+async def test_a_member_accused_by_hearsay_is_probed_at_once_and_stays_alive_when_it_answers(nursery, autojump_clock):
+    net = SwimNet(nursery)
+    nodes = await converged_cluster(nursery, net)
+    accused = nodes[2].swim.members()["n2"]
+    before = net.sent[(addr_of("n0"), addr_of("n2"), "ping")]
+    nodes[0].swim.on_sync(Sync(members=(attrs.evolve(accused, state=State.DEAD),)))  # taken as suspect
+    await trio.sleep(T_S / 2)
+    assert net.sent[(addr_of("n0"), addr_of("n2"), "ping")] > before  # checked within half a period, not when its turn came
+    with trio.fail_after(2 * T_S):
+        await wait_everywhere(nodes, all_alive(IDS))
+
+
 async def test_dropped_link_is_bridged_by_a_relay_and_never_suspected(nursery, autojump_clock):
     net = SwimNet(nursery)
     nodes = await converged_cluster(nursery, net)

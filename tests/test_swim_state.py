@@ -176,3 +176,18 @@ def test_probing_walks_a_round_over_every_eligible_member_once():
         seen.append(target.id)
     assert sorted(seen[:2]) == ["a", "b"] and sorted(seen[2:]) == ["a", "b"]
     assert next_target(state_of(m("c", 1, D)), rng)[1] is None  # nobody to probe
+
+
+@pytest.mark.parametrize("other,after", [
+    (m("x", 3), State.DEAD), (m("x", 3, S), State.DEAD),  # known gone: dead at once, no timer
+    (m("x", 3, L), State.LEFT),  # already gone: left as it is
+])
+def test_a_member_known_gone_is_declared_dead_by_this_view_at_once(other, after):
+    state = swim_state.confirm_dead(state_of(other), "x", now_s=1.0)
+    assert state.view["x"].state is after and "x" not in state.suspicions
+
+
+def test_confirming_an_unknown_member_or_ourselves_dead_changes_nothing():
+    state = state_of(m("x", 3))
+    assert swim_state.confirm_dead(state, "nobody", now_s=1.0) is state
+    assert swim_state.confirm_dead(state, "me", now_s=1.0) is state

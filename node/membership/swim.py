@@ -27,9 +27,10 @@ T = TypeVar("T")
 class TransportError(Exception):
     """A request to a member failed: connection error, timeout or non-2xx answer."""
 
-    def __init__(self, addr: str, problem: str):
+    def __init__(self, addr: str, problem: str, *, refused: bool = False):
         super().__init__(f"{addr}: {problem}")
         self.addr, self.problem = addr, problem
+        self.refused = refused  # the connection was refused: nothing listens at addr any more
 
 
 class WrongTargetError(ValueError):
@@ -60,6 +61,8 @@ class Swim:
         self._seq = itertools.count(1)
         self._changed = trio.Event()  # set and replaced on every view change
         self._news = trio.Event()  # own metadata changed: the sync loop pushes it at once
+        self._suspects: dict[str, int] = {}  # members newly suspect, by incarnation: probed at once (_verify_loop)
+        self._verify = trio.Event()
         # Set, with yield_when_dead, once an answer holds this member dead (SwimState.yields): its owner exits.
         self.declared_dead = trio.Event()
 
@@ -109,6 +112,13 @@ class Swim:
         self._news.set()
         return self.me
 
+    def confirm_dead(self, member_id: str) -> None:
+        """Declare a member dead that is known gone without a probe (the runner saw its process exit), and
+        push the news at once: every view passes its names to a replacement now, not after a suspicion
+        timeout (issue 36: 1-4 s of a failover)."""
+        self._step(swim_state.confirm_dead, member_id)
+        self._news.set()
+
     # --- inbound, called by the HTTP layer ----------------------------------------------------------------
 
     async def on_ping(self, msg: Ping) -> Ack:
@@ -150,6 +160,7 @@ class Swim:
             delay = min(2 * delay, self.config.join_backoff_max_s)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._suspicion_loop)
+            nursery.start_soon(self._verify_loop)
             nursery.start_soon(self._sync_loop)
             nursery.start_soon(self._probe_loop)
             task_status.started()
@@ -206,9 +217,29 @@ class Swim:
             ack = await self._transport.ping(addr, msg)
         except TransportError as exc:  # a failed probe is an event for the protocol, not an error
             log.debug("%s: ping %s failed: %s", self._id, target_id, exc)
+            if exc.refused:  # nothing listens there: the member's process is gone, no suspicion to wait out
+                self._step(swim_state.confirm_dead, target_id)
             return False
         self._step(swim_state.absorb, ack.updates, Heard.ANSWER)
         return ack.seq == seq
+
+    async def _verify_loop(self) -> None:
+        """Probe each member that turns suspect at once, rather than when its turn comes round: an accusation
+        heard from another member (the runner's, whose child exited) is checked in one round trip, and a
+        refused connection ends it (issue 36: the chain waited 4 s for a suspicion to run out)."""
+        while True:
+            await self._verify.wait()
+            self._verify = trio.Event()
+            suspects, self._suspects = self._suspects, {}
+            async with trio.open_nursery() as nursery:
+                for member_id in suspects:
+                    member = self._state.view.get(member_id)
+                    if member is not None and member.state is State.SUSPECT:
+                        nursery.start_soon(self._ping_within, member.id, member.addr)
+
+    async def _ping_within(self, member_id: str, addr: str) -> None:
+        with trio.move_on_after(self.config.probe_timeout_s):
+            await self._ping(member_id, addr)
 
     async def _suspicion_loop(self) -> None:
         while True:
@@ -265,8 +296,16 @@ class Swim:
             log.warning("%s: the member view is full (%d records); members never seen before are refused while "
                         "no dead one can give way", self._id, len(new.view))
         if new.version != old.version:
+            self._note_suspects(old, new)
             self._changed.set()
             self._changed = trio.Event()
+
+    def _note_suspects(self, old: SwimState, new: SwimState) -> None:
+        for member_id, member in new.view.items():
+            before = old.view.get(member_id)
+            if member.state is State.SUSPECT and (before is None or before.state is not State.SUSPECT):
+                self._suspects[member_id] = member.incarnation
+                self._verify.set()
 
 
 async def _any(ask: Callable[[str], Awaitable[bool]], addrs: Iterable[str]) -> bool:

@@ -130,6 +130,15 @@ def probe_failed(state: SwimState, target_id: str, now_s: float) -> SwimState:
     return absorb(state, (attrs.evolve(state.view[target_id], state=State.SUSPECT),), Heard.OWN, now_s)
 
 
+def confirm_dead(state: SwimState, member_id: str, now_s: float) -> SwimState:
+    """The member is known gone without a probe (its process exited, its instance ended): dead, by this
+    view's own verdict, with no suspicion to wait out; a member not in the view, or gone already, is left."""
+    known = state.view.get(member_id)
+    if known is None or known.state not in (State.ALIVE, State.SUSPECT) or member_id == state.self_id:
+        return state
+    return absorb(state, (attrs.evolve(known, state=State.DEAD),), Heard.OWN, now_s)
+
+
 def expire(state: SwimState, now_s: float) -> SwimState:
     """Suspicions whose timers have run out end; a member still suspect at that incarnation is dead, by this
     view's own verdict (rules.expired_suspects)."""

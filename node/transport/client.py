@@ -17,9 +17,10 @@ FIRST_RETRY_S = 0.1  # the wait after a first failed try; each next wait is thre
 class PeerError(Exception):
     """A peer could not be reached, or answered with an error status."""
 
-    def __init__(self, url: str, problem: str, status: int | None = None):
+    def __init__(self, url: str, problem: str, status: int | None = None, *, refused: bool = False):
         super().__init__(f"{url}: {problem}")
         self.url, self.problem, self.status = url, problem, status
+        self.refused = refused  # every connection attempt was refused: nothing listens there any more
 
     @property
     def retryable(self) -> bool:
@@ -73,7 +74,7 @@ class PeerClient:
         try:
             r = await self._client.request(method, url, **kw)
         except httpx.HTTPError as exc:  # connection refused/reset, timeouts, protocol errors
-            raise PeerError(url, f"{type(exc).__name__}: {exc}") from None
+            raise PeerError(url, f"{type(exc).__name__}: {exc}", refused=connection_refused(exc)) from None
         if r.status_code >= 400:
             raise PeerError(url, f"HTTP {r.status_code}: {_error_text(r)}", r.status_code)
         return r
@@ -82,6 +83,19 @@ class PeerClient:
         """POST a pipeline message to the endpoint for its type."""
         path, body, content_type = wire.body_of(message)
         return await self.post(base, path, body, content_type)
+
+
+def connection_refused(exc: BaseException) -> bool:
+    """Whether every attempt to connect was refused (ECONNREFUSED, anywhere in the cause chain; trio raises a
+    group of one per address tried): the host answered that nothing listens at that port."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, ConnectionRefusedError):
+            return True
+        if isinstance(exc, BaseExceptionGroup):
+            return all(connection_refused(e) for e in exc.exceptions)
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 def _error_text(r: httpx.Response) -> str:
@@ -134,6 +148,6 @@ class HttpTransport:
         try:
             return wire.decode(kind, (await self._client.post(addr, path, wire.encode(msg))).content)
         except PeerError as exc:
-            raise TransportError(addr, exc.problem) from None
+            raise TransportError(addr, exc.problem, refused=exc.refused) from None
         except wire.WireError as exc:
             raise TransportError(addr, f"malformed answer: {exc}") from None
