@@ -36,7 +36,7 @@ from node.api.tokenize_api import add_tokenize_routes
 from node.compute import ComputeThread, open_compute_thread
 from node.config.network import advertised_url
 from node.config.settings import NodeConfig
-from node.membership.gossip import Member, Meta, SwimConfig
+from node.membership.gossip import TERMINAL, Member, Meta, SwimConfig
 from node.membership.swim import Swim
 from node.observe.log import event
 from node.downstream import DownstreamStage
@@ -62,9 +62,17 @@ class Replaced(RuntimeError):
     """The cluster has given this stage's place to another member: the node exits rather than serve on."""
 
 
-def load_worker(config: NodeConfig, model_spec: str, shard: Shard):
+def replacing(swim: Swim, stage: int) -> bool:
+    """Whether gossip holds an earlier holder of this stage that is gone: this node replaces it, and the
+    requests it held are replayed through this node as soon as it serves."""
+    return any(m.meta.stage == stage and m.state in TERMINAL and m.id != swim.me.id for m in swim.members().values())
+
+
+def load_worker(config: NodeConfig, model_spec: str, shard: Shard, replay_rows: int | None = None):
     """Runs on the compute thread: tinygrad state stays on the thread that made it. Returns the worker and
-    the seconds each phase took (the boot's timeline: bench/boot.py)."""
+    the seconds each phase took (the boot's timeline: bench/boot.py). `replay_rows`: a replacement's prompt
+    chunk, whose bucket it captures before it serves (a replay's rows come at once); else only the smallest
+    bucket is (at N = 5 on two cores one more capture per stage cost ~3 s of the cluster's boot)."""
     clock = time.perf_counter()
     try:
         model = open_model(model_spec, cache_dir=config.cache_dir, ollama_models_dir=config.ollama_models_dir,
@@ -76,7 +84,7 @@ def load_worker(config: NodeConfig, model_spec: str, shard: Shard):
         raise ModelRefused(f"stage {config.stage} cannot load model {config.model!r}: {exc}") from exc
     loaded = time.perf_counter()
     # the other buckets are captured while serving
-    captured = worker.warm_up(config.beam, lazy=True, prompt_rows=config.chunked_prefill_size)
+    captured = worker.warm_up(config.beam, lazy=True, prompt_rows=replay_rows or 1)
     return worker, {"open_model_s": round(opened - clock, 3), "weights_s": round(loaded - opened, 3),
                     "capture_s": round(time.perf_counter() - loaded, 3),
                     "capture_by_bucket_s": {b: round(s, 3) for b, s in captured.items()}}
@@ -189,7 +197,8 @@ async def _serve(config, swim_config, on_listening, compute, task_status) -> Non
         # otherwise sit idle until then.
         started = time.perf_counter()
         model_spec = await fetch_own_slice(config, swim, shard)
-        worker, phases = await compute.call(load_worker, config, model_spec, shard)
+        replay_rows = config.chunked_prefill_size if replacing(swim, shard.index) else None
+        worker, phases = await compute.call(load_worker, config, model_spec, shard, replay_rows)
         event(log, "worker_ready", seconds=round(time.perf_counter() - started, 3), layers=str(worker.info.shard.blocks),
               weight_bytes=worker.info.weight_bytes, **phases)
         node.attach(worker)

@@ -1,12 +1,15 @@
 """A node captures its smallest step bucket at boot and serves; the other buckets are captured later, one at a
 time, while it idles once the chain serves (worker/compute/warm.py, StageNode._idle). Until then steps are cut
 into the captured buckets alone, and every answer is the same as with every bucket captured."""
+import types
+
 import numpy as np
 import pytest
 import trio
 
 from cluster import PATIENT_SWIM, start_cluster
-from node import stage_node
+from node import main as node_main, stage_node
+from node.membership.gossip import Member, Meta, State
 from node.stage_node import StageNode
 from worker.batching import Segment
 from worker.chain import run_chain
@@ -128,3 +131,17 @@ async def test_a_stage_captures_its_other_buckets_once_the_chain_serves_and_it_i
         response = await orch.submit("Say hello", max_tokens=4)
     assert response.error is None and len(response.token_ids) == 4
     nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("others,replaces", [
+    ([], False),
+    ([("old", 1, State.DEAD)], True),     # the holder it replaces: its requests are replayed through it next
+    ([("old", 1, State.LEFT)], True),
+    ([("old", 1, State.SUSPECT)], False),  # not gone yet
+    ([("other", 2, State.DEAD)], False),   # another stage's
+])
+def test_a_node_captures_the_replay_bucket_at_boot_only_when_it_replaces_a_gone_holder(others, replaces):
+    me = Member("new", "http://n:1", 1, State.ALIVE, Meta(stage=1))
+    view = {me.id: me, **{i: Member(i, f"http://{i}:1", 1, s, Meta(stage=st)) for i, st, s in others}}
+    swim = types.SimpleNamespace(me=me, members=lambda: view)
+    assert node_main.replacing(swim, 1) is replaces
