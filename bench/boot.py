@@ -65,22 +65,32 @@ def _timeline(events: dict[str, dict], launched: float) -> dict:
             "listening_at": _at(events.get("listening"), launched),
             "open_model_s": ready.get("open_model_s"), "weights_s": ready.get("weights_s"),
             "capture_s": ready.get("capture_s"), "capture_by_bucket_s": ready.get("capture_by_bucket_s", {}),
-            "ready_at": _at(events.get("worker_ready"), launched), "serving_at": _at(events.get("serving"), launched)}
+            "ready_at": _at(events.get("worker_ready"), launched), "serving_at": _at(events.get("serving"), launched),
+            "first_steps": events.get("first_steps", {}).get("steps", [])}
 
 
 def _f(x) -> str:
     return "—" if x is None else f"{x:.1f}"
 
 
+def _steps(steps: list) -> str:
+    """A stage's first logged steps (rows, compute ms): a compile would stand out as a max far above the median."""
+    if not steps:
+        return "—"
+    ms = sorted(m for _, m in steps)
+    rows, top = max(steps, key=lambda s: s[1])
+    return f"{ms[len(ms) // 2]:.1f} / {top:.1f} ({rows})"
+
+
 def table(run: dict, label: str) -> str:
     lines = [f"{label}: launch to exit {run['launch_to_exit_s']:.1f} s, converge {run['converge_s']:.1f} s",
              "", "| stage | imports s | listening at | open model s | weights s | capture s (by bucket) | ready at "
-             "| serving at |", "|---|---|---|---|---|---|---|---|"]
+             "| serving at | first steps ms: median / max (rows of the max) |", "|---|---|---|---|---|---|---|---|---|"]
     for i, s in enumerate(run["stages"]):
         buckets = " / ".join(f"{v:.2f}" for v in s["capture_by_bucket_s"].values())
         lines.append(f"| {i} | {_f(s['imported_s'])} | {_f(s['listening_at'])} | {_f(s['open_model_s'])} "
                      f"| {_f(s['weights_s'])} | {_f(s['capture_s'])} ({buckets}) | {_f(s['ready_at'])} "
-                     f"| {_f(s['serving_at'])} |")
+                     f"| {_f(s['serving_at'])} | {_steps(s['first_steps'])} |")
     return "\n".join(lines)
 
 

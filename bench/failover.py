@@ -16,11 +16,13 @@ and the runner's lines: when it noticed the loss and when the replacement was re
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import signal
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import trio
@@ -80,12 +82,27 @@ async def streams(client: httpx.AsyncClient, api: Api, systems: list[str], max_t
     return answers, (killed[0] if killed else None)
 
 
+def replacement_log(run: ServedRun, stage: int, attempt: int) -> dict:
+    """From the replacement's own log: its boot's captures, the captures since, and its first steps' compute
+    times (ms, by rows), which show whether any step paid for a compile."""
+    text = next(t for _, t in run.lines if "logs in " in t)
+    path = Path(text.split("logs in ", 1)[1].split()[0]) / f"stage{stage}.r{attempt}.log"
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+    ready = next((r for r in records if r.get("event") == "worker_ready"), {})
+    steps = next((r["steps"] for r in records if r.get("event") == "first_steps"), [])
+    return {"boot_s": ready.get("seconds"), "boot_captures": ready.get("capture_by_bucket_s", {}),
+            "captured": [(r["bucket"], r["seconds"]) for r in records if r.get("event") == "captured"],
+            "first_steps": steps}
+
+
 async def one_round(client, api, run: ServedRun, systems, max_tokens, kill_stage, kill_after, undisturbed) -> dict:
     seen, (_, pid) = len(run.lines), run.holders()[kill_stage]
     answers, killed = await streams(client, api, systems, max_tokens, (kill_after, pid))
     noticed, _ = await run.wait_line(f"stage {kill_stage} at ", 60, after=seen)
     ready, line = await run.wait_line(f"stage {kill_stage} replaced in", 120, after=seen)
+    attempt = sum("replacement listening" in t for _, t in run.lines if f"stage {kill_stage}:" in t)
     return {"killed_pid": pid, "noticed_s": noticed - killed, "ready_s": ready - killed,
+            "replacement": replacement_log(run, kill_stage, attempt),
             "streams": [{"gap_s": a.longest_gap_s, "undisturbed_gap_s": u.longest_gap_s,
                          "last_after_kill_s": a.times[-1] - killed, "chunks": len(a.times),
                          "prompt_tokens": a.prompt_tokens, "identical": a.text == u.text}
@@ -126,6 +143,11 @@ def report(args, out: dict) -> list[str]:
         worst = max(s["gap_s"] for s in rnd["streams"])
         lines.append(f"- round {r}: longest gap {worst:.2f} s; runner noticed the loss after "
                      f"{rnd['noticed_s']:.2f} s, replacement ready after {rnd['ready_s']:.2f} s")
+        rep = rnd["replacement"]
+        steps = [ms for _, ms in rep["first_steps"]]
+        lines.append(f"  - replacement: loaded in {rep['boot_s']} s, capturing buckets {rep['boot_captures']} s; "
+                     f"captured since (bucket, s): {rep['captured'] or 'none'}; its first {len(steps)} steps' "
+                     f"compute ms (rows): {' '.join(f'{ms:g} ({rows})' for rows, ms in rep['first_steps'])}")
     lines.append(f"- after the rounds, every stream identical: {'yes' if all(out['after_identical']) else 'NO'}")
     return lines
 

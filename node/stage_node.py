@@ -190,7 +190,8 @@ class StageNode:
             for part, seconds in (("to_thread", ran_from - started), ("compute", ran_to - ran_from),
                                   ("back", resumed - ran_to)):
                 self.hops.record("step", part, seconds)
-            self.figures.stepped(sum(u.rows for u in step.units), ran_to - ran_from, resumed - started)
+            if self.figures.stepped(sum(u.rows for u in step.units), ran_to - ran_from, resumed - started):
+                event(log, "first_steps", steps=[list(s) for s in self.figures.first_steps])
             for action in self.actor.finish(step, outcome):
                 self.post(action)
             if self._warming and self.worker.wants_capture:  # under steady load: never idle long enough

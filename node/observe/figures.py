@@ -10,6 +10,9 @@ from node.observe import hops
 from node.observe.metrics import NodeMetrics
 
 
+FIRST_STEPS = 16  # steps whose compute times a node logs once (`first_steps`): bench/boot.py, bench/failover.py
+
+
 class StageFigures:
     def __init__(self, metrics: NodeMetrics):
         self.metrics = metrics
@@ -17,6 +20,7 @@ class StageFigures:
         self.last_answer: dict = {}  # stage 0: figures of the last answer followed here
         self.steps = self.rows = 0
         self.compute_s = 0.0
+        self.first_steps: list[tuple[int, float]] = []  # (rows, compute ms) of the first FIRST_STEPS steps
 
     def admitted(self, request_id: str, prompt_tokens: int | None) -> None:
         """Stage 0 admitted a request (`prompt_tokens` is None where the actor did not take it in)."""
@@ -45,12 +49,17 @@ class StageFigures:
                                 "decode_tokens_per_s": round((n - 1) / response.decode_s, 2)
                                 if n > 1 and response.decode_s > 0 else None}
 
-    def stepped(self, rows: int, compute_s: float, took_s: float) -> None:
-        """A step of `rows` computed for `compute_s` on the compute thread, `took_s` with the trips there and back."""
+    def stepped(self, rows: int, compute_s: float, took_s: float) -> bool:
+        """A step of `rows` computed for `compute_s` on the compute thread, `took_s` with the trips there and back.
+        True once the first FIRST_STEPS are in: the node logs them (no step after a boot compiles anything)."""
         self.metrics.step.observe(compute_s)
         self.compute_s += took_s
         self.steps += 1
         self.rows += rows
+        if len(self.first_steps) < FIRST_STEPS:
+            self.first_steps.append((rows, round(compute_s * 1000, 2)))
+            return len(self.first_steps) == FIRST_STEPS
+        return False
 
     def health(self) -> dict:
         return {"steps": self.steps, "rows": self.rows, "compute_s": round(self.compute_s, 3)}
