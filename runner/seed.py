@@ -25,6 +25,7 @@ from worker.contract import Sampling
 from .children import Child, child_env, log_tail, run_child
 from .common import RunFailed, RunResult, fail_on_signals, first_failure
 from .keeper import keep_stages, race
+from .phases import report_phases
 from .ports import stop_and_free_port
 from .session import Use, announce_entry, answer_once, serve
 
@@ -195,7 +196,10 @@ async def _converge(orch: Orchestrator, opts, children, started, progress) -> fl
 
     died = None
     with trio.move_on_after(opts.converge_timeout_s) as scope:
-        died = await race(converged, exited)
+        async with trio.open_nursery() as watching:
+            watching.start_soon(report_phases, orch.swim, opts.num_stages, progress, started)
+            died = await race(converged, exited)
+            watching.cancel_scope.cancel()
     if died is not None:
         raise RunFailed(f"stage {died.stage} exited with code {died.process.returncode} before the cluster "
                         f"converged")
