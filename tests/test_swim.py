@@ -9,7 +9,7 @@ import trio.testing
 from node.membership.gossip import MAX_ENTRIES, MAX_MEMBERS, Ack, Member, Meta, Nack, Ping, PingReq, State, Sync
 from node.membership.rules import suspicion_timeout_s
 from node.main import Replaced, step_aside_when_replaced
-from node.membership.swim import Swim, WrongTargetError
+from node.membership.swim import Swim, WrongTargetError, wait_for_dead
 from tests.swimnet import (T_S, TEST_CONFIG, CountedId, Node, SwimNet, Unplugged, addr_of, all_alive, kill, record_when,
                            start_cluster, start_node, state_of, wait_everywhere)
 
@@ -50,7 +50,7 @@ async def test_killed_member_is_dead_in_every_survivor_within_the_detection_boun
     with trio.fail_after(DETECTION_BOUND_S):
         async with trio.open_nursery() as waiters:
             for node in survivors:
-                waiters.start_soon(node.swim.wait_for_dead, "n3")
+                waiters.start_soon(wait_for_dead, node.swim, "n3")
     assert [state_of("n3", node.swim) for node in survivors] == [State.DEAD] * 4
     assert all(len(node.swim.alive()) == N - 1 for node in survivors)
 
@@ -67,7 +67,7 @@ async def test_a_member_whose_connections_are_refused_is_dead_everywhere_without
     with trio.fail_after((N - 1) * T_S + 3 * T_S):  # a round before the first probe, then the news; no timeout
         async with trio.open_nursery() as waiters:
             for node in survivors:
-                waiters.start_soon(node.swim.wait_for_dead, "n3")
+                waiters.start_soon(wait_for_dead, node.swim, "n3")
     assert [state_of("n3", node.swim) for node in survivors] == [State.DEAD] * 4
 
 

@@ -268,6 +268,11 @@ def pick_sync_peer(view: Mapping[str, Member], self_id: str, rng: random.Random)
 
 # --- suspicion --------------------------------------------------------------------------------------------
 
+def new_suspects(old: Mapping[str, Member], new: Mapping[str, Member]) -> list[str]:
+    """The members suspect in `new` that were not in `old`: each is probed at once (Swim's suspicion loop)."""
+    return [i for i, m in new.items() if m.state is State.SUSPECT and (i not in old or old[i].state is not State.SUSPECT)]
+
+
 def suspicion_timeout_s(n: int, config: SwimConfig, confirmations: int = 0) -> float:
     """memberlist: min = SuspicionMult * max(1, log10 n) * ProbeInterval; with Lifeguard's dogpile the timer
     starts at max = SuspicionMaxTimeoutMult * min and shrinks towards min as distinct members confirm."""

@@ -61,8 +61,7 @@ class Swim:
         self._seq = itertools.count(1)
         self._changed = trio.Event()  # set and replaced on every view change
         self._news = trio.Event()  # own metadata changed: the sync loop pushes it at once
-        self._suspects: dict[str, int] = {}  # members newly suspect, by incarnation: probed at once (_verify_loop)
-        self._verify = trio.Event()
+        self._suspects: list[str] = []  # members newly suspect: probed at once (_suspicion_loop)
         # Set, with yield_when_dead, once an answer holds this member dead (SwimState.yields): its owner exits.
         self.declared_dead = trio.Event()
 
@@ -94,12 +93,6 @@ class Swim:
             if result:
                 return result
             await changed.wait()
-
-    async def wait_for_dead(self, member_id: str) -> Member:
-        """Return the DEAD/LEFT record of `member_id` once it is (or already is) declared gone. A death
-        after the call is reported even if a restart has already replaced it in the view."""
-        deaths_before = self._state.deaths(member_id)
-        return await self.wait_until(lambda swim: swim._state.gone_since(member_id, deaths_before))
 
     # --- own metadata -------------------------------------------------------------------------------------
 
@@ -160,7 +153,6 @@ class Swim:
             delay = min(2 * delay, self.config.join_backoff_max_s)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._suspicion_loop)
-            nursery.start_soon(self._verify_loop)
             nursery.start_soon(self._sync_loop)
             nursery.start_soon(self._probe_loop)
             task_status.started()
@@ -223,30 +215,24 @@ class Swim:
         self._step(swim_state.absorb, ack.updates, Heard.ANSWER)
         return ack.seq == seq
 
-    async def _verify_loop(self) -> None:
-        """Probe each member that turns suspect at once, rather than when its turn comes round: an accusation
-        heard from another member (the runner's, whose child exited) is checked in one round trip, and a
-        refused connection ends it (issue 36: the chain waited 4 s for a suspicion to run out)."""
-        while True:
-            await self._verify.wait()
-            self._verify = trio.Event()
-            suspects, self._suspects = self._suspects, {}
-            async with trio.open_nursery() as nursery:
-                for member_id in suspects:
-                    member = self._state.view.get(member_id)
-                    if member is not None and member.state is State.SUSPECT:
-                        nursery.start_soon(self._ping_within, member.id, member.addr)
-
-    async def _ping_within(self, member_id: str, addr: str) -> None:
-        with trio.move_on_after(self.config.probe_timeout_s):
-            await self._ping(member_id, addr)
-
     async def _suspicion_loop(self) -> None:
-        while True:
-            changed = self._changed
-            with trio.move_on_at(self._state.next_deadline()):
-                await changed.wait()
-            self._step(swim_state.expire)
+        """Run out suspicion timers; and probe each member that turns suspect at once, rather than when its turn
+        comes round: an accusation heard from another member (the runner's, whose child exited) is checked in
+        one round trip, and a refused connection ends it (issue 36: the chain waited 4 s for a timer)."""
+        async def check(member: Member) -> None:
+            with trio.move_on_after(self.config.probe_timeout_s):
+                await self._ping(member.id, member.addr)
+
+        async with trio.open_nursery() as checks:
+            while True:
+                changed = self._changed
+                with trio.move_on_at(self._state.next_deadline()):
+                    await changed.wait()
+                self._step(swim_state.expire)
+                suspects, self._suspects = self._suspects, []
+                for member_id in suspects:
+                    if (member := self._state.view.get(member_id)) is not None and member.state is State.SUSPECT:
+                        checks.start_soon(check, member)
 
     async def _sync_loop(self) -> None:
         """A full sync with one member every sync_interval_s; own news (update_meta) goes to several at once."""
@@ -296,16 +282,17 @@ class Swim:
             log.warning("%s: the member view is full (%d records); members never seen before are refused while "
                         "no dead one can give way", self._id, len(new.view))
         if new.version != old.version:
-            self._note_suspects(old, new)
+            self._suspects += rules.new_suspects(old.view, new.view)
             self._changed.set()
             self._changed = trio.Event()
 
-    def _note_suspects(self, old: SwimState, new: SwimState) -> None:
-        for member_id, member in new.view.items():
-            before = old.view.get(member_id)
-            if member.state is State.SUSPECT and (before is None or before.state is not State.SUSPECT):
-                self._suspects[member_id] = member.incarnation
-                self._verify.set()
+
+
+async def wait_for_dead(swim: Swim, member_id: str) -> Member:
+    """The DEAD/LEFT record of `member_id` once it is (or already is) declared gone in `swim`'s view. A death
+    after the call is reported even if a restart has already replaced it in the view."""
+    deaths_before = swim._state.deaths(member_id)
+    return await swim.wait_until(lambda s: s._state.gone_since(member_id, deaths_before))
 
 
 async def _any(ask: Callable[[str], Awaitable[bool]], addrs: Iterable[str]) -> bool:

@@ -216,10 +216,7 @@ class StageModel:
         # the buckets steps may use (all of them before warm_up) and one call's seconds in each
         self.bucket_cost = unmeasured_cost(self.buckets)
         self._beam = 0  # the kernel search warm_up was asked for, which later captures keep
-        # since the last capture: rows of steps a bucket not captured yet would have served, the largest such
-        # bucket, and the seconds those steps lost without it (where the timed buckets can price it)
-        self._demand, self._demand_most, self._lost = 0, 0, 0.0
-        self._capture_s: list[float] = []  # each capture's seconds: what one more is likely to cost
+        self._demand = warm.Demand()  # what steps lacked since the last capture
 
     @property
     def max_batch(self) -> int:
@@ -310,7 +307,7 @@ class StageModel:
         positions = np.concatenate([np.arange(s.position, s.position + s.length) for s in segments])
         data = np.ascontiguousarray(hidden, dtype=np.float32)
         if len(self.bucket_cost) < len(self.buckets):  # a lazy warm_up left buckets to capture
-            self._count_demand(len(data))
+            self._demand.count(len(data), self.bucket_cost, self.buckets)
         outs, i = [], 0
         for n in split_rows(len(data), self.bucket_cost):
             outs.append(self.run_graph(data[i:i + n], slots[i:i + n], positions[i:i + n]))
@@ -379,7 +376,7 @@ class StageModel:
         self._beam, self.bucket_cost, captured = beam, {}, {}
         for bucket in buckets or self.buckets:
             captured[bucket], self.bucket_cost[bucket] = warm.capture(self, bucket, beam)
-        self._capture_s = list(captured.values())
+        self._demand.capture_s = list(captured.values())
         return captured
 
     def warm_more(self) -> tuple[int, float] | None:
@@ -388,27 +385,16 @@ class StageModel:
         or None when every bucket is captured."""
         if len(self.bucket_cost) == len(self.buckets):
             return None
-        bucket = warm.demanded(self._demand_most if self.wants_capture else 0, self.bucket_cost, self.buckets)
+        bucket = warm.demanded(self._demand.most if self.wants_capture else 0, self.bucket_cost, self.buckets)
         took, cost = warm.capture(self, bucket, self._beam)
-        self.bucket_cost, self._demand, self._demand_most, self._lost = {**self.bucket_cost, bucket: cost}, 0, 0, 0.0
-        self._capture_s.append(took)
+        self.bucket_cost = {**self.bucket_cost, bucket: cost}
+        self._demand.captured(took)
         return bucket, took
-
-    def _count_demand(self, rows: int) -> None:
-        found = warm.lost(rows, self.bucket_cost, self.buckets)
-        if found is not None:
-            want, seconds = found
-            self._demand, self._demand_most = self._demand + rows, max(self._demand_most, want)
-            self._lost = self._lost + seconds if seconds is not None and self._lost is not None else None
 
     @property
     def wants_capture(self) -> bool:
-        """Enough rows were cut short for want of a bucket not captured yet (warm.DEMAND_ROWS), and they lost
-        more time than a capture costs (where the timed buckets price it), that the next capture should not
-        wait for an idle moment, which a stage under steady load never has."""
-        if self._demand < warm.DEMAND_ROWS:
-            return False
-        return self._lost is None or not self._capture_s or self._lost >= sorted(self._capture_s)[len(self._capture_s) // 2]
+        """Steps lacked a bucket enough to capture it now (warm.Demand.pressing)."""
+        return self._demand.pressing
 
 
 def _check(hidden: np.ndarray, segments: list[Segment], config: ModelConfig, max_seqs: int) -> None:

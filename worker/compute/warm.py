@@ -82,6 +82,35 @@ def demanded(want: int, captured, buckets: tuple[int, ...]) -> int:
     return want if want in missing else missing[0]
 
 
+class Demand:
+    """Since the last capture: rows of steps a bucket not captured yet would have served, the largest such
+    bucket, and the seconds those steps lost without it (None: the timed buckets cannot price it); and each
+    capture's seconds, what one more is likely to cost. A stage's compute thread only."""
+
+    def __init__(self):
+        self.rows, self.most, self.lost = 0, 0, 0.0
+        self.capture_s: list[float] = []
+
+    def count(self, rows: int, cost: dict[int, float], buckets: tuple[int, ...]) -> None:
+        found = lost(rows, cost, buckets)
+        if found is not None:
+            want, seconds = found
+            self.rows, self.most = self.rows + rows, max(self.most, want)
+            self.lost = self.lost + seconds if seconds is not None and self.lost is not None else None
+
+    @property
+    def pressing(self) -> bool:
+        """DEMAND_ROWS rows were cut short for want of a bucket, and they lost more time than a capture costs
+        (where it can be priced): capture now rather than at an idle moment, which steady load never has."""
+        if self.rows < DEMAND_ROWS:
+            return False
+        return self.lost is None or not self.capture_s or self.lost >= sorted(self.capture_s)[len(self.capture_s) // 2]
+
+    def captured(self, seconds: float) -> None:
+        self.rows, self.most, self.lost = 0, 0, 0.0
+        self.capture_s.append(seconds)
+
+
 def capture(model, bucket: int, beam: int) -> tuple[float, float]:
     """Capture `bucket`'s step graph of StageModel `model` (and its head's, on the last stage) with calls that
     write only the scratch slot. Returns the capture's seconds and one call's (the median of the replays)."""
