@@ -68,11 +68,11 @@ def replacing(swim: Swim, stage: int) -> bool:
     return any(m.meta.stage == stage and m.state in TERMINAL and m.id != swim.me.id for m in swim.members().values())
 
 
-def load_worker(config: NodeConfig, model_spec: str, shard: Shard, replay_rows: int | None = None):
+def load_worker(config: NodeConfig, model_spec: str, shard: Shard, prompt_rows: int = 1):
     """Runs on the compute thread: tinygrad state stays on the thread that made it. Returns the worker and
-    the seconds each phase took (the boot's timeline: bench/boot.py). `replay_rows`: a replacement's prompt
-    chunk, whose bucket it captures before it serves (a replay's rows come at once); else only the smallest
-    bucket is (at N = 5 on two cores one more capture per stage cost ~3 s of the cluster's boot)."""
+    the seconds each phase took (the boot's timeline: bench/boot.py). `prompt_rows`: a replacement's prompt
+    chunk, whose bucket it captures before it serves (a replay's rows come at once); by default only the
+    smallest bucket is (at N = 5 on two cores, `bench.boot` priced bucket 4's capture at 4.3-5.0 s a stage)."""
     clock = time.perf_counter()
     try:
         model = open_model(model_spec, cache_dir=config.cache_dir, ollama_models_dir=config.ollama_models_dir,
@@ -84,7 +84,7 @@ def load_worker(config: NodeConfig, model_spec: str, shard: Shard, replay_rows: 
         raise ModelRefused(f"stage {config.stage} cannot load model {config.model!r}: {exc}") from exc
     loaded = time.perf_counter()
     # the other buckets are captured while serving
-    captured = worker.warm_up(config.beam, lazy=True, prompt_rows=replay_rows or 1)
+    captured = worker.warm_up(config.beam, lazy=True, prompt_rows=prompt_rows)
     return worker, {"open_model_s": round(opened - clock, 3), "weights_s": round(loaded - opened, 3),
                     "capture_s": round(time.perf_counter() - loaded, 3),
                     "capture_by_bucket_s": {b: round(s, 3) for b, s in captured.items()}}
@@ -197,8 +197,8 @@ async def _serve(config, swim_config, on_listening, compute, task_status) -> Non
         # otherwise sit idle until then.
         started = time.perf_counter()
         model_spec = await fetch_own_slice(config, swim, shard)
-        replay_rows = config.chunked_prefill_size if replacing(swim, shard.index) else None
-        worker, phases = await compute.call(load_worker, config, model_spec, shard, replay_rows)
+        prompt_rows = config.chunked_prefill_size if replacing(swim, shard.index) else 1
+        worker, phases = await compute.call(load_worker, config, model_spec, shard, prompt_rows)
         event(log, "worker_ready", seconds=round(time.perf_counter() - started, 3), layers=str(worker.info.shard.blocks),
               weight_bytes=worker.info.weight_bytes, **phases)
         node.attach(worker)

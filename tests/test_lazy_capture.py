@@ -64,7 +64,6 @@ def test_a_lazily_warmed_chain_answers_bit_for_bit_as_a_fully_warmed_one():
 ])
 def test_a_missing_bucket_serves_a_step_where_the_plain_cut_of_its_rows_holds_it(rows, captured, missing):
     assert warm.missing_for(rows, captured, (1, 2, 4, 8, 16)) == missing
-    assert warm.wanted(rows, captured, (1, 2, 4, 8, 16)) is (missing is not None)
 
 
 @pytest.mark.parametrize("prompt_rows,boot", [(None, (1, 16)), (4, (1, 4)), (1, (1,)), (3, (1, 4)), (64, (1, 16))])

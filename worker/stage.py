@@ -150,21 +150,21 @@ class StageWorker:
         """Run the rows the slots lack as one batch (a replay's kept ones are not computed: worker/resume.py)
         and fill in each item's result."""
         plans = [(i, item, req, self._pieces(item, req)) for i, item, req in accepted]
-        segments, inputs, wants = [], [], []
+        segments, inputs, wants = [], [], []  # wants: of each segment, its last rows whose logits are wanted
         for _, item, req, parts in plans:
             rows = _input(item, self.info, self.compute)
             for start, stop, computed in parts:
                 if computed:
                     segments.append(Segment(req.slot, start, stop - start))
                     inputs.append(rows[start - item.position:stop - item.position])
-                    wants.append(_wanted(item))
+                    wants.append(_logits_wanted(item, stop - start))
         out = self._forward(segments, inputs, wants, accepted) if segments else None
         self._slots.requests.update(starting)
         offset = 0
         for i, item, req, parts in plans:
             req.next_position = item.position + item.rows
             if self.role is Role.LAST:  # the logits rows of the item's one computed piece, if it wants any
-                k = _logit_count(item, item.rows)
+                k = _logits_wanted(item, item.rows)
                 results[i] = None if not k else out[offset] if not item.all_logits else out[offset:offset + k]
                 offset += k
                 continue
@@ -184,7 +184,7 @@ class StageWorker:
                           last_row=item.logits)
         return pieces(item.position, item.rows, held=req.held, kept=(req.rows.first, req.rows.end))
 
-    def _forward(self, segments: list[Segment], inputs: list[np.ndarray], wants: list[str],
+    def _forward(self, segments: list[Segment], inputs: list[np.ndarray], wants: list[int],
                  accepted: list) -> np.ndarray:
         """The batch's computed rows: hidden rows, or (the last stage) the logits its segments want."""
         hidden = np.concatenate(inputs)
@@ -198,13 +198,10 @@ class StageWorker:
             raise
 
 
-def _wanted(item: StepItem) -> str:
-    """The last stage: which logits of an item's computed rows are wanted: "all", the "last" row's, or "none"."""
-    return "all" if item.all_logits else "last" if item.logits else "none"
-
-
-def _logit_count(item: StepItem, rows: int) -> int:
-    return {"all": rows, "last": 1, "none": 0}[_wanted(item)]
+def _logits_wanted(item: StepItem, rows: int) -> int:
+    """The last stage: of `rows` computed rows of an item, how many (the last ones) need logits: every row
+    (a prompt's logprobs), the last (its rows end the prompt, or decode), or none (a prompt chunk before)."""
+    return rows if item.all_logits else 1 if item.logits else 0
 
 
 def _check_input(item: StepItem, info: WorkerInfo) -> None:
@@ -227,12 +224,10 @@ def _input(item: StepItem, info: WorkerInfo, compute: Slice) -> np.ndarray:
     return np.frombuffer(item.hidden, dtype=np.float32).reshape(item.seq_len, info.hidden_dim)
 
 
-def _logit_rows(segments: list[Segment], wants: list[str]) -> np.ndarray:
-    """Which of a step's rows the head runs on: every row of a segment that wants "all" (a prompt's logprobs),
-    the last of one that wants the "last", none of the others' (prompt chunks before the last), in order."""
+def _logit_rows(segments: list[Segment], wants: list[int]) -> np.ndarray:
+    """Which of a step's rows the head runs on: the last `wants[n]` rows of segment n, in order."""
     rows, offset = [], 0
-    for s, want in zip(segments, wants):
-        rows.extend(range(offset, offset + s.length) if want == "all" else
-                    [offset + s.length - 1] if want == "last" else [])
+    for s, k in zip(segments, wants):
         offset += s.length
+        rows.extend(range(offset - k, offset))
     return np.asarray(rows, dtype=np.int64)

@@ -287,7 +287,6 @@ class Swim:
             self._changed = trio.Event()
 
 
-
 async def wait_for_dead(swim: Swim, member_id: str) -> Member:
     """The DEAD/LEFT record of `member_id` once it is (or already is) declared gone in `swim`'s view. A death
     after the call is reported even if a restart has already replaced it in the view."""

@@ -233,8 +233,8 @@ class StageModel:
         return to_device(weight, self._put) if isinstance(weight, Packed) else self._put(weight)
 
     def _zeros(self, shape: tuple[int, ...], dtype=np.float32) -> Tensor:
-        """A buffer of zeros on the device, from host memory: a zeros kernel per shape cost 0.3-0.6 s of
-        scheduling each, 2-3 s of a slice's load (issue 36's profile)."""
+        """A buffer of zeros on the device, from host memory: a zeros kernel is scheduled and lowered per
+        shape, and those made most of a slice's weights phase (bench.boot at N = 5: 12.4-16.9 s → 2.7-3.2 s)."""
         return self._put(np.zeros(shape, dtype))
 
     def _put(self, array: np.ndarray) -> Tensor:
@@ -269,7 +269,7 @@ class StageModel:
                      floats[:, c.dim + half:].reshape(b, 1, 1, half), slot, cache_row, mask, ints)
         # Each block realized on its own: the blocks' schedules are the same function of their buffers, so
         # tinygrad schedules the first and finds the others in its schedule cache (SCACHE). One realize of
-        # all blocks was one schedule of ten times the size: a 10-block capture 2.2-3.0 s → 1.1-1.4 s alone.
+        # all blocks was one schedule of n times the size (docs/benchmarks.md, "Losing a stage").
         for block in self.blocks:
             x = block(x, rows, kv_len, self.searched).realize()
         return x

@@ -85,8 +85,7 @@ class TinygradSlice:
         self.model.copy_rows(src, dst, rows)
 
     def warm_up(self, beam: int = 0, *, lazy: bool = False, prompt_rows: int | None = None) -> dict[int, float]:
-        buckets = self.model.buckets
-        return self.model.warm_up(beam, warm.boot_buckets(buckets, prompt_rows) if lazy else None)
+        return self.model.warm_up(beam, warm.boot_buckets(self.model.buckets, prompt_rows) if lazy else None)
 
     def warm_more(self) -> tuple[int, float] | None:
         return self.model.warm_more()

@@ -70,11 +70,6 @@ def lost(rows: int, cost: dict[int, float], buckets: tuple[int, ...]) -> tuple[i
     return want, max(0.0, cut_cost(rows, cost) - cut_cost(rows, {**cost, want: guess}))
 
 
-def wanted(rows: int, captured, buckets: tuple[int, ...]) -> bool:
-    """Pure: whether a missing bucket would serve a step of `rows` rows (missing_for)."""
-    return missing_for(rows, captured, buckets) is not None
-
-
 def demanded(want: int, captured, buckets: tuple[int, ...]) -> int:
     """Pure: the bucket to capture: `want`, the largest the steps since the last capture lacked, where it is
     missing (0: none), else the smallest missing one."""
