@@ -7,6 +7,9 @@ object per line. SIGTERM or Ctrl-C stops it. Exit codes: 0 stopped, 1 the model 
 2 a bad setting, a model file that is no usable model (one line naming the file and what is wrong) or a
 port it cannot listen on, 3 the cluster declared it dead or gave its stage to
 another node (it was frozen or cut off too long) — it steps aside rather than serve a stale slice.
+
+With --standby (PP_STANDBY=1) the node is a warm spare (node/standby.py): it loads every stage but the first,
+prints `PP_STANDBY_READY`, and waits for its runner's line `take <stage>` on stdin before it listens.
 """
 from __future__ import annotations
 
@@ -27,9 +30,11 @@ from node.config.parse import parse_config
 from node.observe.log import error_event, event, setup_logging
 from node.transport.app import ListenError
 from node.main import ModelLoadError, ModelRefused, Replaced, run_node
+from node.standby import TakeRefused, run_standby
 
 
 EXIT_REPLACED = 3  # the cluster gave this stage to another node (see node.main.Replaced)
+STANDBY_READY = "PP_STANDBY_READY"  # a standby's line once its slices are loaded (runner/children.py reads it)
 
 
 def announce(url: str, *, imported: float) -> None:
@@ -39,19 +44,34 @@ def announce(url: str, *, imported: float) -> None:
 
 
 async def serve_until_signalled(config, imported: float) -> None:
+    listening = functools.partial(announce, imported=imported)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_cancel_on_signal, nursery.cancel_scope)
+        lines_in, lines = trio.open_memory_channel(1) if config.standby else (None, None)
         if config.exit_on_stdin_eof:
-            nursery.start_soon(_cancel_on_stdin_eof, nursery.cancel_scope)
-        await run_node(config, on_listening=functools.partial(announce, imported=imported))
+            nursery.start_soon(_read_stdin, nursery.cancel_scope, lines_in)
+        if config.standby:
+            await run_standby(config, lines, on_ready=announce_standby, on_listening=listening)
+        else:
+            await run_node(config, on_listening=listening)
+        nursery.cancel_scope.cancel()
 
 
-async def _cancel_on_stdin_eof(scope: trio.CancelScope) -> None:
-    """The local runner holds the other end of our stdin; if it dies, even by SIGKILL, we read EOF."""
+def announce_standby() -> None:
+    print(STANDBY_READY, flush=True)
+
+
+async def _read_stdin(scope: trio.CancelScope, lines: trio.MemorySendChannel | None) -> None:
+    """The local runner holds the other end of our stdin; if it dies, even by SIGKILL, we read EOF. A
+    standby's runner also names on it the stage to take (node/standby.py): each line goes to `lines`."""
     stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
+    buffer = b""
     async with stdin:
-        while await stdin.receive_some():
-            pass
+        while chunk := await stdin.receive_some():
+            buffer += chunk
+            while lines is not None and b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                await lines.send(line.decode(errors="replace"))
     scope.cancel()
 
 
@@ -69,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trio.run(serve_until_signalled, config, imported)
     except BaseExceptionGroup as group:
-        refused, _ = group.split((ListenError, ModelRefused))
+        refused, _ = group.split((ListenError, ModelRefused, TakeRefused))
         if refused is not None:  # a bad --port/--bind or model: argparse's convention, one line
             print(f"ppnode.py: error: {_first(refused)}", file=sys.stderr)
             return 2

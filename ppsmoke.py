@@ -13,6 +13,7 @@ VAST_API_KEY. A secret in argv is visible to every local user: prefer the variab
   python ppsmoke.py --seed -n 5 --serve --port 8000              # then use http://127.0.0.1:8000/v1
   python ppsmoke.py --seed -n 5 --serve --host 0.0.0.0 --port 8000  # reachable from other machines too
   PP_API_KEY=... python ppsmoke.py --seed -n 5 --serve --port 8000  # the clients' key of your choosing
+  python ppsmoke.py --seed -n 3 --serve --standby 1               # a warm spare takes a lost stage in seconds
   VAST_API_KEY=... python ppsmoke.py --vastai -n 5 --image you/pp-node:1 --model llama3.2:1b
   VAST_API_KEY=... python ppsmoke.py --vastai --destroy-leftovers
 """
@@ -118,6 +119,9 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep the cluster up and serve the OpenAI API on stage 0 until Ctrl-C, instead of one prompt")
     g.add_argument("--host", help="--seed: the interface stage 0 (the API) listens on, as vllm serve's --host: "
                    "0.0.0.0 or :: for every one (default 127.0.0.1, this machine only; the other stages stay there)")
+    g.add_argument("--standby", type=int, default=0, metavar="K",
+                   help="--seed --serve: K warm spares, each with every stage but the first loaded, started once the "
+                        "cluster is up; a lost stage is handed to one instead of a new process (default 0)")
     g.add_argument("--port", type=int, help="--seed: the port stage 0 (the API) listens on, so the API's URL stays "
                    "the same (default: any free port)")
 
@@ -166,6 +170,9 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
                         "vast.ai's port mapping")
     if args.host is not None and not args.host.strip():
         problems.append("--host is empty: name an interface's address, such as 127.0.0.1 or 0.0.0.0")
+    if args.standby and (args.standby < 0 or args.vastai or not args.serve):
+        problems.append("--standby K is for --seed --serve: K >= 0 local spares that take a lost stage (a rented "
+                        "cluster gets none yet)")
     if args.serve and args.json:
         problems.append("--json describes one answer; --serve answers many")
     if args.max_seqs < 1 or args.max_queue < 0:
@@ -333,7 +340,8 @@ def _seed_options(args, env) -> SeedOptions:
                        max_tokens=args.max_tokens, sampling=Sampling(args.temperature, args.top_p),
                        timeout_s=args.timeout, converge_timeout_s=args.converge_timeout,
                        base_env={**env, **serving_env(args)}, serve=args.serve, token=args.secrets.token,
-                       api_keys=args.secrets.api_keys, host=args.host, port=args.port, model_name=args.model)
+                       api_keys=args.secrets.api_keys, host=args.host, port=args.port, model_name=args.model,
+                       standby=args.standby)
 
 
 def _vast_options(args, env) -> VastOptions:

@@ -82,15 +82,23 @@ async def streams(client: httpx.AsyncClient, api: Api, systems: list[str], max_t
     return answers, (killed[0] if killed else None)
 
 
-def replacement_log(run: ServedRun, stage: int, attempt: int) -> dict:
-    """From the replacement's own log: its boot's captures, the captures since, and its first steps' compute
-    times (ms, by rows), which show whether any step paid for a compile."""
+def replacement_log(run: ServedRun, stage: int, taken_line: str) -> dict:
+    """From the replacement's own log (a new process's, or the standby's that took the stage): its boot's
+    captures, the captures since, and its first steps' compute times (ms, by rows), which show whether any step
+    paid for a compile."""
     text = next(t for _, t in run.lines if "logs in " in t)
-    path = Path(text.split("logs in ", 1)[1].split()[0]) / f"stage{stage}.r{attempt}.log"
+    run_dir = Path(text.split("logs in ", 1)[1].split()[0])
+    if " took it," in taken_line:  # "stage 1: standby standby0 took it, ..."
+        path = run_dir / (taken_line.split(" standby ", 1)[1].split()[0] + ".log")
+    else:
+        attempt = sum("replacement listening" in t for _, t in run.lines if f"stage {stage}:" in t)
+        path = run_dir / f"stage{stage}.r{attempt}.log"
     records = [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
     ready = next((r for r in records if r.get("event") == "worker_ready"), {})
+    standby = next((r for r in records if r.get("event") == "standby_ready"), None)
     steps = next((r["steps"] for r in records if r.get("event") == "first_steps"), [])
     return {"boot_s": ready.get("seconds"), "boot_captures": ready.get("capture_by_bucket_s", {}),
+            "standby_s": None if standby is None else standby["seconds"], "log": path.name,
             "captured": [(r["bucket"], r["seconds"]) for r in records if r.get("event") == "captured"],
             "first_steps": steps}
 
@@ -99,14 +107,20 @@ async def one_round(client, api, run: ServedRun, systems, max_tokens, kill_stage
     seen, (_, pid) = len(run.lines), run.holders()[kill_stage]
     answers, killed = await streams(client, api, systems, max_tokens, (kill_after, pid))
     noticed, _ = await run.wait_line(f"stage {kill_stage} at ", 60, after=seen)
+    _, taken = await run.wait_line(f"stage {kill_stage}: ", 120, after=seen)
     ready, line = await run.wait_line(f"stage {kill_stage} replaced in", 120, after=seen)
-    attempt = sum("replacement listening" in t for _, t in run.lines if f"stage {kill_stage}:" in t)
     return {"killed_pid": pid, "noticed_s": noticed - killed, "ready_s": ready - killed,
-            "replacement": replacement_log(run, kill_stage, attempt),
+            "replacement": replacement_log(run, kill_stage, taken),
             "streams": [{"gap_s": a.longest_gap_s, "undisturbed_gap_s": u.longest_gap_s,
                          "last_after_kill_s": a.times[-1] - killed, "chunks": len(a.times),
                          "prompt_tokens": a.prompt_tokens, "identical": a.text == u.text}
                         for a, u in zip(answers, undisturbed)]}
+
+
+async def spares_ready(run: ServedRun, count: int) -> None:
+    """Until the runner has said `count` spares were ready (each one taken is followed by a new one)."""
+    while sum(" ready in " in t and t.startswith("ppsmoke: standby ") for _, t in run.lines) < count:
+        await run.wait_line("ppsmoke: standby ", 180, after=len(run.lines))
 
 
 async def measure(args) -> dict:
@@ -119,6 +133,7 @@ async def measure(args) -> dict:
             undisturbed, _ = await streams(client, api, systems, args.max_tokens)
             rounds = []
             for r in range(args.rounds):
+                await spares_ready(run, args.standby * (r + 1))  # a taken spare's successor is ready again
                 rounds.append(await one_round(client, api, run, systems, args.max_tokens, args.kill_stage,
                                               args.kill_after, undisturbed))
                 print(f"  round {r + 1}: done", file=sys.stderr, flush=True)
@@ -145,7 +160,9 @@ def report(args, out: dict) -> list[str]:
                      f"{rnd['noticed_s']:.2f} s, replacement ready after {rnd['ready_s']:.2f} s")
         rep = rnd["replacement"]
         steps = [ms for _, ms in rep["first_steps"]]
-        lines.append(f"  - replacement: loaded in {rep['boot_s']} s, capturing buckets {rep['boot_captures']} s; "
+        spare = "" if rep["standby_s"] is None else f"a standby, ready {rep['standby_s']} s after its start; "
+        lines.append(f"  - replacement ({rep['log']}): {spare}loaded in {rep['boot_s']} s, capturing buckets "
+                     f"{rep['boot_captures']} s; "
                      f"captured since (bucket, s): {rep['captured'] or 'none'}; its first {len(steps)} steps' "
                      f"compute ms (rows): {' '.join(f'{ms:g} ({rows})' for rows, ms in rep['first_steps'])}")
     lines.append(f"- after the rounds, every stream identical: {'yes' if all(out['after_identical']) else 'NO'}")

@@ -25,7 +25,7 @@ import trio
 from roles import topology
 from worker.errors import ModelFileError
 from worker.weights.fetch import REGISTRY, installed_model
-from worker.models import open_model, open_worker
+from worker.models import Model, open_model, open_worker
 from worker.partition import Shard
 from worker.weights.rangefetch import fetch_stage_slice
 
@@ -68,25 +68,38 @@ def replacing(swim: Swim, stage: int) -> bool:
     return any(m.meta.stage == stage and m.state in TERMINAL and m.id != swim.me.id for m in swim.members().values())
 
 
-def load_worker(config: NodeConfig, model_spec: str, shard: Shard, prompt_rows: int = 1):
+def load_worker(config: NodeConfig, model_spec: str, shard: Shard, prompt_rows: int | None = 1):
     """Runs on the compute thread: tinygrad state stays on the thread that made it. Returns the worker and
     the seconds each phase took (the boot's timeline: bench/boot.py). `prompt_rows`: a replacement's prompt
     chunk, whose bucket it captures before it serves (a replay's rows come at once); by default only the
     smallest bucket is (at N = 5 on two cores, `bench.boot` priced bucket 4's capture at 4.3-5.0 s a stage)."""
     clock = time.perf_counter()
+    model = open_stage_model(config, model_spec)
+    opened = time.perf_counter()
+    worker, phases = build_worker(config, model, shard, prompt_rows)
+    return worker, {"open_model_s": round(opened - clock, 3), **phases}
+
+
+def open_stage_model(config: NodeConfig, model_spec: str) -> Model:
+    """The model the config names, opened for slices (compute thread); ModelRefused if it is no usable one."""
     try:
-        model = open_model(model_spec, cache_dir=config.cache_dir, ollama_models_dir=config.ollama_models_dir,
-                           progress=False, precision=config.precision, tuned=config.beam > 0,
-                           max_context=config.ctx)
-        opened = time.perf_counter()
-        worker = open_worker(model, shard, max_seqs=config.max_seqs)
+        return open_model(model_spec, cache_dir=config.cache_dir, ollama_models_dir=config.ollama_models_dir,
+                          progress=False, precision=config.precision, tuned=config.beam > 0, max_context=config.ctx)
     except (ModelFileError, ValueError) as exc:  # a bad path, file or name: the user's to fix, not a crash
         raise ModelRefused(f"stage {config.stage} cannot load model {config.model!r}: {exc}") from exc
+
+
+def build_worker(config: NodeConfig, model: Model, shard: Shard, prompt_rows: int | None):
+    """`shard`'s worker with the buckets load_worker says captured (compute thread), and its phases' seconds."""
+    clock = time.perf_counter()
+    try:
+        worker = open_worker(model, shard, max_seqs=config.max_seqs)
+    except (ModelFileError, ValueError) as exc:
+        raise ModelRefused(f"stage {shard.index} cannot load model {config.model!r}: {exc}") from exc
     loaded = time.perf_counter()
     # the other buckets are captured while serving
     captured = worker.warm_up(config.beam, lazy=True, prompt_rows=prompt_rows)
-    return worker, {"open_model_s": round(opened - clock, 3), "weights_s": round(loaded - opened, 3),
-                    "capture_s": round(time.perf_counter() - loaded, 3),
+    return worker, {"weights_s": round(loaded - clock, 3), "capture_s": round(time.perf_counter() - loaded, 3),
                     "capture_by_bucket_s": {b: round(s, 3) for b, s in captured.items()}}
 
 
@@ -139,9 +152,11 @@ def _resolved(names: tuple[str, ...]):
 
 async def run_node(config: NodeConfig, *, swim_config: SwimConfig = SwimConfig(),
                    on_listening: Callable[[str], None] = lambda url: None, compute: ComputeThread | None = None,
-                   task_status=trio.TASK_STATUS_IGNORED) -> None:
+                   loaded: tuple | None = None, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Run one stage until cancelled. `on_listening(url)` is called once the server is up; the task
     reports started (with the advertised URL) once the stage is ready and its final names registered.
+    `loaded`: the stage's worker and its boot phases, made on `compute` beforehand (a standby's,
+    node/standby.py); else the node loads its slice once it has joined.
 
     tinygrad keeps global state and is not thread-safe: several nodes in one process (tests) must
     share one `compute` thread; a node process alone opens its own.
@@ -149,7 +164,7 @@ async def run_node(config: NodeConfig, *, swim_config: SwimConfig = SwimConfig()
     async with contextlib.AsyncExitStack() as stack:
         if compute is None:
             compute = await stack.enter_async_context(open_compute_thread())
-        await _serve(config, swim_config, on_listening, compute, task_status)
+        await _serve(config, swim_config, on_listening, compute, task_status, loaded)
 
 
 def open_stage(shard: Shard, client: PeerClient, config: NodeConfig) -> StageNode:
@@ -167,7 +182,7 @@ def serve_api(app, entry: EntryStage, config: NodeConfig, view: httpx.AsyncClien
     add_chat_page(app, entry, http=view, token=config.cluster_token, model_name=config.model_name)
 
 
-async def _serve(config, swim_config, on_listening, compute, task_status) -> None:
+async def _serve(config, swim_config, on_listening, compute, task_status, loaded) -> None:
     shard = Shard.of(config.stage, config.num_stages)
     async with PeerClient(config.cluster_token) as client, gossip_client(config.cluster_token) as gossip, \
             http1_client(config.cluster_token, HOPS_TIMEOUT_S) as view, trio.open_nursery() as nursery:
@@ -196,9 +211,11 @@ async def _serve(config, swim_config, on_listening, compute, task_status) -> Non
         # introduces the nodes only once every instance runs, and a node that came up early would
         # otherwise sit idle until then.
         started = time.perf_counter()
-        model_spec = await fetch_own_slice(config, swim, shard)
-        prompt_rows = config.chunked_prefill_size if replacing(swim, shard.index) else 1
-        worker, phases = await compute.call(load_worker, config, model_spec, shard, prompt_rows)
+        if loaded is None:
+            model_spec = await fetch_own_slice(config, swim, shard)
+            prompt_rows = config.chunked_prefill_size if replacing(swim, shard.index) else 1
+            loaded = await compute.call(load_worker, config, model_spec, shard, prompt_rows)
+        worker, phases = loaded
         event(log, "worker_ready", seconds=round(time.perf_counter() - started, 3), layers=str(worker.info.shard.blocks),
               weight_bytes=worker.info.weight_bytes, **phases)
         node.attach(worker)

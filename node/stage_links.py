@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from roles.actions import Refused
+from roles.actions import UNKNOWN_REQUEST, Refused
 from roles.liveness import refused_frame_ends, still_live
 
 from node.observe.log import as_extra, error_event
@@ -45,16 +45,17 @@ class LinkEnds:
         try:
             self.node.deliver(message, source=source, sent_at=sent_at)
         except Refused as exc:
-            self.refused(source, message, f"refused {type(message).__name__} from {source}: {exc.message}")
+            self.refused(source, message, f"refused {type(message).__name__} from {source}: {exc.message}",
+                         unknown=exc.status == UNKNOWN_REQUEST)
         except Exception as exc:  # noqa: BLE001 - whatever it is: its requests fail, the link and the rest go on
             log.error("link_message_failed", exc_info=exc, extra=as_extra(source=source, seq=seq))
             self.refused(source, message, f"could not take {type(message).__name__} from {source}: "
                                           f"{type(exc).__name__}: {exc}")
 
-    def refused(self, source: str, message, error: str) -> None:
-        """A frame no stage will take: its requests end at stage 0."""
+    def refused(self, source: str, message, error: str, *, unknown: bool = False) -> None:
+        """A frame no stage will take: its requests end at stage 0 (are replayed, where they were `unknown`)."""
         error_event(log, "link_message_refused", source=source, kind=type(message).__name__, error=error)
-        for end in refused_frame_ends(message, self.node.shard.index, error):
+        for end in refused_frame_ends(message, self.node.shard.index, error, unknown=unknown):
             self.node.side.report(end)
 
 

@@ -23,6 +23,7 @@ class Refused(Exception):
         self.status, self.message, self.retry_after_s, self.code = status, message, retry_after_s, code
 
 
+UNKNOWN_REQUEST = 404  # Refused.status: rows or tokens of a request this stage never started, or has ended
 PROMPT_TOO_LONG = "context_length_exceeded"  # Refused.code: the prompt leaves no room in the context
 PROMPT_INVALID = "invalid_value"  # Refused.code: the prompt cannot be tokenized, or names tokens out of range
 
@@ -115,7 +116,7 @@ def admit_segments(held: dict[str, Held], queue: StageQueue, act: Activation, st
             if now is not None and s.generation == now.generation:
                 raise Refused(409, f"request {rid!r} starts twice at stage {stage}")
         elif now is None or s.generation > now.generation:
-            raise Refused(404, f"unknown request {rid!r} (generation {s.generation}) at stage {stage} "
+            raise Refused(UNKNOWN_REQUEST, f"unknown request {rid!r} (generation {s.generation}) at stage {stage} "
                                f"(never started here, or ended)")
         elif s.position != now.next_position:
             raise Refused(409, f"request {rid!r} at stage {stage}: rows at position {s.position}, "

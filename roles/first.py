@@ -34,8 +34,8 @@ from worker.contract import StepItem, Worker
 from worker.errors import PrefixMissing, WorkerError
 from worker.partition import Role, Shard
 
-from .actions import (Progress, Refused, Send, compute, error_reply, failure, from_cache, pass_on, step_failed,
-                      wrong_role)
+from .actions import (UNKNOWN_REQUEST, Progress, Refused, Send, compute, error_reply, failure, from_cache, pass_on,
+                      step_failed, wrong_role)
 from .admission import Admission, described
 from .messages import (Activation, CancelRequest, EndReason, EndRequest, InferenceRequest, NextTokens, RequestStart,
                        Token)
@@ -276,7 +276,7 @@ def _check_fed_back(tokens: tuple[Token, ...], live: dict[str, _Live], ended: Ca
     for t in tokens:
         life = live.get(t.request_id)
         if life is None and not ended(t.request_id):
-            raise Refused(404, f"unknown request {t.request_id!r} at stage 0 (never started, or ended)")
+            raise Refused(UNKNOWN_REQUEST, f"unknown request {t.request_id!r} at stage 0 (never started, or ended)")
         if life is not None and t.generation == life.generation and t.position != life.next_position:
             raise Refused(409, f"request {t.request_id!r}: token for position {t.position}, "
                                f"expected {life.next_position}")

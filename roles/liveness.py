@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .actions import failure
+from .actions import failure, lost
 from .messages import Activation, EndRequest, NextTokens
 
 Live = Callable[[str, int], bool]  # an actor's is_live(request_id, generation)
@@ -35,6 +35,11 @@ def still_live(message, is_live: Live):
     return None
 
 
-def refused_frame_ends(message, stage: int, error: str) -> list[EndRequest]:
-    """A frame this stage could not take: the failure of each request it carried, for stage 0 to end."""
+def refused_frame_ends(message, stage: int, error: str, *, unknown: bool = False) -> list[EndRequest]:
+    """A frame this stage could not take: the failure of each request it carried, for stage 0 to end; where
+    the frame was refused as `unknown` here (rows of a request this stage never started: it is new in the
+    chain, and the frame left before the sender knew its holder was replaced), each request is lost here
+    instead, for stage 0 to replay (at most MAX_REPLAYS times, roles/first.py)."""
+    if unknown:
+        return [lost(rid, stage, generation, error) for rid, generation in lives_of(message)]
     return [failure(rid, stage, error, generation) for rid, generation in lives_of(message)]

@@ -3,7 +3,6 @@ cancellation stopped with SIGTERM, then SIGKILL after a grace period. A child th
 while the runner still needs it is a failure that names its stage and shows the end of its log."""
 from __future__ import annotations
 
-import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -12,11 +11,13 @@ import attrs
 import trio
 
 ADDR_PREFIX = "PP_GPU_NODE_ADDR="
+STANDBY_READY = "PP_STANDBY_READY"  # a standby's line once it can take a stage (ppnode.py prints it)
 
 
 class StageExited(RuntimeError):
-    def __init__(self, stage: int, returncode: int | None, log_tail: str):
-        super().__init__(f"stage {stage} exited with code {returncode}; the end of its log:\n{log_tail}")
+    def __init__(self, stage: int | None, returncode: int | None, log_tail: str):
+        who = "a standby" if stage is None else f"stage {stage}"
+        super().__init__(f"{who} exited with code {returncode}; the end of its log:\n{log_tail}")
         self.stage, self.returncode, self.log_tail = stage, returncode, log_tail
 
 
@@ -53,15 +54,10 @@ async def run_child(stage: int, env: dict[str, str], log_path: Path, *, grace_s:
     """Run `ppnode.py` for `stage`; reports a Child once it printed its address; raises StageExited
     if it ever ends on its own — unless `supervised` and it had started: then it sets the Child's
     `exited` and returns (whoever supervises it replaces it)."""
-    command = [sys.executable, str(Path(__file__).resolve().parent.parent / "ppnode.py")]
     with open(log_path, "wb") as log:
         async with trio.open_nursery() as nursery:
-            process = await nursery.start(functools.partial(
-                trio.run_process, command, env=env, stdout=subprocess.PIPE, stderr=log, check=False,
-                # our end of its stdin is a lifeline: if the runner dies, even by SIGKILL, the node reads EOF
-                stdin=subprocess.PIPE, start_new_session=True,  # and Ctrl-C in a terminal reaches only us
-                deliver_cancel=terminate_then_kill(grace_s)))
-            url = await _read_address(process)
+            process = await nursery.start(_node_process, env, log, grace_s)
+            url = await Lines(process).value_of(ADDR_PREFIX)
             child = None if url is None else Child(stage, process, url, log_path)
             if child is not None:
                 task_status.started(child)
@@ -72,19 +68,72 @@ async def run_child(stage: int, env: dict[str, str], log_path: Path, *, grace_s:
     raise StageExited(stage, process.returncode, log_tail(log_path))
 
 
-async def _read_address(process: trio.Process) -> str | None:
-    """The URL from the child's `PP_GPU_NODE_ADDR=` line; None if it closed stdout (exited) first."""
-    buffer = b""
-    while True:
-        while b"\n" not in buffer:
-            chunk = await process.stdout.receive_some()
-            if not chunk:
-                return None
-            buffer += chunk
-        line, buffer = buffer.split(b"\n", 1)
-        text = line.decode(errors="replace").strip()
-        if text.startswith(ADDR_PREFIX):
-            return text[len(ADDR_PREFIX):]
+@attrs.frozen(eq=False)
+class Standby:
+    """A warm spare's process (`ppnode.py --standby`, node/standby.py) once it is ready to take a stage."""
+
+    process: trio.Process
+    log_path: Path
+    lines: Lines
+    exited: trio.Event = attrs.field(factory=trio.Event)  # set when the process has ended, taken or not
+
+    async def take(self, stage: int) -> Child:
+        """Hand it `stage`: the Child once it listens as that stage's node; StageExited if it ends first."""
+        try:
+            await self.process.stdin.send_all(f"take {stage}\n".encode())
+            url = await self.lines.value_of(ADDR_PREFIX)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):  # it ended before it heard us
+            url = None
+        if url is None:
+            await self.exited.wait()
+            raise StageExited(stage, self.process.returncode, log_tail(self.log_path))
+        return Child(stage, self.process, url, self.log_path, self.exited)
+
+
+async def run_standby(env: dict[str, str], log_path: Path, *, grace_s: float = 5.0,
+                      task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Run `ppnode.py --standby`; reports a Standby once it says it is ready, and returns when the process
+    ends (the Standby's `exited` set; a taken one's Child shares it). One that ends before it is ready
+    raises StageExited (stage None)."""
+    with open(log_path, "wb") as log:
+        async with trio.open_nursery() as nursery:
+            process = await nursery.start(_node_process, {**env, "PP_STANDBY": "1"}, log, grace_s)
+            lines = Lines(process)
+            standby = None if await lines.value_of(STANDBY_READY) is None else Standby(process, log_path, lines)
+            if standby is not None:
+                task_status.started(standby)
+    if standby is None:
+        raise StageExited(None, process.returncode, log_tail(log_path))
+    standby.exited.set()
+
+
+async def _node_process(env: dict[str, str], log, grace_s: float, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    command = [sys.executable, str(Path(__file__).resolve().parent.parent / "ppnode.py")]
+    await trio.run_process(
+        command, env=env, stdout=subprocess.PIPE, stderr=log, check=False,
+        # our end of its stdin is a lifeline: if the runner dies, even by SIGKILL, the node reads EOF
+        stdin=subprocess.PIPE, start_new_session=True,  # and Ctrl-C in a terminal reaches only us
+        deliver_cancel=terminate_then_kill(grace_s), task_status=task_status)
+
+
+class Lines:
+    """A node's stdout, line by line."""
+
+    def __init__(self, process: trio.Process):
+        self._stdout, self._buffer = process.stdout, b""
+
+    async def value_of(self, prefix: str) -> str | None:
+        """What follows `prefix` on the next line that starts with it; None if stdout closed (exited) first."""
+        while True:
+            while b"\n" not in self._buffer:
+                chunk = await self._stdout.receive_some()
+                if not chunk:
+                    return None
+                self._buffer += chunk
+            line, self._buffer = self._buffer.split(b"\n", 1)
+            text = line.decode(errors="replace").strip()
+            if text.startswith(prefix):
+                return text[len(prefix):]
 
 
 def child_env(base: dict[str, str], *, stage: int, num_stages: int, token: str, model: str, seed: str,

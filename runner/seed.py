@@ -7,6 +7,7 @@ only once the old process is stopped and the port is free (runner/ports.py)."""
 from __future__ import annotations
 
 import functools
+import itertools
 import re
 import secrets
 import socket
@@ -22,11 +23,12 @@ from node.config.network import LOOPBACK
 from .orchestrator import Orchestrator, run_orchestrator
 from worker.contract import Sampling
 
-from .children import Child, child_env, log_tail, run_child
+from .children import Child, child_env, log_tail, run_child, run_standby
 from .common import RunFailed, RunResult, fail_on_signals, first_failure
 from .keeper import keep_stages, race
 from .phases import report_phases
 from .ports import stop_and_free_port
+from .standby import Standbys
 from .session import Use, announce_entry, answer_once, serve
 
 
@@ -48,6 +50,7 @@ class SeedOptions:
     host: str | None = None  # the interface stage 0 (the API) listens on; None: 127.0.0.1, as the other stages
     port: int | None = None  # stage 0's port, so pp-entry's URL stays the same across runs; None: any
     model_name: str | None = None  # what the API calls the model (what the user named); None: `model`
+    standby: int = 0  # --serve: warm spares that take a lost stage (runner/standby.py)
 
 
 async def run_seed(opts: SeedOptions, progress: Callable[[str], None], *, on_text: Callable[[str], None] = lambda t: None,
@@ -70,7 +73,11 @@ async def run_seed(opts: SeedOptions, progress: Callable[[str], None], *, on_tex
             await _start_children(nursery, opts, token, orch.url, run_dir, children, progress)
             converged = await _converge(orch, opts, children, started, progress)
             if opts.serve:
-                replace = functools.partial(_replace, nursery, opts, token, orch, run_dir, children, progress)
+                standbys = Standbys(opts.standby, functools.partial(_start_standby, opts, token, orch.url, run_dir,
+                                                                    itertools.count()), progress)
+                nursery.start_soon(standbys.run)
+                replace = functools.partial(_replace, nursery, opts, token, orch, run_dir, children, progress,
+                                            standbys)
                 holders = {c.stage: LocalHolder(c) for c in children}
                 await serve(orch, use, keep=functools.partial(
                     keep_stages, orch.swim, holders, replace, ready_timeout_s=opts.converge_timeout_s,
@@ -178,11 +185,25 @@ def node_env(opts: SeedOptions, token: str, seed_url: str, stage: int, peer: str
     return env
 
 
-async def _replace(nursery, opts, token, orch, run_dir, children, progress, stage, attempt) -> LocalHolder:
-    child = await _start_child(nursery, opts, token, orch.url, stage, None, run_dir / f"stage{stage}.r{attempt}.log")
+async def _replace(nursery, opts, token, orch, run_dir, children, progress, standbys, stage, attempt) -> LocalHolder:
+    """A warm spare takes the stage where one is ready (not stage 0); else a new process starts for it."""
+    child = await standbys.take(stage)
+    if child is not None:
+        progress(f"stage {stage}: standby {child.log_path.stem} took it, listening at {child.url} "
+                 f"(pid {child.process.pid})")
+    else:
+        child = await _start_child(nursery, opts, token, orch.url, stage, None,
+                                   run_dir / f"stage{stage}.r{attempt}.log")
+        progress(f"stage {stage}: replacement listening at {child.url} (pid {child.process.pid})")
     children.append(child)
-    progress(f"stage {stage}: replacement listening at {child.url} (pid {child.process.pid})")
     return LocalHolder(child)
+
+
+async def _start_standby(opts, token, seed_url, run_dir, numbers, place, task_status=trio.TASK_STATUS_IGNORED):
+    """One spare, for Standbys: a node with every stage's environment but a stage of its own."""
+    env = node_env(opts, token, seed_url, 1, None)
+    del env["STAGE"]
+    await run_standby(env, run_dir / f"standby{next(numbers)}.log", grace_s=opts.grace_s, task_status=task_status)
 
 
 async def _converge(orch: Orchestrator, opts, children, started, progress) -> float:

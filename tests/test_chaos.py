@@ -37,13 +37,13 @@ class Cluster:
     """One `ppsmoke.py --seed --serve` run, on tiny unless `model` names another; its stderr goes to a file the
     test reads as it grows."""
 
-    def __init__(self, tmp, env_extra=None, *, n=N, model="tiny"):
+    def __init__(self, tmp, env_extra=None, *, n=N, model="tiny", args=()):
         self.mark, self.err_path, self.model = uuid.uuid4().hex, tmp / "ppsmoke.err", model
         env = {**os.environ, MARK: self.mark, "DEV": "CPU", "PP_API_KEY": API_KEY, **(env_extra or {})}
         self.err_file = open(self.err_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, str(ROOT / "ppsmoke.py"), "--seed", "-n", str(n), "--model", model, "--serve",
-             "--max-seqs", str(CLIENTS)], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=self.err_file, text=True)
+             "--max-seqs", str(CLIENTS), *args], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=self.err_file, text=True)
         self.seen: list[tuple[float, str]] = []  # (when the test read it, line) of ppsmoke's stderr
         self._lock = threading.Lock()  # the fault's thread reads lines too
         self.base_url = self._read_base_url()

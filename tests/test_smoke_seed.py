@@ -165,6 +165,8 @@ def test_sigkill_to_the_runner_still_stops_every_child():
     (["--model", "."], "is a directory without config.json"),
     (["--model", "{broken}"], "{broken}: not a GGUF file (magic b'not ', want b'GGUF')"),
     (["-n", "1"], "-n 1: a pipeline needs at least 2 stages"),
+    (["--standby", "1"], "--standby K is for --seed --serve"),
+    (["--serve", "--standby", "-1"], "--standby K is for --seed --serve: K >= 0"),
     (["--port", "{taken}"], "--port {taken}: cannot listen on 127.0.0.1:{taken}: Address already in use"),
     (["--vastai", "--image", "x", "--model", "/tmp/model.gguf"], "a rented node cannot read this machine's files"),
     (["--vastai", "--image", "x", "--model", "no-such-model"], "'no-such-model': a rented node cannot read"),

@@ -28,7 +28,7 @@ from worker.weights.fetch import DEFAULT_MODEL, default_cache_dir, default_ollam
 
 # (variable, flag, meaning): the --help epilog, and the variable each flag stands for.
 ENV_TABLE = (
-    ("STAGE", "--stage", "this node's stage, 0 .. NUM_STAGES-1 (required)"),
+    ("STAGE", "--stage", "this node's stage, 0 .. NUM_STAGES-1 (required, but for a standby)"),
     ("NUM_STAGES", "--num-stages", "how many stages the pipeline has, at least 2 (required)"),
     (TOKEN_ENV, "", "secret shared by the cluster's nodes, for them only (required; no flag: it would show in ps)"),
     (API_KEY_ENV, "--api-key", "the clients' API key; several comma-separated, or the flag repeated: opens the "
@@ -60,6 +60,8 @@ ENV_TABLE = (
     ("PP_LINKS", "--links", "stream: messages to the next stage as frames of one long-lived HTTP/2 stream; post: a POST each (stream)"),
     ("PP_FAULTS", "", "chaos testing: drop=P,delay=P,delay_ms=MS,seed=N drops or delays that share of link sends (off)"),
     ("PP_STDIN_LIFELINE", "", "1: exit when stdin closes (set by ppsmoke --seed, so no node outlives it)"),
+    ("PP_STANDBY", "--standby", "1: a warm spare (ppsmoke --seed --serve --standby K starts them): it loads every "
+     "stage but the first and takes the one its runner names on stdin (`take <stage>`); needs PP_STDIN_LIFELINE=1"),
     ("PP_LOG_LEVEL", "--log-level", f"{', '.join(LOG_LEVELS)} ({DEFAULT_LOG_LEVEL})"),
     ("XDG_CACHE_HOME", "", "downloaded models go to $XDG_CACHE_HOME/pp (~/.cache/pp)"),
     ("OLLAMA_MODELS", "", "ollama's model store, used before downloading (~/.ollama/models)"),
@@ -90,6 +92,8 @@ def build_parser(prog: str = "python ppnode.py") -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     # Flags are read as strings, so that one set of checks and messages covers flags and variables alike.
     p.add_argument("--stage", metavar="I", help="this node's stage (STAGE)")
+    p.add_argument("--standby", action="store_const", const="1",
+                   help="a warm spare that takes the stage its runner names later (PP_STANDBY=1)")
     p.add_argument("--num-stages", metavar="N", help="number of stages (NUM_STAGES)")
     p.add_argument("--seed-addr", metavar="URL", help="node to join through (SEED_ADDR)")
     p.add_argument("--peer-direct", metavar="URL", action="append",
@@ -134,15 +138,21 @@ def parse_config(environ: Mapping[str, str], argv: list[str], *, home: Path,
 
 
 def _config_from(src: Sources, *, home: Path, rng: random.Random | None) -> NodeConfig:
-    stage, num_stages = required_int(src, "--stage"), required_int(src, "--num-stages")
+    standby = switch(src, "--standby")
+    stage = standby_stage(src) if standby else required_int(src, "--stage")
+    num_stages = required_int(src, "--num-stages")
     try:
         check_stage(stage, num_stages)
     except ValueError as exc:  # its message already names STAGE / NUM_STAGES and the way out
         raise ConfigError(str(exc)) from None
     env, port, token = src.environ, listen_port(src), cluster_token(src.environ)
+    if standby and not env_switch(env, "PP_STDIN_LIFELINE"):
+        raise ConfigError("PP_STANDBY=1: a standby takes its stage from the runner that started it, on its stdin "
+                          "(PP_STDIN_LIFELINE=1); start standbys with ppsmoke.py --seed --serve --standby K")
     token_is_api_key = switch(src, "--token-is-api-key")
     return NodeConfig(
-        stage=stage, num_stages=num_stages, cluster_token=token, node_id=_node_id(src, stage, rng),
+        stage=stage, num_stages=num_stages, cluster_token=token,
+        node_id=_node_id(src, "standby" if standby else f"stage{stage}", rng), standby=standby,
         api_keys=client_api_keys(src, token, token_is_api_key=token_is_api_key), token_is_api_key=token_is_api_key,
         cache_dir=default_cache_dir(home, env.get("XDG_CACHE_HOME")),
         ollama_models_dir=default_ollama_dir(home, env.get("OLLAMA_MODELS")),
@@ -162,12 +172,21 @@ def _config_from(src: Sources, *, home: Path, rng: random.Random | None) -> Node
         exit_on_stdin_eof=env_switch(env, "PP_STDIN_LIFELINE"), faults=link_faults(env))
 
 
-def _node_id(src: Sources, stage: int, rng: random.Random | None) -> str:
+def standby_stage(src: Sources) -> int:
+    """A standby's stage until it takes one: 1, the first it can take (node/standby.py); it is given none."""
+    raw, label = src.get("--stage")
+    if raw is not None and raw.strip():
+        raise ConfigError(f"{label}={raw!r} with --standby (PP_STANDBY): a standby takes the stage its runner names "
+                          f"later; give it no stage")
+    return 1
+
+
+def _node_id(src: Sources, prefix: str, rng: random.Random | None) -> str:
     raw, label = src.get("--node-id")
     node_id = (raw or "").strip()
     if not node_id:
         suffix = f"{rng.getrandbits(32):08x}" if rng is not None else secrets.token_hex(4)
-        return f"stage{stage}-{suffix}"
+        return f"{prefix}-{suffix}"
     if not node_id.isprintable() or " " in node_id:
         raise ConfigError(f"{label}={raw!r}: a node id must be printable and without spaces")
     return node_id

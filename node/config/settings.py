@@ -49,6 +49,7 @@ class NodeConfig:
     precision: str = "auto"             # PP_PRECISION: which matrices keep the file's precision (worker.weights.contract.narrow_kinds)
     link_streams: bool = True           # PP_LINKS=stream: one long-lived HTTP/2 stream to the next stage; post: a POST each
     exit_on_stdin_eof: bool = False     # PP_STDIN_LIFELINE=1: a local runner holds our stdin; EOF = it is gone
+    standby: bool = False               # PP_STANDBY=1: a warm spare; `stage` is set when it takes one (node/standby.py)
     faults: Faults = NO_FAULTS          # PP_FAULTS: drop or delay link sends (chaos tests; node/transport/faults.py)
     log_level: str = DEFAULT_LOG_LEVEL
     api_keys: tuple[str, ...] = attrs.field(default=(), repr=False)  # PP_API_KEY(_FILE): open the client surface
