@@ -11,6 +11,7 @@ import trio
 
 from roles import topology
 from roles.actions import Progress, Refused
+from roles.first import settled_chain
 from roles.messages import CancelRequest, EndRequest, InferenceRequest, InferenceResponse
 
 from node.membership.gossip import State
@@ -27,6 +28,7 @@ class EntryStage:
         self.node = node
         self._local: dict[str, trio.MemorySendChannel] = {}  # requests followed here (the OpenAI API)
         self._unfollowed: collections.OrderedDict[str, None] = collections.OrderedDict()  # their late replies
+        self._settled: tuple[str, ...] = ()  # the actor's settled chain, as last told to gossip
 
     # -- the API's Entry -----------------------------------------------------------------------
     @property
@@ -105,12 +107,14 @@ class EntryStage:
     def admitted(self, message) -> None:
         if isinstance(message, InferenceRequest):
             self.node.figures.admitted(message.request_id, self.node.actor.prompt_tokens(message.request_id))
+        self._settled = tell_settled(self.swim, self.node.actor, self._settled)  # lost rows start a replay
 
     def progressed(self, progress: Progress) -> None:
         self.node.figures.progressed(progress)
         follower = self._local.get(progress.request_id)
         if follower is not None:
             follower.send_nowait(progress)
+        self._settled = tell_settled(self.swim, self.node.actor, self._settled)
 
     def report(self, end: EndRequest) -> None:
         """A request failed on a link here: the actor ends it everywhere."""
@@ -148,9 +152,20 @@ class EntryStage:
             replays = node.actor.health()["replays"]
             for action in node.actor.set_chain(chain, standing=standing):
                 node.post(action)
+            self._settled = tell_settled(swim, node.actor, self._settled)
             node.wake()
             event(log, "chain", members=list(chain) if chain else None, standing=standing,
                   admitting=not node.actor.paused, replayed=node.actor.health()["replays"] - replays)
+
+
+def tell_settled(swim, actor, told: tuple[str, ...]) -> tuple[str, ...]:
+    """Gossip stage 0's chain once its replays are over (Meta.settled, roles.first.settled_chain) where that
+    changed from `told`; returns what gossip holds now."""
+    now = settled_chain(actor)
+    if now == told or swim is None:
+        return told
+    swim.update_meta(settled=now)
+    return now
 
 
 def _holders(swim, stages):

@@ -56,6 +56,7 @@ class _Live:
     generation: int = 0
     replays: int = 0
     lost: bool = False  # a stage lost its rows: replay once the chain stands
+    resuming: bool = False  # replayed, and no token of the new life has come back yet
 
     @property
     def next_position(self) -> int:
@@ -209,7 +210,7 @@ class FirstActor:
         live = self.live[rid]
         if live.replays >= MAX_REPLAYS:
             return self.end(failure(rid, self.shard.index, f"its rows were lost {live.replays} times; giving up"))
-        live.generation, live.replays, live.lost = live.generation + 1, live.replays + 1, False
+        live.generation, live.replays, live.lost, live.resuming = live.generation + 1, live.replays + 1, False, True
         self.cache.replayed(rid)
         self.queue.restart(rid)
         self.queue.add(_prefill(live, Start(), self.entry, self.cache.drops()))
@@ -231,6 +232,7 @@ class FirstActor:
             live = self.live.get(t.request_id)
             if live is None or t.generation != live.generation:
                 continue  # ended here, or replayed, while the token was on its way
+            live.resuming = False
             try:  # each token on its own: one request's fault here fails it, not the others of the message
                 actions.append(Progress(t.request_id, t.token_id, t.done, logprob=t.logprob,
                                         prompt_logprobs=t.prompt_logprobs))
@@ -257,6 +259,15 @@ class FirstActor:
     def _fail(self, request_id: str, error: str) -> list:
         """Computing the request failed here: it ends, never replayed."""
         return self.end(failure(request_id, self.shard.index, error, poison=True))
+
+
+def settled_chain(actor: FirstActor) -> tuple[str, ...]:
+    """Pure: the actor's chain, once no request waits to be replayed through it (lost, or replayed with no
+    token back yet); () while one does, or while a stage is missing. A runner starts a new warm spare only
+    then (runner/standby.py): its boot would slow the replays down."""
+    if actor.paused or any(live.lost or live.resuming for live in actor.live.values()):
+        return ()
+    return actor.chain
 
 
 def _prefill(live: _Live, plan: Start, entry: str, drop: tuple[str, ...]) -> Unit:

@@ -20,6 +20,7 @@ import attrs
 import trio
 
 from node.config.network import LOOPBACK
+from roles.topology import stage_name
 from .orchestrator import Orchestrator, run_orchestrator
 from worker.contract import Sampling
 
@@ -74,7 +75,8 @@ async def run_seed(opts: SeedOptions, progress: Callable[[str], None], *, on_tex
             converged = await _converge(orch, opts, children, started, progress)
             if opts.serve:
                 standbys = Standbys(opts.standby, functools.partial(_start_standby, opts, token, orch.url, run_dir,
-                                                                    itertools.count()), progress)
+                                                                    itertools.count()), progress,
+                                    settled=functools.partial(settled_through, orch.swim))
                 nursery.start_soon(standbys.run)
                 replace = functools.partial(_replace, nursery, opts, token, orch, run_dir, children, progress,
                                             standbys)
@@ -197,6 +199,14 @@ async def _replace(nursery, opts, token, orch, run_dir, children, progress, stan
         progress(f"stage {stage}: replacement listening at {child.url} (pid {child.process.pid})")
     children.append(child)
     return LocalHolder(child)
+
+
+async def settled_through(swim, child: Child) -> None:
+    """Until stage 0 gossips its chain as settled (Meta.settled) with the member at the child's address in it."""
+    def through(s) -> bool:
+        entry, member = s.resolve(stage_name(0)), next((m for m in s.alive() if m.addr == child.url), None)
+        return entry is not None and member is not None and member.id in entry.meta.settled
+    await swim.wait_until(through)
 
 
 async def _start_standby(opts, token, seed_url, run_dir, numbers, place, task_status=trio.TASK_STATUS_IGNORED):

@@ -5,7 +5,7 @@ import pytest
 
 from roles import make_actor
 from roles.actions import Progress, Reply, Send
-from roles.first import MAX_REPLAYS
+from roles.first import MAX_REPLAYS, settled_chain
 from roles.messages import (Activation, ActivationMeta, EndReason, EndRequest, InferenceRequest, NextTokens,
                             RequestStart, SegmentMeta)
 from worker.contract import GREEDY
@@ -100,6 +100,25 @@ def test_a_stage_replaced_mid_generation_costs_a_replay_not_a_token(n, stage, af
     c.run()
     c.assert_exact_and_clean(PROMPTS)
     assert c.actors[0].health()["replays"] == 0  # counted per live request: all are over
+
+
+def test_the_chain_is_settled_once_every_replayed_request_has_a_token_of_its_new_life_back():
+    c = Cluster(3)
+    c.submit(PROMPTS)
+    c.round()
+    assert settled_chain(c.actors[0]) == c.chain  # nothing lost, nothing replayed
+    c.replace(1)
+    c.actors[0].set_chain(None, standing=False)
+    assert settled_chain(c.actors[0]) == ()  # a stage is missing
+    c.act(c.actors[0].set_chain(c.chain, standing=True))
+    settled = []
+    while c.busy():
+        settled.append(settled_chain(c.actors[0]))
+        c.round()
+    assert settled[0] == () and c.chain in settled  # replays pending, then none: before the answers end
+    resumed = settled.index(c.chain)
+    assert all(s == c.chain for s in settled[resumed:])
+    c.assert_exact_and_clean(PROMPTS)
 
 
 def test_rows_a_stage_could_not_pass_on_are_replayed_at_once_while_the_chain_stands():

@@ -120,6 +120,26 @@ async def test_a_spare_takes_a_lost_stage_and_another_is_started_in_its_place(au
         nursery.cancel_scope.cancel()
 
 
+async def test_the_next_spare_starts_only_once_the_replays_through_the_taken_one_are_over(autojump_clock):
+    starts, said, settled = FakeStarts(), [], trio.Event()
+
+    async def settles(child):
+        assert child == ("child of", 100, 1)
+        await settled.wait()
+
+    spares = Standbys(1, starts, said.append, settled=settles)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(spares.run)
+        await trio.sleep(1)
+        await spares.take(1)
+        await trio.sleep(30)
+        assert spares.ready == [] and len(starts.started) == 1  # the replays go on: no spare boots now
+        settled.set()
+        await trio.sleep(1)
+        assert [s.pid for s in spares.ready] == [101]
+        nursery.cancel_scope.cancel()
+
+
 async def test_with_no_spare_ready_the_keeper_starts_a_process_and_spares_that_die_young_stop_being_started(
         autojump_clock):
     starts, said = FakeStarts(failing=[True] * START_ATTEMPTS), []
@@ -139,7 +159,7 @@ def test_a_spare_takes_a_sigkilled_middle_stage_every_stream_ends_as_undisturbed
     try:
         cluster.wait_line("standby 0 ready in", 180)
         undisturbed = [text_of(c) for c in run_clients(cluster)[0]]
-        (url, pid), seen = cluster.holders()[1], len(cluster.lines())
+        (_, pid), seen = cluster.holders()[1], len(cluster.lines())
         chunks, _ = run_clients(cluster, lambda: os.kill(pid, signal.SIGKILL))
         cluster.wait_line("stage 1: standby standby0 took it", 10, after=seen)
         cluster.wait_line("stage 1 replaced in", 10, after=seen)

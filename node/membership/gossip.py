@@ -37,6 +37,7 @@ class Meta:
     observer: bool = False
     progress: float | None = None  # weight download progress, 0..1
     max_seqs: int | None = None  # sequence slots of a ready stage: stage 0 admits no more than the chain's least
+    settled: tuple[str, ...] = ()  # stage 0: its chain's member ids once no request waits for a replay (FirstActor)
 
 
 @attrs.frozen
