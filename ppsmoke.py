@@ -45,6 +45,7 @@ from worker.config import DEFAULT_CONTEXT
 from worker.contract import Sampling
 from worker.weights.contract import PRECISIONS
 from worker.weights.fetch import DEFAULT_MODEL, REGISTRY, default_cache_dir, default_ollama_dir
+from worker.partition import Shard, parse_partition
 from worker.sources import check_source, open_source
 from worker.weights.tiny import BUILT_IN
 
@@ -107,6 +108,9 @@ def _node_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--beam", type=int, default=0,
                    help="kernel search at each node's boot (tinygrad's BEAM width, e.g. 2): minutes the first time, "
                         "cached on disk after; faster steps on larger models (default 0 = off)")
+    g.add_argument("--layer-partition", default="equal", metavar="SPLIT",
+                   help="how the model's blocks are split over the stages: equal, or each stage's block count, "
+                        "comma-separated, e.g. 8,8,14 (vLLM's VLLM_PP_LAYER_PARTITION; default equal)")
     g.add_argument("--precision", choices=PRECISIONS, default="auto",
                    help="which weights stay as the model file holds them, read by the kernels (less memory; faster "
                         "with --beam): auto = Q8_0, and F16/BF16 too with --beam; file = all of them; f32 = none, "
@@ -177,6 +181,10 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
         problems.append("--json describes one answer; --serve answers many")
     if args.max_seqs < 1 or args.max_queue < 0:
         problems.append("--max-seqs must be at least 1 and --max-queue at least 0")
+    try:
+        parse_partition(args.layer_partition, max(args.num_stages, 2))
+    except ValueError as exc:
+        problems.append(f"--layer-partition {args.layer_partition}: {exc}")
     if args.beam < 0:
         problems.append("--beam must be 0 (off) or a search width of at least 1")
     return problems
@@ -215,18 +223,26 @@ def rentable_model(spec: str) -> bool:
     return name == "stub" or name in BUILT_IN or name in REGISTRY or is_http_url(spec.strip())
 
 
-def local_model(spec: str, env: dict[str, str]) -> str:
+def local_model(spec: str, env: dict[str, str]) -> tuple[str, int | None]:
     """Fetch a named model (llama3.2:1b ...) once, here, so N local nodes don't each download it, and check
     that a model file is one (header, config, vocabulary: worker.sources) before any node starts. Built-in
-    models and URLs go to the nodes as given (each fetches its own slice). Raises ValueError
-    (ModelFileError included) naming what is wrong."""
+    models and URLs go to the nodes as given (each fetches its own slice). Returns what the nodes are given and
+    the model's blocks where known here. Raises ValueError (ModelFileError included) naming what is wrong."""
     name = spec.strip().lower()
     if name == "stub" or name in BUILT_IN or is_http_url(spec.strip()):
-        return spec
+        return spec, None
     source = open_source(spec, cache_dir=default_cache_dir(Path.home(), env.get("XDG_CACHE_HOME")),
                          ollama_models_dir=default_ollama_dir(Path.home(), env.get("OLLAMA_MODELS")))
     check_source(source)
-    return source.path if name in REGISTRY else spec
+    blocks = None if source is None else source.config.n_layers
+    return (source.path if name in REGISTRY else spec), blocks
+
+
+def partition_fits(text: str, num_stages: int, blocks: int | None) -> None:
+    """--layer-partition covers the model's `blocks` (where known before the nodes start); ValueError if not."""
+    partition = parse_partition(text, num_stages)
+    if partition is not None and blocks is not None:
+        Shard.of(0, num_stages, partition).sized(blocks)
 
 
 @attrs.frozen
@@ -293,9 +309,14 @@ def main(argv: list[str] | None = None) -> int:
     announce = lambda line: print(line, flush=True)  # noqa: E731
     if not args.vastai:
         try:  # a named model is fetched here, once, before any node exists
-            args.model_path = local_model(args.model, env)
+            args.model_path, blocks = local_model(args.model, env)
         except ValueError as exc:  # ModelFileError (a failed download included) or an unknown name
             print(f"ppsmoke: error: --model: {exc}", file=sys.stderr)
+            return 2
+        try:
+            partition_fits(args.layer_partition, args.num_stages, blocks)
+        except ValueError as exc:
+            print(f"ppsmoke: error: --layer-partition {args.layer_partition}: {exc}", file=sys.stderr)
             return 2
         try:  # before any node exists: a taken port or an address not this machine's is one line
             if args.host is not None or args.port is not None:
@@ -358,9 +379,9 @@ def _vast_options(args, env) -> VastOptions:
 
 def serving_env(args) -> dict[str, str]:
     """The settings every node gets the same: how many requests it serves at once and with what context,
-    kernel search, precision, the prefix cache."""
+    kernel search, precision, the layer partition, the prefix cache."""
     return {"PP_MAX_SEQS": str(args.max_seqs), "PP_MAX_QUEUE": str(args.max_queue), "PP_CTX": str(args.ctx),
-            "PP_BEAM": str(args.beam), "PP_PRECISION": args.precision,
+            "PP_BEAM": str(args.beam), "PP_PRECISION": args.precision, "PP_LAYER_PARTITION": args.layer_partition,
             **({"PP_NO_PREFIX_CACHE": "1"} if args.no_prefix_cache else {})}
 
 

@@ -183,7 +183,7 @@ def serve_api(app, entry: EntryStage, config: NodeConfig, view: httpx.AsyncClien
 
 
 async def _serve(config, swim_config, on_listening, compute, task_status, loaded) -> None:
-    shard = Shard.of(config.stage, config.num_stages)
+    shard = Shard.of(config.stage, config.num_stages, config.layer_partition)
     async with PeerClient(config.cluster_token) as client, gossip_client(config.cluster_token) as gossip, \
             http1_client(config.cluster_token, HOPS_TIMEOUT_S) as view, trio.open_nursery() as nursery:
         node = open_stage(shard, client, config)

@@ -54,7 +54,8 @@ def prepare(config: NodeConfig) -> dict[int, tuple]:
     opened = round(time.perf_counter() - clock, 3)
     prepared = {}
     for stage in range(1, config.num_stages):
-        worker, phases = build_worker(config, model, Shard.of(stage, config.num_stages), prompt_rows=None)
+        worker, phases = build_worker(config, model, Shard.of(stage, config.num_stages, config.layer_partition),
+                                     prompt_rows=None)
         prepared[stage] = worker, {"open_model_s": opened, **phases}
     return prepared
 

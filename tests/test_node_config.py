@@ -136,6 +136,8 @@ def test_the_port_flag_also_selects_the_vast_port_mapping():
     ({"PP_FAULTS": "drop=1.5"}, [], (), "'drop=1.5': a probability is 0..1"),
     ({"PP_FAULTS": "delay=x"}, [], (), "'delay=x': 'x' is not a number"),
     ({"PP_FAULTS": "delay_ms=-1"}, [], (), "0..60000 ms"),
+    ({"PP_LAYER_PARTITION": "10,20"}, [], (), "PP_LAYER_PARTITION='10,20': the layer partition 10,20 names 2 stages"),
+    ({}, ["--layer-partition", "a,b,c"], (), "--layer-partition='a,b,c': give equal, or each stage's block count"),
 ])
 def test_a_bad_value_exits_with_a_message_naming_its_source(capsys, env, argv, drop, message):
     with pytest.raises(SystemExit) as exc_info:
@@ -374,3 +376,9 @@ async def test_injected_faults_drop_and_delay_about_the_share_asked_for(autojump
     assert 150 < sum(dropped) < 250  # 10% of 2000
     assert 300 * 0.05 < trio.current_time() - start < 500 * 0.05  # 20% delayed by 50 ms
     assert not any([await Faults().before_send() for _ in range(100)])
+
+
+def test_the_layer_partition_is_even_by_default_and_each_stage_s_count_when_given():
+    assert parse().layer_partition is None and parse({"PP_LAYER_PARTITION": "equal"}).layer_partition is None
+    assert parse({"PP_LAYER_PARTITION": "4,20,6"}).layer_partition == (4, 20, 6)
+    assert parse(argv=["--layer-partition", "1,1,28"]).layer_partition == (1, 1, 28)

@@ -1,6 +1,6 @@
 import pytest
 
-from worker.partition import Role, Shard, layer_range, role_of
+from worker.partition import Role, Shard, layer_range, parse_partition, role_of
 
 
 @pytest.mark.parametrize("num_stages", range(2, 9))
@@ -65,3 +65,29 @@ def test_a_shard_sized_for_a_model_takes_the_even_split():
 def test_a_shard_outside_the_chain_is_refused(index, count):
     with pytest.raises(ValueError):
         Shard.of(index, count)
+
+
+# --- an explicit layer partition (--layer-partition, PP_LAYER_PARTITION) -----------------------------------
+
+@pytest.mark.parametrize("text, n, counts", [
+    ("equal", 3, None), (" EQUAL ", 2, None), ("4,20,6", 3, (4, 20, 6)), ("1, 29", 2, (1, 29)),
+])
+def test_a_layer_partition_is_equal_or_each_stage_s_block_count(text, n, counts):
+    assert parse_partition(text, n) == counts
+
+
+@pytest.mark.parametrize("text, n, says", [
+    ("4,20", 3, "names 2 stages; the pipeline has 3"), ("0,30", 2, "every stage needs at least one block"),
+    ("4,x,6", 3, "give equal, or each stage's block count"), ("", 2, "give equal"), ("-1,31", 2, "give equal"),
+])
+def test_a_bad_layer_partition_is_refused_naming_what_is_wrong(text, n, says):
+    with pytest.raises(ValueError, match=says):
+        parse_partition(text, n)
+
+
+def test_a_shard_takes_its_part_of_an_explicit_partition_and_every_stage_s_range_is_known():
+    shards = [Shard.of(i, 3, (4, 20, 6)).sized(30) for i in range(3)]
+    assert [s.blocks for s in shards] == [range(0, 4), range(4, 24), range(24, 30)]
+    assert [shards[0].range_of(i, 30) for i in range(3)] == [s.blocks for s in shards]
+    with pytest.raises(ValueError, match="gives 30 blocks; the model has 16"):
+        Shard.of(0, 3, (4, 20, 6)).sized(16)

@@ -87,9 +87,9 @@ class Pipeline:
     """pp over `n` in-process stages (n = 1: generate_full, the single-process path); each answer is
     computed once and kept, for every test that asks for it."""
 
-    def __init__(self, model, n: int):
+    def __init__(self, model, n: int, partition: tuple[int, ...] | None = None):
         self.model, self.n = model, n
-        self.workers = [open_worker(model, Shard.of(s, n), max_seqs=1) for s in range(n)] if n > 1 else []
+        self.workers = [open_worker(model, Shard.of(s, n, partition), max_seqs=1) for s in range(n)] if n > 1 else []
         self.tokenizer = model.tokenizer()
         self.stop_ids = self.workers[-1].info.stop_ids if self.workers else self.tokenizer.stop_ids
         self._answers = {}
@@ -112,11 +112,15 @@ class Pipeline:
         return [last.vocabulary.detokenize(answer), b"".join(first.vocabulary.token_bytes([t]) for t in answer).decode()]
 
 
-@pytest.fixture(scope="module", params=[pytest.param(1, marks=SLOW), pytest.param(2, marks=SLOW), 3,
-                                        pytest.param(5, marks=SLOW)], ids=lambda n: f"N={n}")
+@pytest.fixture(scope="module", params=[pytest.param((1, None), marks=SLOW), pytest.param((2, None), marks=SLOW),
+                                        (3, None), pytest.param((5, None), marks=SLOW),
+                                        # one uneven split per N (--layer-partition)
+                                        pytest.param((2, (22, 8)), marks=SLOW), (3, (4, 20, 6)),
+                                        pytest.param((5, (2, 9, 9, 9, 1)), marks=SLOW)],
+                ids=lambda p: f"N={p[0]}" + (f" split {','.join(map(str, p[1]))}" if p[1] else ""))
 def pipeline(request, model):
-    """One at a time: pytest runs every test of one N, then drops it for the next."""
-    return Pipeline(model, request.param)
+    """One at a time: pytest runs every test of one N (and split), then drops it for the next."""
+    return Pipeline(model, *request.param)
 
 
 def assert_greedy_by(reference_rows: np.ndarray, tokens: list[int], stop_ids: frozenset[int]) -> None:

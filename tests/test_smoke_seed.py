@@ -166,6 +166,10 @@ def test_sigkill_to_the_runner_still_stops_every_child():
     (["--model", "{broken}"], "{broken}: not a GGUF file (magic b'not ', want b'GGUF')"),
     (["-n", "1"], "-n 1: a pipeline needs at least 2 stages"),
     (["--standby", "1"], "--standby K is for --seed --serve"),
+    (["--layer-partition", "10,15,5"], "--layer-partition 10,15,5: the layer partition 10,15,5 names 3 stages; "
+                                       "the pipeline has 2"),
+    (["--model", MODEL, "--layer-partition", "10,10"], "--layer-partition 10,10: the layer partition 10,10 gives "
+                                                       "20 blocks; the model has 30"),
     (["--serve", "--standby", "-1"], "--standby K is for --seed --serve: K >= 0"),
     (["--port", "{taken}"], "--port {taken}: cannot listen on 127.0.0.1:{taken}: Address already in use"),
     (["--vastai", "--image", "x", "--model", "/tmp/model.gguf"], "a rented node cannot read this machine's files"),

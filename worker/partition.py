@@ -23,6 +23,29 @@ def check_stage(stage: int, num_stages: int) -> None:
         raise ValueError(f"STAGE={stage} is outside 0..{num_stages - 1}")
 
 
+def check_partition(counts: tuple[int, ...], num_stages: int) -> None:
+    """A layer partition names a block count, at least 1, for each of the stages."""
+    if len(counts) != num_stages:
+        raise ValueError(f"the layer partition {','.join(map(str, counts))} names {len(counts)} stages; "
+                         f"the pipeline has {num_stages}")
+    if min(counts) < 1:
+        raise ValueError(f"the layer partition {','.join(map(str, counts))}: every stage needs at least one block")
+
+
+def parse_partition(text: str, num_stages: int) -> tuple[int, ...] | None:
+    """`equal` (None: the even split) or each stage's block count, comma-separated (vLLM's
+    VLLM_PP_LAYER_PARTITION); ValueError naming what is wrong. The sum is checked against the model later."""
+    value = text.strip().lower()
+    if value == "equal":
+        return None
+    parts = [p.strip() for p in value.split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise ValueError("give equal, or each stage's block count, comma-separated (e.g. 8,8,14)")
+    counts = tuple(int(p) for p in parts)
+    check_partition(counts, num_stages)
+    return counts
+
+
 def role_of(stage: int, num_stages: int) -> Role:
     check_stage(stage, num_stages)
     if stage == 0:
@@ -50,17 +73,31 @@ class Shard:
     count: int
     blocks: range | None = None
     total_blocks: int | None = None
+    partition: tuple[int, ...] | None = None  # each stage's block count (--layer-partition); None: the even split
 
     def __attrs_post_init__(self) -> None:
         check_stage(self.index, self.count)
+        if self.partition is not None:
+            check_partition(self.partition, self.count)
 
     @classmethod
-    def of(cls, index: int, count: int) -> Shard:
-        return cls(index, count)
+    def of(cls, index: int, count: int, partition: tuple[int, ...] | None = None) -> Shard:
+        return cls(index, count, partition=partition)
 
     def sized(self, total_blocks: int) -> Shard:
-        """This place with its blocks of a model of `total_blocks`, split evenly (layer_range)."""
-        return attrs.evolve(self, blocks=layer_range(total_blocks, self.index, self.count), total_blocks=total_blocks)
+        """This place with its blocks of a model of `total_blocks`: its part of the partition, or the even split
+        (layer_range). ValueError where the partition does not sum to the model's blocks."""
+        return attrs.evolve(self, blocks=self.range_of(self.index, total_blocks), total_blocks=total_blocks)
+
+    def range_of(self, stage: int, total_blocks: int) -> range:
+        """Any stage's blocks of a model of `total_blocks`, split as this shard's chain is."""
+        if self.partition is None:
+            return layer_range(total_blocks, stage, self.count)
+        if sum(self.partition) != total_blocks:
+            raise ValueError(f"the layer partition {','.join(map(str, self.partition))} gives "
+                             f"{sum(self.partition)} blocks; the model has {total_blocks}")
+        lo = sum(self.partition[:stage])
+        return range(lo, lo + self.partition[stage])
 
     @property
     def role(self) -> Role:

@@ -13,7 +13,6 @@ import httpx
 import trio
 
 from roles.topology import stage_name
-from worker.partition import layer_range
 
 from node.api.entry import Entry
 from node.membership.gossip import State
@@ -39,7 +38,7 @@ def stages_view(node: Entry, last_ms_per_token: list[float] | None) -> list[dict
     out = []
     for stage in range(shard.count):
         member = node.swim.resolve(stage_name(stage)) or members.get(stage)
-        layers = layer_range(shard.total_blocks, stage, shard.count)
+        layers = shard.range_of(stage, shard.total_blocks)
         out.append({"stage": stage, "state": stage_state(member), "node": member.id if member else None,
                     "addr": member.addr if member else None, "progress": member.meta.progress if member else None,
                     "blocks": [layers.start, layers.stop],

@@ -1,10 +1,12 @@
-"""The model a node serves and how its weights are kept: a model it can load or fetch, and the precision."""
+"""The model a node serves and how its weights are kept: a model it can load or fetch, the precision, and how
+its blocks are split over the stages."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from node.config.sources import ConfigError, Sources
 from roles.messages import is_http_url
+from worker.partition import parse_partition
 from worker.weights.contract import PRECISIONS
 from worker.weights.fetch import DEFAULT_MODEL, REGISTRY
 from worker.weights.tiny import BUILT_IN
@@ -30,3 +32,13 @@ def precision(src: Sources) -> str:
     if value not in PRECISIONS:
         raise ConfigError(f"{label}={raw!r}: expected {', '.join(PRECISIONS)}")
     return value
+
+
+def layer_partition(src: Sources, num_stages: int) -> tuple[int, ...] | None:
+    """`equal` (None: the even split, the default) or each stage's block count (worker.partition.parse_partition);
+    whether they sum to the model's blocks is checked once the model is open."""
+    raw, label = src.get("--layer-partition")
+    try:
+        return parse_partition(raw or "equal", num_stages)
+    except ValueError as exc:
+        raise ConfigError(f"{label}={raw!r}: {exc}") from None

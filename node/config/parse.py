@@ -14,7 +14,7 @@ from pathlib import Path
 
 from node.config.credentials import (API_KEY_ENV, API_KEY_FILE_ENV, TOKEN_ENV, TOKEN_IS_API_KEY_ENV,
                                      client_api_keys, cluster_token)
-from node.config.model import model_spec, precision
+from node.config.model import layer_partition, model_spec, precision
 from node.config.network import (DEFAULT_BIND, DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT, link_faults, link_streams,
                                  listen_port, max_body, optional_url, peer_urls, public_port)
 from node.config.settings import DEFAULT_CHUNKED_PREFILL, DEFAULT_LOG_LEVEL, LOG_LEVELS, NodeConfig
@@ -56,6 +56,8 @@ ENV_TABLE = (
      "its whole prompt (the prefix cache is on by default)"),
     ("PP_MAX_QUEUE", "--max-queue", f"stage 0: requests waiting for a free slot; past it, 429 ({DEFAULT_MAX_QUEUE})"),
     ("PP_BEAM", "--beam", "kernel search at boot: tinygrad's BEAM width, e.g. 2; minutes once, cached on disk for the next boot (0 = off)"),
+    ("PP_LAYER_PARTITION", "--layer-partition", "equal, or each stage's block count, comma-separated, e.g. 8,8,14 "
+     "(vLLM's VLLM_PP_LAYER_PARTITION); every stage must be given the same (equal)"),
     ("PP_PRECISION", "--precision", "auto: Q8_0 weights stay as the file holds them, F16/BF16 too with --beam; file: all of them always; f32: every weight widened at load (auto)"),
     ("PP_LINKS", "--links", "stream: messages to the next stage as frames of one long-lived HTTP/2 stream; post: a POST each (stream)"),
     ("PP_FAULTS", "", "chaos testing: drop=P,delay=P,delay_ms=MS,seed=N drops or delays that share of link sends (off)"),
@@ -113,6 +115,8 @@ def build_parser(prog: str = "python ppnode.py") -> argparse.ArgumentParser:
                    help="turn the prefix cache off: no request starts from another's KV (PP_NO_PREFIX_CACHE=1)")
     p.add_argument("--max-queue", metavar="Q", help=f"requests waiting at stage 0 (PP_MAX_QUEUE, default {DEFAULT_MAX_QUEUE})")
     p.add_argument("--beam", metavar="W", help="kernel search width at boot, 0 = off (PP_BEAM, default 0)")
+    p.add_argument("--layer-partition", metavar="SPLIT",
+                   help="equal, or each stage's block count, e.g. 8,8,14 (PP_LAYER_PARTITION, default equal)")
     p.add_argument("--precision", metavar="P", help="auto, file or f32: which weights stay as the file holds them (PP_PRECISION, default auto)")
     p.add_argument("--links", metavar="KIND", help="stream or post: how messages go to the next stage (PP_LINKS)")
     p.add_argument("--log-level", metavar="LEVEL", help=f"{', '.join(LOG_LEVELS)} (PP_LOG_LEVEL)")
@@ -169,6 +173,7 @@ def _config_from(src: Sources, *, home: Path, rng: random.Random | None) -> Node
         prefix_cache=not switch(src, "--no-prefix-cache"),
         ctx=count(src, "--ctx", DEFAULT_CONTEXT, lowest=16),
         beam=count(src, "--beam", 0, lowest=0), precision=precision(src), link_streams=link_streams(src),
+        layer_partition=layer_partition(src, num_stages),
         exit_on_stdin_eof=env_switch(env, "PP_STDIN_LIFELINE"), faults=link_faults(env))
 
 
