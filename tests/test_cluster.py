@@ -21,7 +21,8 @@ def expected(model, prompt, max_tokens):
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5])
 async def test_stub_cluster_answers_with_the_single_process_tokens(nursery, tmp_path, n):
-    orch, _, _ = await start_cluster(nursery, n, tmp_path)
+    # answers, not liveness: a full suite's slow moments must not declare a stage dead (cluster.PATIENT_SWIM)
+    orch, _, _ = await start_cluster(nursery, n, tmp_path, swim_config=PATIENT_SWIM)
     with trio.fail_after(60):
         response = await orch.submit("Say hello", max_tokens=16)
     ids, want = expected(stub_model(), "Say hello", 16)

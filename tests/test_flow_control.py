@@ -19,7 +19,7 @@ import pytest
 import trio
 from hypercorn.protocol.h2 import H2Protocol
 
-from cluster import API_KEY, slow_stub, start_cluster
+from cluster import API_KEY, PATIENT_SWIM, slow_stub, start_cluster
 from node.transport import h2_flow
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -98,7 +98,8 @@ async def served_meanwhile(url: str) -> None:
 
 async def test_a_client_that_never_reads_holds_at_most_a_window_per_stream_and_others_are_served(
         nursery, tmp_path):
-    _, urls, _ = await start_cluster(nursery, 2, tmp_path, max_seqs=8)
+    # flow control, not liveness: a full suite's slow moments must not declare a stage dead
+    _, urls, _ = await start_cluster(nursery, 2, tmp_path, max_seqs=8, swim_config=PATIENT_SWIM)
     sock, _ = await open_unread_streams(urls[0], 4)
     await until(lambda: health_followed(urls, 4), 20, "4 streams admitted")
     await until(lambda: engine_idle(urls), 60, "every answer computed")  # all of it is the app's to send now
