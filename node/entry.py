@@ -107,14 +107,14 @@ class EntryStage:
     def admitted(self, message) -> None:
         if isinstance(message, InferenceRequest):
             self.node.figures.admitted(message.request_id, self.node.actor.prompt_tokens(message.request_id))
-        self._settled = tell_settled(self.swim, self.node.actor, self._settled)  # lost rows start a replay
+        # after every message, not every token: fed-back tokens end a replay, a report of lost rows starts one
+        self._settled = tell_settled(self.swim, self.node.actor, self._settled)
 
     def progressed(self, progress: Progress) -> None:
         self.node.figures.progressed(progress)
         follower = self._local.get(progress.request_id)
         if follower is not None:
             follower.send_nowait(progress)
-        self._settled = tell_settled(self.swim, self.node.actor, self._settled)
 
     def report(self, end: EndRequest) -> None:
         """A request failed on a link here: the actor ends it everywhere."""

@@ -16,6 +16,7 @@ from typing import Awaitable, Callable
 import trio
 
 from .children import Child, StageExited, Standby
+from .keeper import race
 
 START_ATTEMPTS = 3
 SETTLE_TIMEOUT_S = 120.0  # the most a new spare waits for the replays through the last taken one
@@ -69,7 +70,7 @@ class Standbys:
             self.ready.append(standby)
             self._progress(f"standby {place} ready in {trio.current_time() - started:.1f} s "
                            f"(pid {standby.process.pid}, log {standby.log_path.name})")
-            await _first(taken.wait, standby.exited.wait)
+            await race(taken.wait, standby.exited.wait)
             if standby in self.ready:  # it ended while it waited, not while taking a stage
                 self.ready.remove(standby)
                 self._progress(f"standby {place} (pid {standby.process.pid}) exited with code "
@@ -86,14 +87,4 @@ class Standbys:
         child = self._children.pop(id(standby), None)
         if child is not None and self._settled is not None:
             with trio.move_on_after(SETTLE_TIMEOUT_S):
-                await _first(lambda: self._settled(child), standby.exited.wait)
-
-
-async def _first(*waits: Callable[[], Awaitable[None]]) -> None:
-    """Return once any of `waits` has."""
-    async with trio.open_nursery() as nursery:
-        async def one(wait):
-            await wait()
-            nursery.cancel_scope.cancel()
-        for wait in waits:
-            nursery.start_soon(one, wait)
+                await race(lambda: self._settled(child), standby.exited.wait)
