@@ -22,7 +22,7 @@ import numpy as np
 from tinygrad import Tensor, TinyJit
 
 from worker.batching import DEFAULT_MAX_SEQS, Segment
-from worker.compute import cpu_matvec
+from worker.compute import cpu_matvec, cpu_threads
 from worker.compute.linear import DeviceWeight, plain
 from worker.models import open_model
 from worker.weights.fetch import DEFAULT_MODEL
@@ -38,12 +38,13 @@ def _weight(kind: str, out: int, inp: int, rng) -> tuple[np.ndarray, ...]:
     return rng.integers(0, 255, (out, nb, 16), dtype=np.uint8), rng.random((out, nb, 2)).astype(np.float16)
 
 
-def matvec_ms(kind: str, form: str, rows: int, out: int, inp: int, weights: int) -> float:
+def matvec_ms(kind: str, form: str, rows: int, out: int, inp: int, weights: int, threads: int = 1) -> float:
     rng = np.random.default_rng(0)
     mats = [_weight(kind, out, inp, rng) for _ in range(weights)]
     if form == "hand":
         parts = [tuple(Tensor(p).realize() for p in cpu_matvec.device_parts(kind, m)) for m in mats]
-        one = lambda x, p: cpu_matvec.matvec(x, kind, p, (out, inp))  # noqa: E731
+        pool = cpu_threads.shared(threads)
+        one = lambda x, p: cpu_matvec.matvec(x, kind, p, (out, inp), pool)  # noqa: E731
     else:
         parts = [DeviceWeight(kind, tuple(Tensor(p).realize() for p in m), (out, inp)) for m in mats]
         one = lambda x, w: plain(x, w).contiguous()  # noqa: E731
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", nargs="+", type=int, default=[1])
     p.add_argument("--shape", nargs=2, type=int, default=[1536, 576], metavar=("OUT", "IN"))
     p.add_argument("--weights", type=int, default=48)
+    p.add_argument("--threads", nargs="+", type=int, default=[1], help="the hand form's thread counts")
     p.add_argument("--mixed", action="store_true", help="instead: mixed steps through --blocks blocks")
     p.add_argument("--blocks", type=int, default=10)
     args = p.parse_args(argv)
@@ -99,9 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     for kind in args.kinds:
         for form in args.forms:
             for rows in args.rows:
-                ms = matvec_ms(kind, form, rows, out, inp, args.weights)
-                print(f"{kind} {form} {out}x{inp}, {rows} rows: {ms:.3f} ms per matvec, "
-                      f"{rows * out * inp / ms / 1e6:.2f} G row-weights/s")
+                for threads in args.threads if form == "hand" else [1]:
+                    ms = matvec_ms(kind, form, rows, out, inp, args.weights, threads)
+                    print(f"{kind} {form} {out}x{inp}, {rows} rows, {threads} thread(s): {ms:.3f} ms per matvec, "
+                          f"{rows * out * inp / ms / 1e6:.2f} G row-weights/s")
     return 0
 
 

@@ -79,21 +79,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--beam", type=int, default=0, help="kernel search width at warm-up (tinygrad BEAM; 0 = off)")
     p.add_argument("--precision", choices=PRECISIONS, default="auto",
                    help="which weights keep the file's precision (weights.contract.narrow_kinds)")
+    p.add_argument("--threads", nargs="+", type=int, default=[1], help="cores a step runs on (ppnode --threads)")
     args = p.parse_args(argv)
-    model = open_model(args.model, cache_dir=Path(tempfile.gettempdir()), ollama_models_dir=None,
-                       precision=args.precision, tuned=args.beam > 0)
+    for threads in args.threads:
+        model = open_model(args.model, cache_dir=Path(tempfile.gettempdir()), ollama_models_dir=None,
+                           precision=args.precision, tuned=args.beam > 0, threads=threads)
+        _run(model, args, threads)
+    return 0
+
+
+def _run(model, args, threads: int) -> None:
     if args.prefill:
         for blocks in args.blocks:
             rate = prefill_tokens_per_s(model, blocks, args.prefill, args.head)
-            print(f"{args.model} ({args.precision}), {blocks} blocks{' + head' if args.head else ''}: "
+            print(f"{args.model} ({args.precision}), {blocks} blocks{' + head' if args.head else ''}, {threads} thread(s): "
                   f"prefill of {args.prefill} tokens at {rate:.1f} tokens/s")
-        return 0
+        return
     for blocks in args.blocks:
         for batch in args.batch:
             ms, warm_s = step_ms(model, blocks, args.steps, batch, args.beam, args.profile)
-            print(f"{args.model} ({args.precision}), {blocks} blocks, {batch} rows, beam {args.beam}: median {ms:.2f} ms per step, "
-                  f"{ms / batch:.2f} ms per row; warm-up {warm_s:.1f} s")
-    return 0
+            print(f"{args.model} ({args.precision}), {blocks} blocks, {batch} rows, beam {args.beam}, {threads} thread(s): "
+                  f"median {ms:.2f} ms per step, {ms / batch:.2f} ms per row; warm-up {warm_s:.1f} s")
 
 
 if __name__ == "__main__":

@@ -19,9 +19,16 @@ def test_a_step_has_room_for_a_decode_row_of_every_slot_and_as_many_prompt_rows(
     assert default_max_batch(max_seqs) == want >= 2 * max_seqs
 
 
-@pytest.fixture(scope="module")
-def model():
-    return tinygrad_model(TinySource())
+@pytest.fixture(scope="module", params=[1, 2], ids=lambda t: f"{t} thread(s)")
+def model(request):
+    """The tiny model with its steps on one thread, then split over two (worker/compute/cpu_threads.py)."""
+    return tinygrad_model(TinySource(), threads=request.param)
+
+
+def test_two_threads_give_one_threads_logits_bit_for_bit(prompts):
+    one, two = tinygrad_model(TinySource(), threads=1), tinygrad_model(TinySource(), threads=2)
+    for ids in prompts:
+        assert all(np.array_equal(a, b) for a, b in zip(alone(one, ids, 4), alone(two, ids, 4)))
 
 
 @pytest.fixture(scope="module")

@@ -5,15 +5,16 @@ import numpy as np
 import pytest
 from tinygrad import Tensor
 
+from worker.compute import cpu_threads
 from worker.compute.cpu_attention import attention
 
 HEADS, KV_HEADS, HEAD_DIM, CONTEXT, SLOTS = 6, 2, 16, 40, 3
 
 
-def run(q, cache, rows):
+def run(q, cache, rows, threads=1, head_dim=HEAD_DIM):
     ints = np.array([[p for p, _ in rows], [s for _, s in rows], [s * CONTEXT + p for p, s in rows]], dtype=np.int32)
-    return attention(Tensor(q), Tensor(cache), Tensor(ints), heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                     max_context=CONTEXT).numpy()
+    return attention(Tensor(q), Tensor(cache), Tensor(ints), heads=HEADS, kv_heads=KV_HEADS, head_dim=head_dim,
+                     max_context=CONTEXT, threads=cpu_threads.shared(threads)).numpy()
 
 
 def reference(q, cache, rows):
@@ -47,3 +48,14 @@ def test_a_row_gives_the_same_bits_alone_or_among_others():
     together = run(q, cache, rows)
     for i, row in enumerate(rows):
         assert np.array_equal(run(q[i:i + 1].copy(), cache, [row])[0].view(np.uint32), together[i].view(np.uint32))
+
+
+@pytest.mark.parametrize("head_dim", [16, 64], ids=["a generic head size", "a specialised head size"])
+def test_every_thread_count_gives_the_same_bits(head_dim):
+    rng = np.random.default_rng(head_dim)
+    cache = rng.standard_normal((SLOTS * CONTEXT, 2 * KV_HEADS * head_dim)).astype(np.float32)
+    rows = [(7, 0), (30, 2), (12, 1), (0, 1), (39, 0)]
+    q = rng.standard_normal((len(rows), HEADS * head_dim)).astype(np.float32)
+    alone = run(q, cache, rows, 1, head_dim)
+    for threads in (2, 3, 7):
+        assert np.array_equal(run(q, cache, rows, threads, head_dim).view(np.uint32), alone.view(np.uint32)), threads

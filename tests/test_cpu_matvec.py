@@ -7,7 +7,7 @@ from gguf import GGMLQuantizationType as Q
 from tinygrad import Tensor
 
 from ggufmake import quantize
-from worker.compute import cpu_matvec
+from worker.compute import cpu_matvec, cpu_threads
 from worker.weights.packed import Packed, aligned
 
 QTYPE = {"q8_0": Q.Q8_0, "q4_1": Q.Q4_1}
@@ -23,9 +23,9 @@ def packed(kind: str, w: np.ndarray) -> Packed:
     return Packed(kind, (q.view(np.int8) if kind == "q8_0" else q, aligned(blocks[:, :, :head]).view(np.float16)))
 
 
-def run(kind: str, p: Packed, x: np.ndarray) -> np.ndarray:
+def run(kind: str, p: Packed, x: np.ndarray, threads: int = 1) -> np.ndarray:
     parts = tuple(Tensor(a) for a in cpu_matvec.device_parts(kind, p.parts))
-    return cpu_matvec.matvec(Tensor(x), kind, parts, p.shape).numpy()
+    return cpu_matvec.matvec(Tensor(x), kind, parts, p.shape, cpu_threads.shared(threads)).numpy()
 
 
 @pytest.mark.parametrize("kind", ["f32", "q8_0", "q4_1"])
@@ -49,3 +49,14 @@ def test_a_row_gives_the_same_bits_alone_or_among_others(kind):
     together = run(kind, p, x)
     for i in range(4):
         assert np.array_equal(run(kind, p, x[i:i + 1].copy())[0].view(np.uint32), together[i].view(np.uint32))
+
+
+@pytest.mark.parametrize("kind", ["f32", "q8_0", "q4_1"])
+@pytest.mark.parametrize("rows, out", [(1, 40), (11, 97), (16, 3)])
+def test_every_thread_count_gives_the_same_bits(kind, rows, out):
+    rng = np.random.default_rng(rows + out)
+    p = packed(kind, rng.standard_normal((out, 96)).astype(np.float32) + 0.5)
+    x = rng.standard_normal((rows, 96)).astype(np.float32)
+    alone = run(kind, p, x, threads=1).view(np.uint32)
+    for threads in (2, 3, 5):
+        assert np.array_equal(run(kind, p, x, threads).view(np.uint32), alone), threads

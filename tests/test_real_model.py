@@ -187,6 +187,16 @@ def test_greedy_answer_equals_the_float32_reference_and_transformers(pipeline, t
     np.testing.assert_allclose(np.stack(logits), rows, rtol=0, atol=LOGIT_ATOL)
 
 
+def test_a_stage_on_two_threads_answers_as_on_one_bit_for_bit(model, tokenizer, tmp_path):
+    """`--threads 2`: every stage's matrices and attention split over two cores (worker/compute/cpu_threads.py)."""
+    two = open_model(MODEL, cache_dir=tmp_path, ollama_models_dir=None, progress=False, max_context=CTX, threads=2)
+    ids = tokenizer.encode_chat(HELLO)
+    tokens, logits = Pipeline(two, 1).answer(ids)
+    want_tokens, want_logits = Pipeline(model, 1).answer(ids)
+    assert tokens == want_tokens == TRANSFORMERS[HELLO]["token_ids"]
+    assert all(np.array_equal(a, b) for a, b in zip(logits, want_logits))
+
+
 def test_an_answer_stops_at_im_end_and_its_text_holds_no_control_token(pipeline, tokenizer):
     tokens, _ = pipeline.answer(tokenizer.encode_chat(HELLO))
     assert tokens[-1] == tokenizer.special_ids[IM_END] and tokens[-1] in pipeline.stop_ids

@@ -26,15 +26,16 @@ class Model:
 
 
 def tinygrad_model(source: WeightSource, precision: str = "auto", *, tuned: bool = False,
-                   max_context: int | None = None) -> Model:
+                   max_context: int | None = None, threads: int = 1) -> Model:
     """`precision` and `tuned` (kernels will be searched: beam > 0) pick which matrices keep the file's
     precision (F16, BF16, Q8_0): weights.contract.narrow_kinds. "f32" widens every weight at load, the reference path.
-    `max_context`: the positions each slot's KV holds, at most the file's (None: the file's)."""
+    `max_context`: the positions each slot's KV holds, at most the file's (None: the file's). `threads`: the
+    cores a step's kernels run on (on the CPU: worker/compute/cpu_threads.py)."""
     keep = narrow_kinds(precision, tuned)
 
     def open_slice(layers: range, *, embed: bool, head: bool, max_seqs: int = DEFAULT_MAX_SEQS) -> Slice:
         return TinygradSlice(source, layers, embed=embed, head=head, max_seqs=max_seqs, keep=keep,
-                             max_context=max_context)
+                             max_context=max_context, threads=threads)
     return Model(source.path, source.config.n_layers, open_slice, source.tokenizer)
 
 
@@ -56,8 +57,10 @@ def open_worker(model: Model, shard: Shard, *, max_seqs: int = DEFAULT_MAX_SEQS)
 
 
 def open_model(spec: str, *, cache_dir: Path, ollama_models_dir: Path | None, progress: bool = True,
-               precision: str = "auto", tuned: bool = False, max_context: int | None = None) -> Model:
+               precision: str = "auto", tuned: bool = False, max_context: int | None = None,
+               threads: int = 1) -> Model:
     """The one model argument: `stub`, `tiny`, `small`, a .gguf file, a Hugging Face directory or a known name.
-    `precision`, `tuned` and `max_context` as tinygrad_model's."""
+    `precision`, `tuned`, `max_context` and `threads` as tinygrad_model's."""
     source = open_source(spec, cache_dir=cache_dir, ollama_models_dir=ollama_models_dir, progress=progress)
-    return stub_model() if source is None else tinygrad_model(source, precision, tuned=tuned, max_context=max_context)
+    return stub_model() if source is None else tinygrad_model(source, precision, tuned=tuned, max_context=max_context,
+                                                                    threads=threads)

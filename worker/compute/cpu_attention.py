@@ -1,4 +1,4 @@
-"""Attention over the KV cache on the CPU device, as hand-written C inside a tinygrad kernel.
+"""Attention over the KV cache on the CPU device, as hand-written C that a tinygrad kernel calls.
 
 tinygrad 0.14's kernels for a step's attention (gather the slot's keys, scores, mask, softmax, values)
 ran at under 1 GFLOP/s here: at 300 cached positions they cost 10 SmolLM2 blocks ~7 ms a row more, as
@@ -10,39 +10,42 @@ Per row and head, in this order (the same whatever rows share the step): s_l = (
 l <= position; p_l = exp(s_l - max s); out = (Σ p_l v_l) / Σ p_l. exp is a polynomial of our own (the
 kernels are freestanding C, without libm): 2^(x log2 e) split into 2^n by the exponent bits and 2^f by
 a degree-6 polynomial, relative error ~2e-7, within float-summation tolerance of tinygrad's softmax.
+The (row, head) pairs are split over the stage's threads (cpu_threads.py); each pair's arithmetic is the
+same on any of them.
 """
 from __future__ import annotations
 
 from tinygrad import Tensor
 
-from .cpu_matvec import c_kernel, custom_text
+from .cpu_jobs import c_kernel, trampoline
 
-def source(rows: int, heads: int, kv_heads: int, head_dim: int, max_context: int) -> str:
-    """y (rows, heads·head_dim) from q (rows, heads·head_dim), the cache (slots·max_context, 2·kv_heads·head_dim)
-    and the step's ints (3, rows): position, slot, cache row."""
-    if head_dim % 8:
-        raise ValueError(f"head_dim {head_dim} is not a multiple of 8")
-    vec, group, width = head_dim // 8, heads // kv_heads, 2 * kv_heads * head_dim
-    scale = 1.0 / head_dim ** 0.5
-    body = f"""{{
-typedef float v8f __attribute__((ext_vector_type(8)));
-float* y = @0; const float* q = @1; const float* cache = @2; const int* ints = @3;
-float s[{max_context}];
-for (int b = 0; b < {rows}; b++) {{
-  int pos = ints[b], slot = ints[{rows} + b];
-  const float* base = cache + (long)slot * {max_context} * {width};
-  for (int h = 0; h < {heads}; h++) {{
-    int g = h / {group};
-    const float* qh = q + (long)b * {heads * head_dim} + h * {head_dim};
-    v8f qv[{vec}]; for (int i = 0; i < {vec}; i++) __builtin_memcpy(&qv[i], qh + 8*i, 32);
+HEAD_DIMS = (32, 64, 96, 128, 256)  # specialised (constant loop bounds); any other multiple of 8 is generic
+WORK = tuple(f"pp_attention_{hd}" for hd in HEAD_DIMS) + ("pp_attention",)
+
+
+def _work(name: str, head_dim: str) -> str:
+    """C: items lo..hi-1 of the (row, head) pairs; job p = y, q, cache, ints; n = rows, heads, kv_heads,
+    head_dim, max_context; f = scale."""
+    return f"""void {name}(const struct pp_job* j, long lo, long hi) {{
+  float* y = j->p[0]; const float* q = j->p[1]; const float* cache = j->p[2]; const int* ints = j->p[3];
+  long rows = j->n[0], heads = j->n[1], kv_heads = j->n[2], max_context = j->n[4];
+  const long head_dim = {head_dim}, vec = head_dim / 8, group = heads / kv_heads, width = 2 * kv_heads * head_dim;
+  const float scale = j->f[0];
+  float s[max_context];
+  for (long item = lo; item < hi; item++) {{
+    long b = item / heads, h = item % heads, g = h / group;
+    int pos = ints[b], slot = ints[rows + b];
+    const float* base = cache + (long)slot * max_context * width;
+    const float* qh = q + b * heads * head_dim + h * head_dim;
+    v8f qv[vec]; for (long i = 0; i < vec; i++) __builtin_memcpy(&qv[i], qh + 8*i, 32);
     float m = -3.0e38f;
     for (int l = 0; l <= pos; l++) {{
-      const float* k = base + (long)l * {width} + g * {head_dim};
-      v8f acc = 0; for (int i = 0; i < {vec}; i++) {{ v8f kv; __builtin_memcpy(&kv, k + 8*i, 32); acc += qv[i] * kv; }}
-      float d = (((acc[0]+acc[1]) + (acc[2]+acc[3])) + ((acc[4]+acc[5]) + (acc[6]+acc[7]))) * {scale!r}f;
+      const float* k = base + (long)l * width + g * head_dim;
+      v8f acc = 0; for (long i = 0; i < vec; i++) {{ v8f kv; __builtin_memcpy(&kv, k + 8*i, 32); acc += qv[i] * kv; }}
+      float d = (((acc[0]+acc[1]) + (acc[2]+acc[3])) + ((acc[4]+acc[5]) + (acc[6]+acc[7]))) * scale;
       s[l] = d; if (d > m) m = d;
     }}
-    float total = 0; v8f o[{vec}]; for (int i = 0; i < {vec}; i++) o[i] = 0;
+    float total = 0; v8f o[vec]; for (long i = 0; i < vec; i++) o[i] = 0;
     for (int l = 0; l <= pos; l++) {{
       float x = s[l] - m, p = 0.0f;
       if (x > -87.0f) {{  /* exp(x) = 2^n 2^f, f in [-1/2, 1/2] */
@@ -53,22 +56,31 @@ for (int b = 0; b < {rows}; b++) {{
         union {{ float f; int i; }} u; u.i = ((int)n + 127) << 23; p = t * u.f;
       }}
       total += p;
-      const float* v = base + (long)l * {width} + {kv_heads * head_dim} + g * {head_dim};
-      for (int i = 0; i < {vec}; i++) {{ v8f vv; __builtin_memcpy(&vv, v + 8*i, 32); o[i] += p * vv; }}
+      const float* v = base + (long)l * width + kv_heads * head_dim + g * head_dim;
+      for (long i = 0; i < vec; i++) {{ v8f vv; __builtin_memcpy(&vv, v + 8*i, 32); o[i] += p * vv; }}
     }}
     float inv = 1.0f / total;
-    float* yh = y + (long)b * {heads * head_dim} + h * {head_dim};
-    for (int i = 0; i < {vec}; i++) {{ v8f r = o[i] * inv; __builtin_memcpy(yh + 8*i, &r, 32); }}
+    float* yh = y + b * heads * head_dim + h * head_dim;
+    for (long i = 0; i < vec; i++) {{ v8f r = o[i] * inv; __builtin_memcpy(yh + 8*i, &r, 32); }}
   }}
-}}
 }}"""
-    return custom_text(body, 4)
+
+
+def work_source() -> str:
+    """The library's attention kernels (cpu_threads.py): one per common head size, and a generic one."""
+    return "\n".join([_work(f"pp_attention_{hd}", str(hd)) for hd in HEAD_DIMS] + [_work("pp_attention", "j->n[3]")])
 
 
 def attention(q: Tensor, cache: Tensor, ints: Tensor, *, heads: int, kv_heads: int, head_dim: int,
-              max_context: int) -> Tensor:
+              max_context: int, threads) -> Tensor:
     """q (rows, heads·head_dim) float32 → (rows, heads·head_dim): each row attends to its slot's cached
-    positions 0..its own (ints: position, slot, cache row per row)."""
+    positions 0..its own (ints: position, slot, cache row per row), the (row, head) pairs split over
+    `threads` (cpu_threads.CpuThreads)."""
+    if head_dim % 8:
+        raise ValueError(f"head_dim {head_dim} is not a multiple of 8")
     rows = q.shape[0]
-    return c_kernel(f"attention_{rows}_{heads}_{kv_heads}_{head_dim}", source(rows, heads, kv_heads, head_dim, max_context),
-                    (rows, heads * head_dim), q.contiguous(), cache, ints)
+    work = f"pp_attention_{head_dim}" if head_dim in HEAD_DIMS else "pp_attention"
+    text = trampoline(threads.slot(work), 4, (rows, heads, kv_heads, head_dim, max_context), rows * heads,
+                      (1.0 / head_dim ** 0.5,))
+    return c_kernel(f"attention_{rows}_{heads}_{kv_heads}_{head_dim}", text, (rows, heads * head_dim),
+                    q.contiguous(), cache, ints, threads.table)

@@ -14,15 +14,17 @@ Arithmetic, per row and output (the same whatever the rows beside it, so batched
 The activations stay float32: llama.cpp quantizes them to 8 bits for integer dot products, which would
 change the answers.
 
-The C is a tinygrad CUSTOM op (its renderer pastes the text in with the buffers' names), one kernel per
-(kind, rows, out, in), compiled and cached like any other kernel (worker/compute/kernel_cache.py).
-Scales are float32 on the device (`device_parts`): freestanding C on x86 has no portable float16 load.
+The C is compiled once per machine into cpu_threads.py's library (`work_source`: one function per kind, a
+tile function per row count up to TILE); the step's tinygrad kernel (a CUSTOM op, one per (kind, rows, out,
+in)) is a trampoline that hands it the job, split by output over the stage's threads (cpu_jobs.py).
+Scales are float32 on the device (`device_parts`): C on x86 has no portable float16 load.
 """
 from __future__ import annotations
 
 import numpy as np
-from tinygrad import Tensor, UOp, dtypes
-from tinygrad.uop.ops import KernelInfo, Ops
+from tinygrad import Tensor
+
+from .cpu_jobs import c_kernel, trampoline
 
 KINDS = frozenset({"f32", "q8_0", "q4_1"})
 BLOCK = 32
@@ -53,59 +55,68 @@ _SCALES = {"f32": 0, "q4_1": 2, "q8_0": 1}  # float32 scales per block on the de
 
 
 TILE = 8  # rows that share one decoded block in registers: 8 accumulators of 8 lanes, plus the block's 4
+WORK = tuple(f"pp_mv_{kind}" for kind in sorted(KINDS))  # the library's work functions (cpu_threads.py)
 
 
-def source(kind: str, rows: int, out: int, inp: int) -> str:
-    """The kernel body: y (rows, out) = x (rows, inp) @ W.T, W as quant bytes and float32 scales.
-
-    Rows go in tiles of up to TILE, so that a decoded block serves them all from registers; every row's
-    sums are formed in the same order whatever tile it is in."""
-    nb, qbytes, ns = inp // BLOCK, _QBYTES[kind], _SCALES[kind]
-    affine = kind == "q4_1"
-    tiles = [(r, min(TILE, rows - r)) for r in range(0, rows, TILE)]
-    lines = ["{", _HEAD, "float* y = @0; const float* x = @1; const unsigned char* q = (const unsigned char*)@2;"]
-    if ns:
-        lines.append("const float* scale = @3;")
-    if affine:  # Σx of every row's blocks, for Q4_1's min term
-        lines.append(f"float xs[{rows * nb}];")
-        lines.append(f"for (int b = 0; b < {rows}; b++) for (int k = 0; k < {nb}; k++) {{ float s = 0;"
-                     f" for (int j = 0; j < 32; j++) s += x[b*{inp} + k*32 + j]; xs[b*{nb} + k] = s; }}")
-    lines.append(f"for (int o = 0; o < {out}; o++) {{")
-    lines.append(f"  const unsigned char* qo = q + (long)o*{nb * qbytes};" +
-                 (f" const float* so = scale + (long)o*{nb * ns};" if ns else ""))
-    for first, n in tiles:
-        rs = range(first, first + n)
-        lines.append("  {")
-        lines.append("    " + " ".join(f"v8f a{r} = 0; float m{r} = 0;" for r in rs))
-        lines.append(f"    for (int k = 0; k < {nb}; k++) {{")
-        lines.append(f"      const unsigned char* qb = qo + k*{qbytes};" + (f" const float* sc = so + k*{ns};" if ns else ""))
-        lines.append("      " + _DECODE[kind])
-        for r in rs:
-            lines.append(f"      {{ const float* xb = x + {r * inp} + k*32; v8f x0, x1, x2, x3;")
-            lines.append("        __builtin_memcpy(&x0, xb, 32); __builtin_memcpy(&x1, xb + 8, 32);"
-                         " __builtin_memcpy(&x2, xb + 16, 32); __builtin_memcpy(&x3, xb + 24, 32);")
-            lines.append("        v8f p = c0*x0 + c1*x1 + c2*x2 + c3*x3;")
-            lines.append(f"        a{r} += sc[0] * p;" if ns else f"        a{r} += p;")
-            if affine:
-                lines.append(f"        m{r} += sc[1] * xs[{r * nb} + k];")
-            lines.append("      }")
+def _tile(kind: str, n: int) -> list[str]:
+    """C: output o of rows first..first+n-1, from the weight row's blocks (qo, so); each row's sum is formed
+    in the same order whatever tile, range or thread it is in."""
+    qbytes, ns, affine = _QBYTES[kind], _SCALES[kind], kind == "q4_1"
+    rs = range(n)
+    lines = [f"static inline void {kind}_tile{n}(float* y, const float* x, const unsigned char* qo, const float* so,"
+             " const float* xs, long first, long o, long out, long inp, long nb) {",
+             "  " + " ".join(f"v8f a{r} = 0; float m{r} = 0;" for r in rs),
+             "  for (long k = 0; k < nb; k++) {",
+             f"    const unsigned char* qb = qo + k*{qbytes};" + (f" const float* sc = so + k*{ns};" if ns else ""),
+             "    " + _DECODE[kind]]
+    for r in rs:
+        lines.append(f"    {{ const float* xb = x + (first + {r})*inp + k*32; v8f x0, x1, x2, x3;")
+        lines.append("      __builtin_memcpy(&x0, xb, 32); __builtin_memcpy(&x1, xb + 8, 32);"
+                     " __builtin_memcpy(&x2, xb + 16, 32); __builtin_memcpy(&x3, xb + 24, 32);")
+        lines.append("      v8f p = c0*x0 + c1*x1 + c2*x2 + c3*x3;")
+        lines.append(f"      a{r} += sc[0] * p;" if ns else f"      a{r} += p;")
+        if affine:
+            lines.append(f"      m{r} += sc[1] * xs[(first + {r})*nb + k];")
         lines.append("    }")
-        for r in rs:
-            lines.append(f"    {{ v8f t = a{r}; y[{r * out} + o] = "
-                         f"((t[0]+t[1]) + (t[2]+t[3])) + ((t[4]+t[5]) + (t[6]+t[7])) + m{r}; }}")
-        lines.append("  }")
+    lines.append("  }")
+    for r in rs:
+        lines.append(f"  {{ v8f t = a{r}; y[(first + {r})*out + o] = "
+                     f"((t[0]+t[1]) + (t[2]+t[3])) + ((t[4]+t[5]) + (t[6]+t[7])) + m{r}; }}")
     lines.append("}")
-    lines.append("}")
-    return custom_text("\n".join(lines), 4 if ns else 3)
+    return lines
 
 
-def custom_text(body: str, buffers: int) -> str:
-    """C as a CUSTOM op's text: tinygrad formats it with the buffers' names, so C's braces are doubled
-    and @i becomes argument i."""
-    text = body.replace("{", "{{").replace("}", "}}")
-    for i in range(buffers):
-        text = text.replace(f"@{i}", f"{{{i}}}")
-    return text
+def _work(kind: str) -> list[str]:
+    """C: pp_mv_<kind>, outputs lo..hi-1 of y (rows, out) = x (rows, inp) @ W.T; job p = y, x, q, scale and
+    n = rows, out, inp."""
+    ns, affine = _SCALES[kind], kind == "q4_1"
+    lines = [f"void pp_mv_{kind}(const struct pp_job* j, long lo, long hi) {{",
+             "  float* y = j->p[0]; const float* x = j->p[1]; const unsigned char* q = j->p[2];",
+             "  const float* scale = j->p[3]; long rows = j->n[0], out = j->n[1], inp = j->n[2], nb = inp / 32;",
+             "  float* xs = 0;"]
+    if affine:  # Σx of every row's blocks, for Q4_1's min term
+        lines += ["  float sums[rows * nb]; xs = sums;",
+                  "  for (long b = 0; b < rows; b++) for (long k = 0; k < nb; k++) { float s = 0;",
+                  "    for (int i = 0; i < 32; i++) s += x[b*inp + k*32 + i]; xs[b*nb + k] = s; }"]
+    lines += ["  for (long o = lo; o < hi; o++) {",
+              f"    const unsigned char* qo = q + o*nb*{_QBYTES[kind]};" + (f" const float* so = scale + o*nb*{ns};"
+                                                                          if ns else " const float* so = scale;"),
+              "    for (long first = 0; first < rows; first += 8) {",
+              "      switch (rows - first < 8 ? rows - first : 8) {"]
+    lines += [f"        case {n}: {kind}_tile{n}(y, x, qo, so, xs, first, o, out, inp, nb); break;"
+              for n in range(1, TILE + 1)]
+    lines += ["      }", "    }", "  }", "}"]
+    return lines
+
+
+def work_source() -> str:
+    """The library's matrix kernels (cpu_threads.py), every kind and tile size."""
+    lines = [_HEAD]
+    for kind in sorted(KINDS):
+        for n in range(1, TILE + 1):
+            lines += _tile(kind, n)
+        lines += _work(kind)
+    return "\n".join(lines)
 
 
 def device_parts(kind: str, parts: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
@@ -122,21 +133,9 @@ def handles(kind: str, shape: tuple[int, int]) -> bool:
     return kind in KINDS and shape[1] % BLOCK == 0
 
 
-def _raw(u: UOp) -> UOp:
-    while u.op is Ops.RESHAPE:  # the C indexes flat buffers itself
-        u = u.src[0]
-    return u
-
-
-def c_kernel(name: str, text: str, out_shape: tuple[int, ...], *inputs: Tensor) -> Tensor:
-    """A float32 tensor of `out_shape` written by the C `text` (custom_text), given `inputs` as @1, @2, ..."""
-    def kernel(*buffers: UOp) -> UOp:
-        body = UOp(Ops.CUSTOM, dtypes.void, tuple(_raw(u) for u in buffers), text)
-        return body.sink(arg=KernelInfo(name=name, opts_to_apply=()))
-    return Tensor.empty(*out_shape).custom_kernel(*inputs, fxn=kernel)[0]
-
-
-def matvec(x: Tensor, kind: str, parts: tuple[Tensor, ...], shape: tuple[int, int]) -> Tensor:
-    """x (rows, in) float32 → (rows, out) float32 through the C kernel for `kind`."""
+def matvec(x: Tensor, kind: str, parts: tuple[Tensor, ...], shape: tuple[int, int], threads) -> Tensor:
+    """x (rows, in) float32 → (rows, out) float32 through the C kernel for `kind`, on `threads`
+    (cpu_threads.CpuThreads)."""
     rows, (out, inp) = x.shape[0], shape
-    return c_kernel(f"{kind}_mv_{rows}_{out}_{inp}", source(kind, rows, out, inp), (rows, out), x.contiguous(), *parts)
+    text = trampoline(threads.slot(f"pp_mv_{kind}"), 1 + 1 + len(parts), (rows, out, inp), out)
+    return c_kernel(f"{kind}_mv_{rows}_{out}_{inp}", text, (rows, out), x.contiguous(), *parts, threads.table)

@@ -54,10 +54,11 @@ def _blocked(w: DeviceWeight) -> Tensor:
     return _widened(w).reshape(out, inp // SPLIT, SPLIT)
 
 
-def linear(x: Tensor, w: DeviceWeight, *, searched: bool) -> Tensor:
-    """x (rows, in) float32 @ W.T -> (rows, out) float32; `searched`: the kernels will be searched (BEAM)."""
+def linear(x: Tensor, w: DeviceWeight, *, searched: bool, threads=None) -> Tensor:
+    """x (rows, in) float32 @ W.T -> (rows, out) float32; `searched`: the kernels will be searched (BEAM);
+    `threads`: the CPU pool a hand-written weight's kernel runs on (cpu_threads.CpuThreads)."""
     if w.hand_written:
-        return cpu_matvec.matvec(x, w.kind, w.parts, w.shape)
+        return cpu_matvec.matvec(x, w.kind, w.parts, w.shape, threads)
     if not searched or w.kind == "f32" or w.shape[1] % SPLIT:
         return plain(x, w)
     return split(x, w)

@@ -42,7 +42,7 @@ from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
 from tinygrad.device import Buffer
 from tinygrad.uop.ops import KernelInfo
 
-from . import cpu_attention, device_wait, kernel_cache, warm, whole_graphs
+from . import cpu_attention, cpu_threads, device_wait, kernel_cache, warm, whole_graphs
 from .replay import Replay
 from ..batching import DEFAULT_MAX_SEQS, Segment, bucket_sizes, default_max_batch, split_rows, unmeasured_cost
 from ..config import ModelConfig
@@ -88,8 +88,9 @@ def _kv_store(cache: UOp, rows: UOp, index: UOp) -> UOp:
 class Block:
     """One transformer block and the KV cache of every slot: (slots × max_context, 2 × kv_heads × head_dim)."""
 
-    def __init__(self, config: ModelConfig, w: dict[str, Tensor], slots: int, zeros: Callable[..., Tensor]):
-        self.config, self.w, self.slots = config, w, slots
+    def __init__(self, config: ModelConfig, w: dict[str, Tensor], slots: int, zeros: Callable[..., Tensor],
+                 threads: cpu_threads.CpuThreads | None):
+        self.config, self.w, self.slots, self.threads = config, w, slots, threads
         c = config
         # on the CPU, worker/compute/cpu_attention.py's kernel; elsewhere tinygrad's own attention
         self.hand_written = Device.DEFAULT.startswith("CPU") and c.head_dim % 8 == 0
@@ -99,7 +100,7 @@ class Block:
         c, w = self.config, self.w
 
         def mm(x: Tensor, name: str) -> Tensor:
-            return linear(x, w[name], searched=searched)
+            return linear(x, w[name], searched=searched, threads=self.threads)
         h = x + self._attention(_rms_norm(x, w["attn_norm"], c.norm_eps), rows, kv_len, mm)
         # Each matmul is its own kernel (contiguous): fused with its neighbours, tinygrad's CPU kernels
         # for several rows re-read the weights or recompute the norm and silu per output (one `small`
@@ -121,7 +122,7 @@ class Block:
         cache = self.cache.custom_kernel(new, rows.cache_row, fxn=_kv_store)[0]
         if self.hand_written:
             out = cpu_attention.attention(q.reshape(b, c.n_heads * hd), cache, rows.ints, heads=c.n_heads,
-                                          kv_heads=kvh, head_dim=hd, max_context=c.max_context)
+                                          kv_heads=kvh, head_dim=hd, max_context=c.max_context, threads=self.threads)
             return mm(out, "attn_output")
         seen = cache.reshape(self.slots, c.max_context, 2, kvh, hd)[rows.slot, 0:kv_len]  # (b, kv_len, 2, kvh, hd)
         keys, values = seen[:, :, 0].permute(0, 2, 1, 3), seen[:, :, 1].permute(0, 2, 1, 3)
@@ -186,9 +187,10 @@ class StageModel:
     """Blocks `layers` of a model; with `head`, also final norm + output head (returns logits)."""
 
     def __init__(self, config: ModelConfig, layers: range, tensors, *, head_weight: str | None,
-                 max_seqs: int = DEFAULT_MAX_SEQS, max_batch: int | None = None):
+                 max_seqs: int = DEFAULT_MAX_SEQS, max_batch: int | None = None, threads: int = 1):
         if max_seqs < 1:
             raise ValueError(f"max_seqs must be at least 1, got {max_seqs}")
+        self.threads = cpu_threads.shared(threads) if Device.DEFAULT.startswith("CPU") else None  # its C kernels' cores
         self.config, self.layers, self.max_seqs = config, layers, max_seqs
         self.searched = False  # kernels are searched (BEAM) as graphs are captured: linear() picks its form by it
         self.scratch_slot = max_seqs  # padding rows write here; no sequence ever reads it
@@ -199,7 +201,7 @@ class StageModel:
         self._backing: list[np.ndarray] = []  # host arrays the CPU device uses in place (see _put)
         dev = {name: self._on_device(tensors.pop(name)) for name in [n for n in tensors if n != EMBEDDING]}
         self.blocks = [Block(config, {k.split(".")[2]: v for k, v in dev.items() if k.startswith(f"blk.{i}.")},
-                             max_seqs + 1, self._zeros) for i in layers]
+                             max_seqs + 1, self._zeros, self.threads) for i in layers]
         self.head, self._head_host = None, None
         if head_weight is not None:
             host = tensors[head_weight] if head_weight not in dev else None  # a tied head: the embedding
@@ -278,7 +280,7 @@ class StageModel:
         """Final norm and head, a graph of its own: only the rows that are sampled need logits (a prompt's
         last row, not the other rows of its chunks), and the head is the largest matrix of a small model."""
         norm, out = self.head
-        return linear(_rms_norm(x, norm, self.config.norm_eps), out, searched=self.searched).realize()
+        return linear(_rms_norm(x, norm, self.config.norm_eps), out, searched=self.searched, threads=self.threads).realize()
 
     def _logits(self, hidden: np.ndarray) -> np.ndarray:
         """The head over `hidden` (rows, dim), in calls of the largest captured bucket, each padded to its
