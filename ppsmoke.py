@@ -31,6 +31,7 @@ import trio
 import attrs
 
 from node.transport.app import ListenError, check_listenable
+from node.config.cores import MAX_THREADS, available_cores, fair_share
 from node.config.credentials import check_keys, read_key_file, split_keys
 from node.config.network import LOOPBACK
 from node.config.sources import ConfigError
@@ -105,6 +106,9 @@ def _node_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-cache", action="store_true",
                    help="turn the prefix cache off: every request computes its whole prompt, even where an earlier "
                         "one shared its start (multi-turn chat, a system prompt); default on")
+    g.add_argument("--threads", "-t", type=int, metavar="T",
+                   help="cores each node computes on (PP_THREADS); default: with --seed, this machine's cores shared "
+                        "out among the nodes (at least 1 each); rented, every core of its machine")
     g.add_argument("--beam", type=int, default=0,
                    help="kernel search at each node's boot (tinygrad's BEAM width, e.g. 2): minutes the first time, "
                         "cached on disk after; faster steps on larger models (default 0 = off)")
@@ -187,6 +191,8 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--layer-partition {args.layer_partition}: {exc}")
     if args.beam < 0:
         problems.append("--beam must be 0 (off) or a search width of at least 1")
+    if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:
+        problems.append(f"--threads must be 1..{MAX_THREADS}")
     return problems
 
 
@@ -360,7 +366,7 @@ def _seed_options(args, env) -> SeedOptions:
     return SeedOptions(num_stages=args.num_stages, model=args.model_path, prompt=args.prompt,
                        max_tokens=args.max_tokens, sampling=Sampling(args.temperature, args.top_p),
                        timeout_s=args.timeout, converge_timeout_s=args.converge_timeout,
-                       base_env={**env, **serving_env(args)}, serve=args.serve, token=args.secrets.token,
+                       base_env={**env, **serving_env(args), "PP_THREADS": str(seed_threads(args, available_cores()))}, serve=args.serve, token=args.secrets.token,
                        api_keys=args.secrets.api_keys, host=args.host, port=args.port, model_name=args.model,
                        standby=args.standby)
 
@@ -377,10 +383,15 @@ def _vast_options(args, env) -> VastOptions:
                        token=args.secrets.token, api_keys=args.secrets.api_keys)
 
 
+def seed_threads(args, cores: int) -> int:
+    """--seed: every node and spare shares this machine's `cores`, unless --threads says otherwise."""
+    return args.threads or fair_share(cores, args.num_stages + (args.standby or 0))
+
+
 def serving_env(args) -> dict[str, str]:
     """The settings every node gets the same: how many requests it serves at once and with what context,
-    kernel search, precision, the layer partition, the prefix cache."""
-    return {"PP_MAX_SEQS": str(args.max_seqs), "PP_MAX_QUEUE": str(args.max_queue), "PP_CTX": str(args.ctx),
+    cores, kernel search, precision, the layer partition, the prefix cache."""
+    return {**({"PP_THREADS": str(args.threads)} if args.threads else {}),"PP_MAX_SEQS": str(args.max_seqs), "PP_MAX_QUEUE": str(args.max_queue), "PP_CTX": str(args.ctx),
             "PP_BEAM": str(args.beam), "PP_PRECISION": args.precision, "PP_LAYER_PARTITION": args.layer_partition,
             **({"PP_NO_PREFIX_CACHE": "1"} if args.no_prefix_cache else {})}
 

@@ -84,7 +84,8 @@ def open_stage_model(config: NodeConfig, model_spec: str) -> Model:
     """The model the config names, opened for slices (compute thread); ModelRefused if it is no usable one."""
     try:
         return open_model(model_spec, cache_dir=config.cache_dir, ollama_models_dir=config.ollama_models_dir,
-                          progress=False, precision=config.precision, tuned=config.beam > 0, max_context=config.ctx)
+                          progress=False, precision=config.precision, tuned=config.beam > 0, max_context=config.ctx,
+                          threads=config.threads)
     except (ModelFileError, ValueError) as exc:  # a bad path, file or name: the user's to fix, not a crash
         raise ModelRefused(f"stage {config.stage} cannot load model {config.model!r}: {exc}") from exc
 

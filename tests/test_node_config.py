@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from node.config.cores import available_cores, fair_share
 from node.config.network import advertised_url, normalise_url
 from node.config.parse import parse_config
 from node.config.settings import NodeConfig, loggable
@@ -34,13 +35,18 @@ def config(**overrides) -> NodeConfig:
 
 # --- parse_config: environment only -------------------------------------------------------------------------
 
+@pytest.mark.parametrize("cores, nodes, want", [(2, 5, 1), (2, 2, 1), (16, 5, 3), (16, 4, 4), (1, 1, 1), (8, 0, 8)])
+def test_nodes_on_one_machine_share_its_cores_at_least_one_each(cores, nodes, want):
+    assert fair_share(cores, nodes) == want
+
+
 def test_a_minimal_environment_gives_the_documented_defaults():
     cfg = parse({"PP_NODE_ID": "n1"})
     assert cfg == NodeConfig(
         stage=1, num_stages=3, cluster_token=TOKEN, node_id="n1", cache_dir=Path("/home/alice/.cache/pp"),
         ollama_models_dir=Path("/home/alice/.ollama/models"), seed_addr=None, peer_direct=(), model="smollm2:135m",
         port=8000, bind_host="0.0.0.0", advertise_addr=None, public_ip=None, public_port=None,
-        max_body_bytes=67108864, log_level="INFO")
+        max_body_bytes=67108864, log_level="INFO", threads=available_cores())
 
 
 def test_every_variable_is_read_from_the_environment():
@@ -86,11 +92,14 @@ def test_the_cluster_token_loses_surrounding_whitespace():
     (["--max-model-len", "512"], "ctx", 512),  # vLLM's name for it
     (["--chunked-prefill-size", "4"], "chunked_prefill_size", 4),  # SGLang's name
     (["--no-prefix-cache"], "prefix_cache", False),
+    (["--threads", "3"], "threads", 3),
+    (["-t", "1"], "threads", 1),  # llama.cpp's short name
 ])
 def test_a_flag_wins_over_its_variable(argv, field, expected):
     env = {"NUM_STAGES": "6", "SEED_ADDR": "s:1", "PEER_DIRECT": "p:1", "MODEL": "tiny", "PP_PORT": "8100",
            "PP_BIND": "10.0.0.1", "PP_ADVERTISE_ADDR": "x:1", "PP_NODE_ID": "alpha", "PP_LOG_LEVEL": "ERROR",
-           "PP_PRECISION": "file", "PP_CTX": "1024", "PP_CHUNKED_PREFILL_SIZE": "12", "PP_NO_PREFIX_CACHE": "0"}
+           "PP_PRECISION": "file", "PP_CTX": "1024", "PP_CHUNKED_PREFILL_SIZE": "12", "PP_NO_PREFIX_CACHE": "0",
+           "PP_THREADS": "7"}
     assert getattr(parse(env, argv), field) == expected
 
 
@@ -138,6 +147,9 @@ def test_the_port_flag_also_selects_the_vast_port_mapping():
     ({"PP_FAULTS": "delay_ms=-1"}, [], (), "0..60000 ms"),
     ({"PP_LAYER_PARTITION": "10,20"}, [], (), "PP_LAYER_PARTITION='10,20': the layer partition 10,20 names 2 stages"),
     ({}, ["--layer-partition", "a,b,c"], (), "--layer-partition='a,b,c': give equal, or each stage's block count"),
+    ({"PP_THREADS": "0"}, [], (), "PP_THREADS=0 must be at least 1"),
+    ({}, ["--threads", "257"], (), "--threads=257: at most 256 threads"),
+    ({"PP_THREADS": "all"}, [], (), "PP_THREADS='all' is not a whole number"),
 ])
 def test_a_bad_value_exits_with_a_message_naming_its_source(capsys, env, argv, drop, message):
     with pytest.raises(SystemExit) as exc_info:

@@ -1,4 +1,5 @@
 """Spec tier 8: the real ppsmoke.py --seed with real ppnode.py processes — the pre-deploy gate."""
+import argparse
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import ppsmoke
 from npforward import teacher_forced
 from test_real_model import MAX_TOKENS, MODEL, TRANSFORMERS, assert_greedy_by
 from worker.weights.fetch import installed_model
@@ -171,6 +173,7 @@ def test_sigkill_to_the_runner_still_stops_every_child():
     (["--model", MODEL, "--layer-partition", "10,10"], "--layer-partition 10,10: the layer partition 10,10 gives "
                                                        "20 blocks; the model has 30"),
     (["--serve", "--standby", "-1"], "--standby K is for --seed --serve: K >= 0"),
+    (["--threads", "0"], "--threads must be 1..256"),
     (["--port", "{taken}"], "--port {taken}: cannot listen on 127.0.0.1:{taken}: Address already in use"),
     (["--vastai", "--image", "x", "--model", "/tmp/model.gguf"], "a rented node cannot read this machine's files"),
     (["--vastai", "--image", "x", "--model", "no-such-model"], "'no-such-model': a rented node cannot read"),
@@ -221,3 +224,13 @@ def test_ppnode_on_a_taken_port_is_one_line_and_exit_2_before_it_loads_anything(
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip().splitlines() == [
         f"ppnode.py: error: cannot listen on 127.0.0.1:{port}: Address already in use"]
+
+
+@pytest.mark.parametrize("threads, n, standby, cores, want", [
+    (None, 5, 0, 2, 1),  # the README's run on a 2-core laptop: one core each, as many threads as cores in all
+    (None, 2, 0, 16, 8), (None, 3, 1, 16, 4),  # a spare counts: it computes as soon as it takes a stage
+    (3, 5, 0, 2, 3),  # --threads is taken as given
+])
+def test_local_nodes_share_the_machines_cores_unless_told(threads, n, standby, cores, want):
+    args = argparse.Namespace(threads=threads, num_stages=n, standby=standby)
+    assert ppsmoke.seed_threads(args, cores) == want

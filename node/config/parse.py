@@ -12,6 +12,7 @@ import secrets
 from collections.abc import Mapping
 from pathlib import Path
 
+from node.config.cores import MAX_THREADS, available_cores
 from node.config.credentials import (API_KEY_ENV, API_KEY_FILE_ENV, TOKEN_ENV, TOKEN_IS_API_KEY_ENV,
                                      client_api_keys, cluster_token)
 from node.config.model import layer_partition, model_spec, precision
@@ -55,6 +56,8 @@ ENV_TABLE = (
     ("PP_NO_PREFIX_CACHE", "--no-prefix-cache", "1: stage 0 keeps no finished request's KV, so every request computes "
      "its whole prompt (the prefix cache is on by default)"),
     ("PP_MAX_QUEUE", "--max-queue", f"stage 0: requests waiting for a free slot; past it, 429 ({DEFAULT_MAX_QUEUE})"),
+    ("PP_THREADS", "--threads", "cores a step computes on, like llama.cpp's -t: its matrices and attention split over "
+     "them (default: every core this process may use)"),
     ("PP_BEAM", "--beam", "kernel search at boot: tinygrad's BEAM width, e.g. 2; minutes once, cached on disk for the next boot (0 = off)"),
     ("PP_LAYER_PARTITION", "--layer-partition", "equal, or each stage's block count, comma-separated, e.g. 8,8,14 "
      "(vLLM's VLLM_PP_LAYER_PARTITION); every stage must be given the same (equal)"),
@@ -114,6 +117,8 @@ def build_parser(prog: str = "python ppnode.py") -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-cache", action="store_const", const="1",
                    help="turn the prefix cache off: no request starts from another's KV (PP_NO_PREFIX_CACHE=1)")
     p.add_argument("--max-queue", metavar="Q", help=f"requests waiting at stage 0 (PP_MAX_QUEUE, default {DEFAULT_MAX_QUEUE})")
+    p.add_argument("--threads", "-t", metavar="T", help="cores a step computes on (PP_THREADS, default: every core "
+                   "this process may use)")
     p.add_argument("--beam", metavar="W", help="kernel search width at boot, 0 = off (PP_BEAM, default 0)")
     p.add_argument("--layer-partition", metavar="SPLIT",
                    help="equal, or each stage's block count, e.g. 8,8,14 (PP_LAYER_PARTITION, default equal)")
@@ -172,9 +177,17 @@ def _config_from(src: Sources, *, home: Path, rng: random.Random | None) -> Node
         chunked_prefill_size=count(src, "--chunked-prefill-size", DEFAULT_CHUNKED_PREFILL, lowest=1),
         prefix_cache=not switch(src, "--no-prefix-cache"),
         ctx=count(src, "--ctx", DEFAULT_CONTEXT, lowest=16),
+        threads=threads(src),
         beam=count(src, "--beam", 0, lowest=0), precision=precision(src), link_streams=link_streams(src),
         layer_partition=layer_partition(src, num_stages),
         exit_on_stdin_eof=env_switch(env, "PP_STDIN_LIFELINE"), faults=link_faults(env))
+
+
+def threads(src: Sources) -> int:
+    value = count(src, "--threads", available_cores(), lowest=1)
+    if value > MAX_THREADS:
+        raise ConfigError(f"{src.get('--threads')[1]}={value}: at most {MAX_THREADS} threads")
+    return value
 
 
 def standby_stage(src: Sources) -> int:

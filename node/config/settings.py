@@ -45,6 +45,7 @@ class NodeConfig:
     chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL  # prompt rows a step takes at most (roles/schedule.py)
     prefix_cache: bool = True           # stage 0 keeps finished requests' KV for later ones (roles/prefix.py)
     ctx: int = DEFAULT_CONTEXT          # PP_CTX: positions a slot's KV holds (prompt + answer), at most the model's
+    threads: int = 1                    # PP_THREADS: cores a step computes on (parse: every core the process may use)
     beam: int = 0                       # PP_BEAM: tinygrad's kernel search width at boot (0 = off); cached on disk
     layer_partition: tuple[int, ...] | None = None  # PP_LAYER_PARTITION: each stage's block count; None: even
     precision: str = "auto"             # PP_PRECISION: which matrices keep the file's precision (worker.weights.contract.narrow_kinds)

@@ -212,10 +212,3 @@ def shared(threads: int) -> CpuThreads:
     on the device's worker thread, and pp_run runs a second concurrent job alone)."""
     return CpuThreads(threads)
 
-
-def available_cores() -> int:
-    """The cores this process may run on (its affinity), as llama.cpp and vLLM count them."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1

@@ -1,0 +1,21 @@
+"""How many cores a node computes on: every core its process may use, unless told (--threads, PP_THREADS);
+and a fair share of them when several nodes share one machine (ppsmoke --seed)."""
+from __future__ import annotations
+
+import os
+
+MAX_THREADS = 256  # as worker/compute/cpu_threads.py's pool holds at most
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity, as llama.cpp and vLLM count them)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this OS
+        return os.cpu_count() or 1
+
+
+def fair_share(cores: int, nodes: int) -> int:
+    """Threads for each of `nodes` nodes on a machine of `cores` cores, so that together they do not ask
+    for more cores than there are: at least one each."""
+    return max(1, cores // max(1, nodes))
