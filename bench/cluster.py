@@ -14,6 +14,7 @@ from pathlib import Path
 
 import trio
 
+from node.config.cores import available_cores, fair_share
 from runner.orchestrator import Orchestrator, run_orchestrator
 from runner.children import child_env, run_child, terminate_then_kill
 
@@ -24,6 +25,8 @@ async def start_local_cluster(nursery: trio.Nursery, model: str, n: int, *, extr
     """Start n stages of `model` and wait until pp-entry resolves; returns the orchestrator and stage URLs.
     `api_keys`: the clients' keys (none: the OpenAI API answers 401). Cancel the nursery to stop everything."""
     token, run_dir = token or secrets.token_urlsafe(16), Path(tempfile.mkdtemp(prefix="bench-"))
+    # as ppsmoke --seed: the stages share this machine's cores, unless the caller says otherwise
+    extra_env = {"PP_THREADS": str(fair_share(available_cores(), n)), **(extra_env or {})}
     orch = await nursery.start(functools.partial(run_orchestrator, token))
     urls, prev = [], None
     for stage in range(n):

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def single_process(model: str, prompt: str, max_tokens: int, repeats: int, beam: int = 0,
-                   precision: str = "auto") -> dict:
+                   precision: str = "auto", threads: int = 1) -> dict:
     """Runs in a child process (`--single`), so its RSS is its own: whole-model decode, warm JIT."""
     import resource
 
@@ -40,7 +40,7 @@ def single_process(model: str, prompt: str, max_tokens: int, repeats: int, beam:
     from worker.models import open_model
     from worker.sampling import sample
     model_ = open_model(model, cache_dir=Path(tempfile.gettempdir()), ollama_models_dir=None, precision=precision,
-                        tuned=beam > 0, max_context=DEFAULT_CONTEXT)  # as a node: its memory is comparable
+                        tuned=beam > 0, max_context=DEFAULT_CONTEXT, threads=threads)  # as a node: comparable memory
     full = model_.open_slice(range(model_.total_blocks), embed=True, head=True)
     full.warm_up(beam)
     ids = model_.tokenizer().encode_chat(prompt)
@@ -161,17 +161,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--beam", type=int, default=0, help="kernel search at warm-up, one process and every stage (PP_BEAM)")
     p.add_argument("--precision", choices=PRECISIONS, default="auto",
                    help="which weights keep the file's precision (PP_PRECISION; weights.contract.narrow_kinds)")
+    p.add_argument("--threads", type=int, default=1, help="the one process's threads (ppnode --threads)")
     p.add_argument("--single", help=argparse.SUPPRESS)  # internal: run the one-process baseline for this model
     args = p.parse_args(argv)
     if args.single:
         print(json.dumps(single_process(args.single, args.prompt, args.max_tokens, args.repeats, args.beam,
-                                        args.precision)))
+                                        args.precision, args.threads)))
         return 0
     rows = []
     for model in args.models:
         out = subprocess.run([sys.executable, "-m", "bench.pipeline", "--single", model, "--max-tokens",
                               str(args.max_tokens), "--repeats", str(args.repeats), "--prompt", args.prompt,
-                              "--beam", str(args.beam), "--precision", args.precision],
+                              "--beam", str(args.beam), "--precision", args.precision, "--threads", str(args.threads)],
                              cwd=ROOT, check=True, capture_output=True, text=True).stdout
         rows.append(summarize(model, 0, json.loads(out), None))
         single_ms = rows[-1]["decode_ms_per_token"]

@@ -32,7 +32,7 @@ def run(pool: cpu_threads.CpuThreads, x: np.ndarray, w: np.ndarray) -> np.ndarra
 
 def test_a_split_job_equals_one_threads_bits_job_after_job():
     rng = np.random.default_rng(1)
-    pool, alone = cpu_threads.CpuThreads(4, spin=0), cpu_threads.CpuThreads(1)  # spin 0: every job wakes sleepers
+    pool, alone = cpu_threads.CpuThreads(4, spin_ns=0), cpu_threads.CpuThreads(1)  # spin 0: every job wakes sleepers
     for i in range(300):
         w = rng.standard_normal((1 + i % 37, 64)).astype(np.float32)
         x = rng.standard_normal((1 + i % 5, 64)).astype(np.float32)

@@ -87,3 +87,70 @@ def test_installed_on_the_cpu_device():
     device_wait.install()
     from tinygrad.runtime.ops_cpu import CPUDevice
     assert CPUDevice._wait_signal is device_wait.wait_signal
+
+
+# --- the woken wait (pp_worker / pp_wait_done, worker/compute/cpu_threads.py) ------------------------------
+
+def _counter_and_address():
+    import ctypes
+    counter = (ctypes.c_uint64 * 1)(0)
+    return counter, ctypes.addressof(counter)
+
+
+def test_the_woken_wait_returns_once_the_done_counter_reaches_the_value_even_unwoken():
+    from worker.compute.cpu_threads import library
+    counter, address = _counter_and_address()
+
+    def count_up():
+        for v in range(1, 4):
+            time.sleep(0.01)
+            counter[0] = v  # a plain write, no wake: the wait's poll still sees it
+    climber = threading.Thread(target=count_up)
+    climber.start()
+    assert library().pp_wait_done(address, 3, 2_000_000, 10**9) == 0
+    climber.join()
+    assert counter[0] == 3
+
+
+def test_the_woken_wait_reports_a_counter_that_makes_no_progress():
+    from worker.compute.cpu_threads import library
+    _, address = _counter_and_address()
+    assert library().pp_wait_done(address, 1, 1_000_000, 20_000_000) == 1
+
+
+WOKEN_RUN = """
+import time, numpy as np
+from tinygrad import Device, Tensor, TinyJit
+from worker.compute import device_wait, whole_graphs
+from worker.compute.cpu_threads import library
+whole_graphs.install()
+device_wait.install()
+dev = Device[Device.DEFAULT]
+a = Tensor(np.random.default_rng(0).standard_normal((400, 400)).astype(np.float32)).realize()
+step = TinyJit(lambda x: (x @ a / 400).realize())
+x = Tensor.ones(400, 400).contiguous().realize()
+for _ in range(3):
+    step(x)
+dev.synchronize()
+for _ in range(30):
+    y = step(x)
+thread_cpu, wall = time.thread_time(), time.perf_counter()
+dev.synchronize()
+thread_cpu, wall = time.thread_time() - thread_cpu, time.perf_counter() - wall
+ours = [w.thread._target == library().pp_worker for w in dev.workers]
+print(ours, wall, thread_cpu)
+"""
+
+
+def test_installed_the_device_runs_our_worker_loop_and_its_waiter_sleeps():
+    """Once installed before the device's first queue, its worker threads run pp_worker, and a synchronize
+    sleeps until woken rather than polling (its thread's CPU time is a small part of the wait)."""
+    import subprocess
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", WOKEN_RUN], cwd=root, capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "DEV": "CPU", "PYTHONPATH": str(root)}, check=True)
+    ours, wall, thread_cpu = out.stdout.strip().rsplit("\n", 1)[-1].rsplit(" ", 2)
+    assert ours.startswith("[True") and "False" not in ours, out.stdout
+    if float(wall) > 0.05:  # the work was still running when the wait began
+        assert float(thread_cpu) < 0.2 * float(wall), (wall, thread_cpu)

@@ -33,13 +33,17 @@ from . import cpu_attention, cpu_matvec
 from .cpu_jobs import JOB_C
 
 MAX_THREADS = 256
-SPIN = 20000  # a helper's polls (each a pause instruction) before it sleeps: tens of microseconds here
+# How long a thread polls for its next job (a helper) or for the others to finish (the caller) before it
+# sleeps: the gaps between a step's big kernels are its small ones, tens of microseconds; between steps a
+# helper sleeps, and one futex wake a step costs microseconds.
+SPIN_NS = 200_000
 
 POOL_C = r"""#include <limits.h>
 #include <linux/futex.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 static inline void relax(void) {
@@ -51,21 +55,35 @@ static inline void relax(void) {
 }
 static void fwait(int* word, int value) { syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, value, NULL, NULL, 0); }
 static void fwake(int* word) { syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0); }
+static long now_ns(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1000000000L + t.tv_nsec; }
+
+/* Spins until `deadline` (set on the first call, from spin_ns), reading the clock every 64 polls: whether
+   to go on polling, the same length of time on any CPU (a pause instruction takes 3 to 140 cycles). */
+static int spinning(long i, long* deadline, long spin_ns) {
+  if (i & 63) return 1;
+  long t = now_ns();
+  if (!*deadline) *deadline = t + spin_ns;
+  return t < *deadline;
+}
 
 struct pp_pool;
 struct pp_arg { struct pp_pool* pool; long index; };
 struct pp_pool {
   int gen, pending, sleepers, waiting, busy, stop;
-  long helpers, spin;
+  long helpers, spin_ns;
   const struct pp_job* job;
   pthread_t threads[%(max)d];
   struct pp_arg args[%(max)d];
 };
 
 /* Waits until *word differs from old: spinning first, then asleep (counted in *sleepers for the waker). */
-static int wait_change(int* word, int old, int* sleepers, long spin) {
+static int wait_change(int* word, int old, int* sleepers, long spin_ns) {
   int v;
-  for (long i = 0; i < spin; i++) { if ((v = __atomic_load_n(word, __ATOMIC_ACQUIRE)) != old) return v; relax(); }
+  long deadline = 0;
+  for (long i = 0; spinning(i, &deadline, spin_ns); i++) {
+    if ((v = __atomic_load_n(word, __ATOMIC_ACQUIRE)) != old) return v;
+    relax();
+  }
   __atomic_add_fetch(sleepers, 1, __ATOMIC_SEQ_CST);
   while ((v = __atomic_load_n(word, __ATOMIC_SEQ_CST)) == old) fwait(word, old);
   __atomic_sub_fetch(sleepers, 1, __ATOMIC_SEQ_CST);
@@ -82,7 +100,7 @@ static void* helper(void* a) {
   struct pp_pool* p = arg->pool;
   int seen = 0;
   for (;;) {
-    seen = wait_change(&p->gen, seen, &p->sleepers, p->spin);
+    seen = wait_change(&p->gen, seen, &p->sleepers, p->spin_ns);
     if (__atomic_load_n(&p->stop, __ATOMIC_ACQUIRE)) return NULL;
     range(p->job, arg->index, p->helpers + 1);
     if (__atomic_sub_fetch(&p->pending, 1, __ATOMIC_SEQ_CST) == 0 && __atomic_load_n(&p->waiting, __ATOMIC_SEQ_CST))
@@ -91,7 +109,11 @@ static void* helper(void* a) {
 }
 
 static void wait_done(struct pp_pool* p) {
-  for (long i = 0; i < p->spin; i++) { if (__atomic_load_n(&p->pending, __ATOMIC_ACQUIRE) == 0) return; relax(); }
+  long deadline = 0;
+  for (long i = 0; spinning(i, &deadline, p->spin_ns); i++) {
+    if (__atomic_load_n(&p->pending, __ATOMIC_ACQUIRE) == 0) return;
+    relax();
+  }
   __atomic_store_n(&p->waiting, 1, __ATOMIC_SEQ_CST);
   int v;
   while ((v = __atomic_load_n(&p->pending, __ATOMIC_SEQ_CST)) != 0) fwait(&p->pending, v);
@@ -112,18 +134,49 @@ void pp_run(struct pp_pool* p, const struct pp_job* j) {
   __atomic_store_n(&p->busy, 0, __ATOMIC_RELEASE);
 }
 
-struct pp_pool* pp_pool_new(long helpers, long spin) {
+struct pp_pool* pp_pool_new(long helpers, long spin_ns) {
   if (helpers < 0 || helpers >= %(max)d) return NULL;
   struct pp_pool* p = calloc(1, sizeof(struct pp_pool));
   if (!p) return NULL;
   p->helpers = helpers;
-  p->spin = spin;
+  p->spin_ns = spin_ns;
   for (long i = 0; i < helpers; i++) {
     p->args[i].pool = p;
     p->args[i].index = i + 1;
     if (pthread_create(&p->threads[i], NULL, helper, &p->args[i])) { p->helpers = i; return NULL; }
   }
   return p;
+}
+
+/* tinygrad's CPU worker loop (ops_cpu.worker_prog), and after each command a wake for a pp_wait_done
+   sleeping on its done counter (device_wait.py installs it). */
+static int done_waiters;
+typedef void (*pp_command)(%(params)s);
+void pp_worker(unsigned long* ring, unsigned long* wait_fn, unsigned long* done, unsigned long sem) {
+  int (*wait)(void*) = (int (*)(void*))wait_fn[0];
+  for (unsigned long cur = 0;; cur++) {
+    while (wait((void*)sem) != 0) {}
+    unsigned long* e = ring + (cur %% %(slots)d) * %(cmd)d;
+    ((pp_command)e[0])(%(args)s);
+    __atomic_store_n(done, cur + 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&done_waiters, __ATOMIC_SEQ_CST)) fwake((int*)done);
+  }
+}
+
+/* Sleeps until *done >= value (returns 0), woken by pp_worker, re-reading it at least every poll_ns; returns 1
+   after hang_ns without progress. */
+int pp_wait_done(unsigned long* done, unsigned long value, long poll_ns, long hang_ns) {
+  unsigned long seen = __atomic_load_n(done, __ATOMIC_ACQUIRE), v;
+  long since = now_ns();
+  struct timespec poll = { poll_ns / 1000000000L, poll_ns %% 1000000000L };
+  __atomic_add_fetch(&done_waiters, 1, __ATOMIC_SEQ_CST);
+  while ((v = __atomic_load_n(done, __ATOMIC_SEQ_CST)) < value) {
+    if (v != seen) { seen = v; since = now_ns(); }
+    else if (now_ns() - since > hang_ns) break;
+    syscall(SYS_futex, (int*)done, FUTEX_WAIT_PRIVATE, (int)(unsigned int)v, &poll, NULL, 0);
+  }
+  __atomic_sub_fetch(&done_waiters, 1, __ATOMIC_SEQ_CST);
+  return v < value;
 }
 
 void pp_pool_free(struct pp_pool* p) {
@@ -137,7 +190,11 @@ void pp_pool_free(struct pp_pool* p) {
 
 
 def library_source() -> str:
-    return "\n".join((JOB_C, POOL_C % {"max": MAX_THREADS}, cpu_matvec.work_source(), cpu_attention.work_source()))
+    from tinygrad.runtime.ops_cpu import CMD_SIZE, RING_SLOTS
+    pool = POOL_C % {"max": MAX_THREADS, "slots": RING_SLOTS, "cmd": CMD_SIZE,
+                     "params": ", ".join(["unsigned long"] * (CMD_SIZE - 1)),
+                     "args": ", ".join(f"e[{i}]" for i in range(1, CMD_SIZE))}
+    return "\n".join((JOB_C, pool, cpu_matvec.work_source(), cpu_attention.work_source()))
 
 
 FLAGS = ("-shared", "-O2", "-fPIC", "-fno-math-errno", "-pthread")
@@ -175,6 +232,9 @@ def library() -> ctypes.CDLL:
     lib.pp_pool_new.restype, lib.pp_pool_new.argtypes = ctypes.c_void_p, [ctypes.c_long, ctypes.c_long]
     lib.pp_run.restype, lib.pp_run.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p]
     lib.pp_pool_free.restype, lib.pp_pool_free.argtypes = None, [ctypes.c_void_p]
+    lib.pp_wait_done.restype = ctypes.c_int
+    lib.pp_wait_done.argtypes = [ctypes.c_void_p, ctypes.c_ulong, ctypes.c_long, ctypes.c_long]
+    lib.pp_worker.restype, lib.pp_worker.argtypes = None, [ctypes.c_uint64] * 4
     return lib
 
 
@@ -182,12 +242,12 @@ class CpuThreads:
     """`threads` threads (the caller's and threads - 1 helpers) for the hand-written kernels of one process.
     `table` is the device buffer a trampoline reads: pp_run, the pool, then each work function (`slot`)."""
 
-    def __init__(self, threads: int, spin: int = SPIN):
+    def __init__(self, threads: int, spin_ns: int = SPIN_NS):
         if not 1 <= threads <= MAX_THREADS:
             raise ValueError(f"threads must be 1..{MAX_THREADS}, got {threads}")
         lib = library()
         self.threads = threads
-        self.pool = pool = lib.pp_pool_new(threads - 1, spin)
+        self.pool = pool = lib.pp_pool_new(threads - 1, spin_ns)
         if not pool:
             raise OSError(f"could not start {threads - 1} compute threads")
         self._names = (*cpu_matvec.WORK, *cpu_attention.WORK)

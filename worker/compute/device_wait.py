@@ -13,6 +13,15 @@ to 1 µs (Linux adds 50 µs to every sleep by default). Not `sched_yield`: on a 
 core to another process for a whole time slice (ms). The polls' wake-ups cost a lone process 0.2-0.7 ms a
 15-block step against tinygrad's spin (`bench.wait`); in a pipeline the released GIL is worth more.
 tinygrad's hang detection is kept: no progress for `wait_timeout_ms` still ends in `on_device_hang`.
+
+Those polls were the price of a step split over threads (cpu_threads.py): with every core computing, each of
+the 50,000 wake-ups a second preempted one of them, and the step's other half waited for it (30 blocks, 8 rows,
+2 threads: 66-81 ms a step with 20 µs polls, 33-52 with 500 µs ones, `bench.threads`, docs/benchmarks.md). So a
+step's end now wakes its waiter: the device's worker threads run our copy of tinygrad's worker loop
+(`pp_worker`, cpu_threads.py), which after each command it runs wakes whoever sleeps on its done counter,
+and `synchronize` sleeps there in C (`pp_wait_done`, the GIL released) until each ring is drained, before
+tinygrad's own checks, which then find everything done. A device whose workers started before `install`
+keeps the polls.
 """
 from __future__ import annotations
 
@@ -22,6 +31,7 @@ import threading
 import time
 
 SLEEP_S = 20e-6  # each sleep between reads: a step's result is read at most this late
+POLL_NS = 1_000_000  # pp_wait_done re-reads a done counter at least this often, woken or not
 _PR_SET_TIMERSLACK = 29
 _slack = threading.local()
 
@@ -53,8 +63,43 @@ def wait_signal(device, sig, value: int, timeout: int | None = None) -> None:
         time.sleep(SLEEP_S)
 
 
+class _Worker:
+    """What the CPU device starts its worker threads with (tinygrad's CPUProgram of worker_prog: `fxn`)."""
+
+    def __init__(self, fxn):
+        self.fxn = fxn
+
+
+def synchronize(device, timeout: int | None = None) -> None:
+    """CPUDevice.synchronize, asleep until each worker's done counter reaches what was put in its ring (our
+    worker loop wakes it), then tinygrad's own, which finds everything done."""
+    from .cpu_threads import library
+    if device in _WOKEN:
+        hang_ms = (timeout if timeout is not None and device.can_recover else None) or device.wait_timeout_ms
+        for worker in device.workers:
+            put = worker.put._buf.cpu_view().view(fmt="Q")[0]
+            if library().pp_wait_done(worker.done._buf.va_addr, put, POLL_NS, hang_ms * 1_000_000):
+                device.on_device_hang()
+    _TINYGRAD_SYNCHRONIZE(device, timeout)
+
+
 def install() -> None:
     """Wait for the CPU device this way (in this process). Other devices' waits are left as tinygrad has them
     (a GPU's signal is read over MMIO; its hang handling is its own)."""
-    from tinygrad.runtime.ops_cpu import CPUDevice
+    from tinygrad import Device
+    from tinygrad.runtime.ops_cpu import CPUDevice, worker_prog
+    global _TINYGRAD_SYNCHRONIZE
     CPUDevice._wait_signal = wait_signal
+    if not Device.DEFAULT.startswith("CPU") or not sys.platform.startswith("linux"):
+        return
+    from .cpu_threads import library
+    device = Device[Device.DEFAULT]
+    if not device.workers and device not in _WOKEN:  # no queue yet: its workers will be ours
+        device.prgs[worker_prog] = _Worker(library().pp_worker)
+        _WOKEN.add(device)
+    if CPUDevice.synchronize is not synchronize:
+        _TINYGRAD_SYNCHRONIZE, CPUDevice.synchronize = CPUDevice.synchronize, synchronize
+
+
+_TINYGRAD_SYNCHRONIZE = None
+_WOKEN: set = set()  # devices whose worker threads run pp_worker
