@@ -148,9 +148,10 @@ struct pp_pool* pp_pool_new(long helpers, long spin_ns) {
   return p;
 }
 
-/* tinygrad's CPU worker loop (ops_cpu.worker_prog), and after each command a wake for a pp_wait_done
-   sleeping on its done counter (device_wait.py installs it). */
-static int done_waiters;
+/* tinygrad's CPU worker loop (ops_cpu.worker_prog), which also wakes a pp_wait_done sleeping on its done
+   counter once the counter reaches what it waits for (device_wait.py installs it). One waiter at a time is
+   woken so (a device is synchronized from one thread); another one sees its value within poll_ns. */
+static struct { unsigned long* done; unsigned long at; int waiters; } wake;
 typedef void (*pp_command)(%(params)s);
 void pp_worker(unsigned long* ring, unsigned long* wait_fn, unsigned long* done, unsigned long sem) {
   int (*wait)(void*) = (int (*)(void*))wait_fn[0];
@@ -159,7 +160,9 @@ void pp_worker(unsigned long* ring, unsigned long* wait_fn, unsigned long* done,
     unsigned long* e = ring + (cur %% %(slots)d) * %(cmd)d;
     ((pp_command)e[0])(%(args)s);
     __atomic_store_n(done, cur + 1, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(&done_waiters, __ATOMIC_SEQ_CST)) fwake((int*)done);
+    if (__atomic_load_n(&wake.waiters, __ATOMIC_SEQ_CST) && __atomic_load_n(&wake.done, __ATOMIC_SEQ_CST) == done
+        && cur + 1 >= __atomic_load_n(&wake.at, __ATOMIC_SEQ_CST))
+      fwake((int*)done);
   }
 }
 
@@ -169,13 +172,15 @@ int pp_wait_done(unsigned long* done, unsigned long value, long poll_ns, long ha
   unsigned long seen = __atomic_load_n(done, __ATOMIC_ACQUIRE), v;
   long since = now_ns();
   struct timespec poll = { poll_ns / 1000000000L, poll_ns %% 1000000000L };
-  __atomic_add_fetch(&done_waiters, 1, __ATOMIC_SEQ_CST);
+  __atomic_store_n(&wake.at, value, __ATOMIC_SEQ_CST);
+  __atomic_store_n(&wake.done, done, __ATOMIC_SEQ_CST);
+  __atomic_add_fetch(&wake.waiters, 1, __ATOMIC_SEQ_CST);
   while ((v = __atomic_load_n(done, __ATOMIC_SEQ_CST)) < value) {
     if (v != seen) { seen = v; since = now_ns(); }
     else if (now_ns() - since > hang_ns) break;
     syscall(SYS_futex, (int*)done, FUTEX_WAIT_PRIVATE, (int)(unsigned int)v, &poll, NULL, 0);
   }
-  __atomic_sub_fetch(&done_waiters, 1, __ATOMIC_SEQ_CST);
+  __atomic_sub_fetch(&wake.waiters, 1, __ATOMIC_SEQ_CST);
   return v < value;
 }
 
