@@ -18,7 +18,7 @@ from __future__ import annotations
 import attrs
 from tinygrad import Device, Tensor, dtypes
 
-from . import cpu_matvec
+from . import cpu_matvec, cpu_threads
 from ..weights.packed import BLOCKED, Q8_BLOCK, Packed
 
 SPLIT = Q8_BLOCK  # the lanes of a split reduction: one Q8_0 block, so that its scale applies to one lane group
@@ -56,9 +56,9 @@ def _blocked(w: DeviceWeight) -> Tensor:
 
 def linear(x: Tensor, w: DeviceWeight, *, searched: bool, threads=None) -> Tensor:
     """x (rows, in) float32 @ W.T -> (rows, out) float32; `searched`: the kernels will be searched (BEAM);
-    `threads`: the CPU pool a hand-written weight's kernel runs on (cpu_threads.CpuThreads)."""
+    `threads`: the CPU pool a hand-written weight's kernel runs on (cpu_threads.CpuThreads; None: one thread)."""
     if w.hand_written:
-        return cpu_matvec.matvec(x, w.kind, w.parts, w.shape, threads)
+        return cpu_matvec.matvec(x, w.kind, w.parts, w.shape, threads or cpu_threads.shared(1))
     if not searched or w.kind == "f32" or w.shape[1] % SPLIT:
         return plain(x, w)
     return split(x, w)
