@@ -3,7 +3,8 @@
 tinygrad 0.14 runs every CPU kernel on one worker thread per device, and its `core_id` slices one after
 another (../shared/notes/pipeline-speed.md), so a stage computed on one core. Here the matrices and the
 attention (cpu_matvec.py, cpu_attention.py) live in a shared library of our own, compiled once per machine
-with the flags tinygrad compiles its kernels with, and the tinygrad kernel in the captured step is only a
+with tinygrad's optimisation and target flags (-O2, -march=native) as an ordinary shared object (it starts
+threads and sleeps on futexes), and the tinygrad kernel in the captured step is only a
 trampoline: it fills a job (the work function, its buffers and sizes) and calls `pp_run`, which splits the
 job's items (a matrix's output rows, attention's row × head pairs) into one contiguous range per thread,
 runs the first range on the calling thread (tinygrad's worker) and waits for the others. Every output is
@@ -13,6 +14,9 @@ bits at every thread count; `threads=1` runs the whole job on the calling thread
 Helpers spin briefly after a job (the next matrix of the step is usually microseconds away) and then sleep
 on a futex, so an idle stage burns nothing. A second caller arriving while a job runs (two devices in one
 process) runs its job alone rather than wait.
+
+The library also holds the CPU device's worker loop and the wait for it (`pp_worker`, `pp_wait_done`), which
+device_wait.py installs so that a step's end wakes its reader.
 """
 from __future__ import annotations
 
