@@ -38,7 +38,8 @@ def test_a_split_job_equals_one_threads_bits_job_after_job():
         x = rng.standard_normal((1 + i % 5, 64)).astype(np.float32)
         assert np.array_equal(run(pool, x, w).view(np.uint32), run(alone, x, w).view(np.uint32)), i
     np.testing.assert_allclose(run(pool, x, w), x @ w.T, rtol=1e-5, atol=1e-5)
-    pool.close(), alone.close()
+    pool.close()
+    alone.close()
 
 
 def test_callers_at_once_each_get_their_own_answer():
@@ -61,7 +62,8 @@ def test_callers_at_once_each_get_their_own_answer():
     for t in callers:
         t.join(timeout=120)
     assert not any(t.is_alive() for t in callers) and not wrong
-    pool.close(), alone.close()
+    pool.close()
+    alone.close()
 
 
 @pytest.mark.parametrize("threads", [0, -1, cpu_threads.MAX_THREADS + 1])

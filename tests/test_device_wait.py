@@ -3,13 +3,18 @@ other Python threads run meanwhile, and still reports a device that makes no pro
 from __future__ import annotations
 
 import array
+import ctypes
+import os
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from worker.compute import device_wait
+from worker.compute.cpu_threads import library
 
 
 class _Device:
@@ -92,13 +97,11 @@ def test_installed_on_the_cpu_device():
 # --- the woken wait (pp_worker / pp_wait_done, worker/compute/cpu_threads.py) ------------------------------
 
 def _counter_and_address():
-    import ctypes
     counter = (ctypes.c_uint64 * 1)(0)
     return counter, ctypes.addressof(counter)
 
 
 def test_the_woken_wait_returns_once_the_done_counter_reaches_the_value_even_unwoken():
-    from worker.compute.cpu_threads import library
     counter, address = _counter_and_address()
 
     def count_up():
@@ -113,7 +116,6 @@ def test_the_woken_wait_returns_once_the_done_counter_reaches_the_value_even_unw
 
 
 def test_the_woken_wait_reports_a_counter_that_makes_no_progress():
-    from worker.compute.cpu_threads import library
     _, address = _counter_and_address()
     assert library().pp_wait_done(address, 1, 1_000_000, 20_000_000) == 1
 
@@ -145,11 +147,9 @@ print(ours, wall, thread_cpu)
 def test_installed_the_device_runs_our_worker_loop_and_its_waiter_sleeps():
     """Once installed before the device's first queue, its worker threads run pp_worker, and a synchronize
     sleeps until woken rather than polling (its thread's CPU time is a small part of the wait)."""
-    import subprocess
-    from pathlib import Path
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run([sys.executable, "-c", WOKEN_RUN], cwd=root, capture_output=True, text=True, timeout=300,
-                         env={**__import__("os").environ, "DEV": "CPU", "PYTHONPATH": str(root)}, check=True)
+                         env={**os.environ, "DEV": "CPU", "PYTHONPATH": str(root)}, check=True)
     ours, wall, thread_cpu = out.stdout.strip().rsplit("\n", 1)[-1].rsplit(" ", 2)
     assert ours.startswith("[True") and "False" not in ours, out.stdout
     if float(wall) > 0.05:  # the work was still running when the wait began

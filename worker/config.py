@@ -13,6 +13,8 @@ DEFAULT_CONTEXT = 2048
 # alike): KV is allocated for the whole context up front, and Llama 3.2 1B's 131072 would need ~8 GiB of
 # float32 K and V (16 layers x 512 wide).
 MAX_CONTEXT_CAP = 8192
+# The most threads a stage computes on (--threads): the CPU pool's fixed table size (compute/cpu_threads.py).
+MAX_THREADS = 256
 
 
 @attrs.frozen

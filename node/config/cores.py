@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 
-MAX_THREADS = 256  # as worker/compute/cpu_threads.py's pool holds at most
+from worker.config import MAX_THREADS
+
+__all__ = ["MAX_THREADS", "available_cores", "fair_share"]
 
 
 def available_cores() -> int:

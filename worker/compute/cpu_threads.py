@@ -35,8 +35,7 @@ from tinygrad.helpers import CACHEDB, getenv
 
 from . import cpu_attention, cpu_matvec
 from .cpu_jobs import JOB_C
-
-MAX_THREADS = 256
+from ..config import MAX_THREADS
 # How long a thread polls for its next job (a helper) or for the others to finish (the caller) before it
 # sleeps: the gaps between a step's big kernels are its small ones, tens of microseconds; between steps a
 # helper sleeps, and one futex wake a step costs microseconds.

@@ -20,8 +20,8 @@ at two threads, docs/benchmarks.md: 8 rows a step took 105 ms against one thread
 at 75 tokens/s against 101; with the wake below, 63 ms against 82 and 123 against 88). So a
 step's end now wakes its waiter: the device's worker threads run our copy of tinygrad's worker loop
 (`pp_worker`, cpu_threads.py), which wakes whoever sleeps on its done counter once the counter reaches what
-they wait for, and `synchronize` sleeps there in C (`pp_wait_done`, the GIL released) until each ring is drained, before
-tinygrad's own checks, which then find everything done. A device whose workers started before `install`
+they wait for, and `synchronize` sleeps there in C (`pp_wait_done`, the GIL released) until each ring is
+drained, before tinygrad's own checks, which then find everything done. A device whose workers started before `install`
 keeps the polls.
 """
 from __future__ import annotations
@@ -30,6 +30,8 @@ import ctypes
 import sys
 import threading
 import time
+
+from .cpu_threads import library
 
 SLEEP_S = 20e-6  # each sleep between reads: a step's result is read at most this late
 POLL_NS = 1_000_000  # pp_wait_done re-reads a done counter at least this often, woken or not
@@ -74,7 +76,6 @@ class _Worker:
 def synchronize(device, timeout: int | None = None) -> None:
     """CPUDevice.synchronize, asleep until each worker's done counter reaches what was put in its ring (our
     worker loop wakes it), then tinygrad's own, which finds everything done."""
-    from .cpu_threads import library
     if device in _WOKEN:
         hang_ms = (timeout if timeout is not None and device.can_recover else None) or device.wait_timeout_ms
         for worker in device.workers:
@@ -93,7 +94,6 @@ def install() -> None:
     CPUDevice._wait_signal = wait_signal
     if not Device.DEFAULT.startswith("CPU") or not sys.platform.startswith("linux"):
         return
-    from .cpu_threads import library
     device = Device[Device.DEFAULT]
     if not device.workers and device not in _WOKEN:  # no queue yet: its workers will be ours
         device.prgs[worker_prog] = _Worker(library().pp_worker)
