@@ -137,6 +137,13 @@ def test_a_failed_probe_makes_its_target_a_suspect_of_our_own():
     assert after.view["x"] == m("x", 3, S) and after.suspicions["x"] == Suspicion(3, NOW + 4.0)
 
 
+@pytest.mark.parametrize("view", [(), (m("x", 3, D),), (m("x", 3, L),)])
+def test_a_failed_probe_of_a_member_evicted_or_judged_meanwhile_changes_nothing(view):
+    # a probe lasts a period; a full view may evict its target, or a verdict arrive, before it fails
+    state = state_of(*view)
+    assert swim_state.probe_failed(state, "x", NOW) is state
+
+
 @pytest.mark.parametrize("deadlines,earliest", [([], math.inf), ([NOW + 3, NOW + 1], NOW + 1)])
 def test_the_suspicion_loop_wakes_at_the_earliest_deadline(deadlines, earliest):
     suspicions = {f"x{i}": Suspicion(1, d) for i, d in enumerate(deadlines)}

@@ -126,8 +126,13 @@ def announce(state: SwimState, now_s: float, **changes: object) -> SwimState:
 
 
 def probe_failed(state: SwimState, target_id: str, now_s: float) -> SwimState:
-    """Nothing acked a probe of `target_id` within its period: this view's own failure detector suspects it."""
-    return absorb(state, (attrs.evolve(state.view[target_id], state=State.SUSPECT),), Heard.OWN, now_s)
+    """Nothing acked a probe of `target_id` within its period: this view's own failure detector suspects it. A
+    probe lasts a period, and the member may have left the view meanwhile (a full view evicts the dead, a
+    verdict came in): then there is no one to suspect and the state is left."""
+    known = state.view.get(target_id)
+    if known is None or known.state not in (State.ALIVE, State.SUSPECT):
+        return state
+    return absorb(state, (attrs.evolve(known, state=State.SUSPECT),), Heard.OWN, now_s)
 
 
 def confirm_dead(state: SwimState, member_id: str, now_s: float) -> SwimState:
