@@ -3,6 +3,7 @@ what one thread does, bit for bit, job after job and with several callers at onc
 refused."""
 import ctypes
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -70,3 +71,33 @@ def test_callers_at_once_each_get_their_own_answer():
 def test_a_thread_count_out_of_range_is_refused(threads):
     with pytest.raises(ValueError, match="threads must be"):
         cpu_threads.CpuThreads(threads)
+
+
+WORK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_long, ctypes.c_long)
+
+
+def test_a_stalled_helper_holds_up_a_job_by_the_one_chunk_it_has_taken():
+    """A thread the OS or the hypervisor takes away mid-job (here: a helper asleep in its first chunk) costs
+    the job that chunk, not its share: whoever runs does the chunks it would have done, each item once."""
+    pool, caller = cpu_threads.CpuThreads(2, spin_ns=10**9), threading.get_ident()  # the helper spins: it takes a chunk
+    ran, lock = [], threading.Lock()
+
+    def work(_job, lo, hi):
+        mine = threading.get_ident() == caller
+        with lock:
+            stall = not mine and not any(not m for m, _ in ran)
+            ran.append((mine, range(lo, hi)))
+        if stall:
+            time.sleep(0.5)
+    fn = WORK(work)
+    for _ in range(20):  # until the helper, spinning, takes a chunk before the caller has taken them all
+        ran.clear()
+        job = Job(fn=ctypes.cast(fn, ctypes.c_void_p).value, items=1000)
+        start = time.monotonic()
+        cpu_threads.library().pp_run(pool.pool, ctypes.byref(job))
+        if any(not mine for mine, _ in ran):
+            break
+    assert sorted(i for _, r in ran for i in r) == list(range(1000))  # every item once
+    assert [mine for mine, _ in ran].count(False) == 1  # the helper's one chunk; the caller did the rest
+    assert len(ran) == 2 * cpu_threads.CHUNKS and time.monotonic() - start < 5
+    pool.close()

@@ -5,15 +5,20 @@ another (../shared/notes/pipeline-speed.md), so a stage computed on one core. He
 attention (cpu_matvec.py, cpu_attention.py) live in a shared library of our own, compiled once per machine
 with tinygrad's optimisation and target flags (-O2, -march=native) as an ordinary shared object (it starts
 threads and sleeps on futexes), and the tinygrad kernel in the captured step is only a
-trampoline: it fills a job (the work function, its buffers and sizes) and calls `pp_run`, which splits the
-job's items (a matrix's output rows, attention's row × head pairs) into one contiguous range per thread,
-runs the first range on the calling thread (tinygrad's worker) and waits for the others. Every output is
-computed by the same code in the same order whatever range holds it, so a step's results are the same
-bits at every thread count; `threads=1` runs the whole job on the calling thread.
+trampoline: it fills a job (the work function, its buffers and sizes) and calls `pp_run`, which cuts the
+job's items (a matrix's output rows, attention's row × head pairs) into CHUNKS contiguous chunks per thread
+that the calling thread (tinygrad's worker) and the helpers claim one at a time, and waits for the last.
+Every output is computed by the same code in the same order whatever chunk or thread holds it, so a step's
+results are the same bits at every thread count; `threads=1` runs the whole job on the calling thread.
 
-Helpers spin briefly after a job (the next matrix of the step is usually microseconds away) and then sleep
-on a futex, so an idle stage burns nothing. A second caller arriving while a job runs (two devices in one
-process) runs its job alone rather than wait.
+Chunks, not one range per thread: on a shared VM the hypervisor takes a vCPU away for milliseconds (a quarter
+of the time with both of this box's busy), and a helper woken from sleep starts late; with fixed halves the
+step waited at every matrix for the slow half (`bench.step`, docs/benchmarks.md).
+
+Helpers spin while the device is busy (a command or a job started within SPIN_NS) and sleep on a futex
+otherwise, so an idle stage burns nothing; the device's worker loop wakes them as a step's first kernels
+start. A second caller arriving while a job runs (two devices in one process) runs its job alone rather than
+wait.
 
 The library also holds the CPU device's worker loop and the wait for it (`pp_worker`, `pp_wait_done`), which
 device_wait.py installs so that a step's end wakes its reader.
@@ -36,10 +41,14 @@ from tinygrad.helpers import CACHEDB, getenv
 from . import cpu_attention, cpu_matvec
 from .cpu_jobs import JOB_C
 from ..config import MAX_THREADS
-# How long a thread polls for its next job (a helper) or for the others to finish (the caller) before it
-# sleeps: the gaps between a step's big kernels are its small ones, tens of microseconds; between steps a
-# helper sleeps, and one futex wake a step costs microseconds.
+# How long a helper polls for its next job after the device was last busy, and the caller for the others to
+# finish, before it sleeps: the gaps between a step's big kernels are its small ones, tens of microseconds;
+# between steps a helper sleeps, and the next step's first command wakes it.
 SPIN_NS = 200_000
+# Chunks a job is cut into per thread, claimed by whichever thread is free: enough that a thread the OS or the
+# hypervisor stalls holds up a join by a small part of the job, few enough that claiming stays cheap (one
+# compare-and-swap per chunk; at most 65535 chunks a job).
+CHUNKS = 8
 
 POOL_C = r"""#include <limits.h>
 #include <linux/futex.h>
@@ -69,33 +78,69 @@ static int spinning(long i, long* deadline, long spin_ns) {
   return t < *deadline;
 }
 
+/* The device's pulse: when a command or a job last started (`active_ns`), and a word every sleeping helper
+   of every pool waits on (`epoch`), bumped to wake them. A helper spins while the device was active within
+   spin_ns, not for spin_ns after its own last job: on a VM a descheduled helper came back to an expired
+   deadline and slept mid-step, and each futex wake of an idle vCPU cost about a millisecond (issue 38). */
+static struct { long active_ns; int epoch, sleepers; } pulse;
+static void touch(void) {
+  __atomic_store_n(&pulse.active_ns, now_ns(), __ATOMIC_RELAXED);
+  if (__atomic_load_n(&pulse.sleepers, __ATOMIC_SEQ_CST)) {
+    __atomic_add_fetch(&pulse.epoch, 1, __ATOMIC_SEQ_CST);
+    fwake(&pulse.epoch);
+  }
+}
+
 struct pp_pool;
 struct pp_arg { struct pp_pool* pool; long index; };
 struct pp_pool {
-  int gen, pending, sleepers, waiting, busy, stop;
+  int gen, done, waiting, busy, stop;
+  unsigned long ticket;  /* the job's generation (high 32 bits), its chunk count (16) and the next chunk (16) */
   long helpers, spin_ns;
   const struct pp_job* job;
   pthread_t threads[%(max)d];
   struct pp_arg args[%(max)d];
 };
 
-/* Waits until *word differs from old: spinning first, then asleep (counted in *sleepers for the waker). */
-static int wait_change(int* word, int old, int* sleepers, long spin_ns) {
+/* Waits until *word differs from old: spinning while the device is active (pulse), asleep otherwise until a
+   pulse or a job wakes it. The waker bumps *word before it reads the sleepers, the sleeper counts itself
+   before it reads *word, so one of them sees the other. */
+static int wait_change(int* word, int old, long spin_ns) {
   int v;
-  long deadline = 0;
-  for (long i = 0; spinning(i, &deadline, spin_ns); i++) {
-    if ((v = __atomic_load_n(word, __ATOMIC_ACQUIRE)) != old) return v;
-    relax();
+  for (;;) {
+    for (long i = 0;; i++) {
+      if ((v = __atomic_load_n(word, __ATOMIC_ACQUIRE)) != old) return v;
+      relax();
+      if (!(i & 63) && now_ns() - __atomic_load_n(&pulse.active_ns, __ATOMIC_RELAXED) > spin_ns) break;
+    }
+    int epoch = __atomic_load_n(&pulse.epoch, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch(&pulse.sleepers, 1, __ATOMIC_SEQ_CST);
+    if ((v = __atomic_load_n(word, __ATOMIC_SEQ_CST)) == old) fwait(&pulse.epoch, epoch);
+    __atomic_sub_fetch(&pulse.sleepers, 1, __ATOMIC_SEQ_CST);
+    if (v != old) return v;
   }
-  __atomic_add_fetch(sleepers, 1, __ATOMIC_SEQ_CST);
-  while ((v = __atomic_load_n(word, __ATOMIC_SEQ_CST)) == old) fwait(word, old);
-  __atomic_sub_fetch(sleepers, 1, __ATOMIC_SEQ_CST);
-  return v;
 }
 
-static void range(const struct pp_job* j, long index, long parts) {
-  long lo = j->items * index / parts, hi = j->items * (index + 1) / parts;
-  if (lo < hi) j->fn(j, lo, hi);
+/* Claims and runs chunks of the posted job until none is left; returns how many it ran. A chunk is claimed by
+   advancing the ticket only while it still names the job read with it: a thread late for a job (asleep, or
+   its vCPU taken by the hypervisor) finds the ticket moved on and touches nothing, and whoever is running
+   does the chunks it would have done, so a join waits for at most one chunk in flight, never for half a job.
+   Chunk c is the items items*c/chunks .. items*(c+1)/chunks - 1, whichever thread runs it. */
+static int run_chunks(struct pp_pool* p) {
+  int ran = 0;
+  unsigned long t = __atomic_load_n(&p->ticket, __ATOMIC_ACQUIRE);
+  for (;;) {
+    const struct pp_job* j = __atomic_load_n(&p->job, __ATOMIC_ACQUIRE);
+    unsigned long chunks = (t >> 16) & 0xFFFF, c = t & 0xFFFF;
+    if (c >= chunks) return ran;
+    if (!__atomic_compare_exchange_n(&p->ticket, &t, t + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) continue;
+    long lo = j->items * c / chunks, hi = j->items * (c + 1) / chunks;
+    if (lo < hi) j->fn(j, lo, hi);
+    ran++;
+    t++;
+    if (__atomic_add_fetch(&p->done, 1, __ATOMIC_SEQ_CST) == (int)chunks && __atomic_load_n(&p->waiting, __ATOMIC_SEQ_CST))
+      fwake(&p->done);
+  }
 }
 
 static void* helper(void* a) {
@@ -103,23 +148,22 @@ static void* helper(void* a) {
   struct pp_pool* p = arg->pool;
   int seen = 0;
   for (;;) {
-    seen = wait_change(&p->gen, seen, &p->sleepers, p->spin_ns);
+    seen = wait_change(&p->gen, seen, p->spin_ns);
     if (__atomic_load_n(&p->stop, __ATOMIC_ACQUIRE)) return NULL;
-    range(p->job, arg->index, p->helpers + 1);
-    if (__atomic_sub_fetch(&p->pending, 1, __ATOMIC_SEQ_CST) == 0 && __atomic_load_n(&p->waiting, __ATOMIC_SEQ_CST))
-      fwake(&p->pending);
+    if (run_chunks(p)) __atomic_store_n(&pulse.active_ns, now_ns(), __ATOMIC_RELAXED);  /* a job's end is activity too */
   }
 }
 
-static void wait_done(struct pp_pool* p) {
+/* The caller, its own chunks done, waits for the chunks still running on other threads. */
+static void wait_done(struct pp_pool* p, int chunks) {
   long deadline = 0;
   for (long i = 0; spinning(i, &deadline, p->spin_ns); i++) {
-    if (__atomic_load_n(&p->pending, __ATOMIC_ACQUIRE) == 0) return;
+    if (__atomic_load_n(&p->done, __ATOMIC_ACQUIRE) == chunks) return;
     relax();
   }
   __atomic_store_n(&p->waiting, 1, __ATOMIC_SEQ_CST);
   int v;
-  while ((v = __atomic_load_n(&p->pending, __ATOMIC_SEQ_CST)) != 0) fwait(&p->pending, v);
+  while ((v = __atomic_load_n(&p->done, __ATOMIC_SEQ_CST)) != chunks) fwait(&p->done, v);
   __atomic_store_n(&p->waiting, 0, __ATOMIC_SEQ_CST);
 }
 
@@ -128,12 +172,16 @@ void pp_run(struct pp_pool* p, const struct pp_job* j) {
     j->fn(j, 0, j->items);
     return;
   }
-  p->job = j;
-  __atomic_store_n(&p->pending, (int)p->helpers, __ATOMIC_SEQ_CST);
-  __atomic_add_fetch(&p->gen, 1, __ATOMIC_SEQ_CST);
-  if (__atomic_load_n(&p->sleepers, __ATOMIC_SEQ_CST)) fwake(&p->gen);
-  range(j, 0, p->helpers + 1);
-  wait_done(p);
+  long most = (p->helpers + 1) * %(chunks)d;
+  int chunks = (int)(j->items < most ? j->items : most);
+  unsigned long gen = (unsigned long)(unsigned int)(__atomic_load_n(&p->gen, __ATOMIC_RELAXED) + 1);
+  __atomic_store_n(&p->job, j, __ATOMIC_RELEASE);
+  __atomic_store_n(&p->done, 0, __ATOMIC_RELAXED);
+  __atomic_store_n(&p->ticket, gen << 32 | (unsigned long)chunks << 16, __ATOMIC_SEQ_CST);
+  __atomic_store_n(&p->gen, (int)gen, __ATOMIC_SEQ_CST);
+  touch();
+  run_chunks(p);
+  wait_done(p, chunks);
   __atomic_store_n(&p->busy, 0, __ATOMIC_RELEASE);
 }
 
@@ -160,6 +208,7 @@ void pp_worker(unsigned long* ring, unsigned long* wait_fn, unsigned long* done,
   int (*wait)(void*) = (int (*)(void*))wait_fn[0];
   for (unsigned long cur = 0;; cur++) {
     while (wait((void*)sem) != 0) {}
+    touch();  /* a command is starting: helpers asleep since the last step wake while its first kernels run */
     unsigned long* e = ring + (cur %% %(slots)d) * %(cmd)d;
     ((pp_command)e[0])(%(args)s);
     __atomic_store_n(done, cur + 1, __ATOMIC_SEQ_CST);
@@ -190,7 +239,7 @@ int pp_wait_done(unsigned long* done, unsigned long value, long poll_ns, long ha
 void pp_pool_free(struct pp_pool* p) {
   __atomic_store_n(&p->stop, 1, __ATOMIC_SEQ_CST);
   __atomic_add_fetch(&p->gen, 1, __ATOMIC_SEQ_CST);
-  fwake(&p->gen);
+  touch();
   for (long i = 0; i < p->helpers; i++) pthread_join(p->threads[i], NULL);
   free(p);
 }
@@ -199,7 +248,7 @@ void pp_pool_free(struct pp_pool* p) {
 
 def library_source() -> str:
     from tinygrad.runtime.ops_cpu import CMD_SIZE, RING_SLOTS
-    pool = POOL_C % {"max": MAX_THREADS, "slots": RING_SLOTS, "cmd": CMD_SIZE,
+    pool = POOL_C % {"max": MAX_THREADS, "chunks": CHUNKS, "slots": RING_SLOTS, "cmd": CMD_SIZE,
                      "params": ", ".join(["unsigned long"] * (CMD_SIZE - 1)),
                      "args": ", ".join(f"e[{i}]" for i in range(1, CMD_SIZE))}
     return "\n".join((JOB_C, pool, cpu_matvec.work_source(), cpu_attention.work_source()))
