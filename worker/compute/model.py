@@ -42,7 +42,7 @@ from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
 from tinygrad.device import Buffer
 from tinygrad.uop.ops import KernelInfo
 
-from . import cpu_attention, cpu_threads, device_wait, kernel_cache, warm, whole_graphs
+from . import cpu_attention, cpu_threads, device_wait, kernel_cache, replay, warm, whole_graphs
 from .replay import Replay
 from ..batching import DEFAULT_MAX_SEQS, Segment, bucket_sizes, default_max_batch, split_rows, unmeasured_cost
 from ..config import ModelConfig
@@ -209,9 +209,8 @@ class StageModel:
             if Device.DEFAULT.startswith("CPU"):  # the device computes on these very arrays (_put)
                 self._head_host = host
         self.cos, self.sin = rope_tables(config)
-        kernel_cache.install()
-        whole_graphs.install()  # before the first capture
-        device_wait.install()
+        for module in (kernel_cache, whole_graphs, replay, device_wait):  # whole_graphs before the first capture
+            module.install()
         self._graphs, self._head_graphs = self._new_graphs(), self._new_head_graphs()
         self._inputs = {b: _StepInputs(b, config.dim, config.head_dim, self._zeros) for b in self.buckets}
         self._head_inputs = {b: self._zeros((b, config.dim)) for b in self._head_graphs}
