@@ -81,7 +81,7 @@ static int spinning(long i, long* deadline, long spin_ns) {
 /* The device's pulse: when a command or a job last started (`active_ns`), and a word every sleeping helper
    of every pool waits on (`epoch`), bumped to wake them. A helper spins while the device was active within
    spin_ns, not for spin_ns after its own last job: on a VM a descheduled helper came back to an expired
-   deadline and slept mid-step, and each futex wake of an idle vCPU cost about a millisecond (issue 38). */
+   deadline and slept mid-step, and a futex wake of an idle vCPU goes through the hypervisor (issue 38). */
 static struct { long active_ns; int epoch, sleepers; } pulse;
 static void touch(void) {
   __atomic_store_n(&pulse.active_ns, now_ns(), __ATOMIC_RELAXED);
@@ -91,15 +91,12 @@ static void touch(void) {
   }
 }
 
-struct pp_pool;
-struct pp_arg { struct pp_pool* pool; long index; };
 struct pp_pool {
   int gen, done, waiting, busy, stop;
   unsigned long ticket;  /* the job's generation (high 32 bits), its chunk count (16) and the next chunk (16) */
   long helpers, spin_ns;
   const struct pp_job* job;
   pthread_t threads[%(max)d];
-  struct pp_arg args[%(max)d];
 };
 
 /* Waits until *word differs from old: spinning while the device is active (pulse), asleep otherwise until a
@@ -144,8 +141,7 @@ static int run_chunks(struct pp_pool* p) {
 }
 
 static void* helper(void* a) {
-  struct pp_arg* arg = a;
-  struct pp_pool* p = arg->pool;
+  struct pp_pool* p = a;
   int seen = 0;
   for (;;) {
     seen = wait_change(&p->gen, seen, p->spin_ns);
@@ -192,9 +188,7 @@ struct pp_pool* pp_pool_new(long helpers, long spin_ns) {
   p->helpers = helpers;
   p->spin_ns = spin_ns;
   for (long i = 0; i < helpers; i++) {
-    p->args[i].pool = p;
-    p->args[i].index = i + 1;
-    if (pthread_create(&p->threads[i], NULL, helper, &p->args[i])) { p->helpers = i; return NULL; }
+    if (pthread_create(&p->threads[i], NULL, helper, p)) { p->helpers = i; return NULL; }
   }
   return p;
 }

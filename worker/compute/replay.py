@@ -11,10 +11,11 @@ Whenever the tensors are not the ones it saw (another tensor, or the same tensor
 buffer), the call goes through the jit as before, which checks them as it always does.
 
 Below the jit, each replay of a whole-graph submit (whole_graphs.py) resolved every one of the graph's
-arguments again (`exec_kernel`: ~310 for SmolLM2's 30 blocks, a walk over the call's sources, a lookup and
-the buffer behind each): 0.9 ms of the 1.8 ms a decode token spent submitting its step and head graphs, on a
-token of 20-27 ms (issue 38). For one captured call and the same inputs the answer is the same list, so
-`install` keeps it (`_prepared`) and a replay only works out the launch sizes and the symbolic values.
+arguments again (`exec_kernel`: a walk over the call's sources, a lookup and the buffer behind each). For
+one captured call and the same inputs the answer is the same list, so `install` keeps it (`_PREPARED`) and a
+replay only works out the launch sizes and the symbolic values: `bench.step --blocks 30 --batch 1 --threads 2
+--steps 20 --profile` put the graph call at 68 ms over the 20 profiled steps before, 15 ms after (issue 38,
+docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def _same(a: tuple, b: tuple | None) -> bool:
     return b is not None and len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
-# captured call → (its inputs, [(device, runtime, the runtime's buffers)]); an entry goes with its call
+# captured call → (its inputs, its runtime, the device buffers it is called with, their Buffers); an entry
+# goes with its call
 _PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _EXEC_KERNEL = realize.exec_kernel
 
@@ -63,22 +65,24 @@ def install() -> None:
 
 
 def _exec_kernel(ctx, call: UOp, ast: UOp) -> list:
-    entry = _PREPARED.get(call) if ctx.jit else None
-    if entry is None or not _same(ctx.input_uops, entry[0]) or not all(b.is_allocated() for b in entry[2]):
+    if not ctx.jit:  # a call outside a replay: tinygrad's own way
+        return _EXEC_KERNEL(ctx, call, ast)
+    entry = _PREPARED.get(call)
+    if entry is None or not _same(ctx.input_uops, entry[0]) or not all(b.is_allocated() for b in entry[3]):
         entry = _prepare(ctx, call, ast)
-        if entry is None:  # several devices, or a first call outside a replay: tinygrad's own way
+        if entry is None:  # several devices: tinygrad's own way
             return _EXEC_KERNEL(ctx, call, ast)
+    _, runtime, device_bufs, _ = entry
     global_size, local_size = ast.arg.launch_dims(ctx.var_vals)
-    vals = ast.arg.vals(ctx.var_vals)
-    return [rt(*bufs, global_size=global_size, local_size=local_size, vals=vals, wait=ctx.wait, timeout=ctx.timeout)
-            for rt, bufs in entry[1]]
+    return [runtime(*device_bufs, global_size=global_size, local_size=local_size, vals=ast.arg.vals(ctx.var_vals),
+                    wait=ctx.wait, timeout=ctx.timeout)]
 
 
 def _prepare(ctx, call: UOp, ast: UOp) -> tuple | None:
     """What `exec_kernel` works out from a call and its inputs, kept for the next replay: one device's runtime
     and the device buffers it is called with (as tinygrad's, with no multi-device unwrapping)."""
     devices = to_tuple(call.src[1].device)
-    if not ctx.jit or len(devices) != 1:
+    if len(devices) != 1:
         return None
     resolved = realize.resolve_params(call, ctx.input_uops)
     bufs = [resolved[i].buffer for i in ast.arg.globals]
@@ -86,6 +90,6 @@ def _prepare(ctx, call: UOp, ast: UOp) -> tuple | None:
         return None
     device, allocated = devices[0], [b.ensure_allocated() for b in bufs]
     runtime = realize.get_runtime(device, ast, cache=ctx.cache)
-    entry = (ctx.input_uops, [(runtime, [b.get_buf(device) for b in allocated])], allocated)
+    entry = (ctx.input_uops, runtime, [b.get_buf(device) for b in allocated], allocated)
     _PREPARED[call] = entry
     return entry
