@@ -46,7 +46,7 @@ from worker.config import DEFAULT_CONTEXT
 from worker.contract import Sampling
 from worker.weights.contract import PRECISIONS
 from worker.weights.fetch import DEFAULT_MODEL, REGISTRY, default_cache_dir, default_ollama_dir
-from worker.partition import Shard, parse_partition
+from worker.partition import AUTO, Shard, parse_partition
 from worker.sources import check_source, open_source
 from worker.weights.tiny import BUILT_IN
 
@@ -112,9 +112,10 @@ def _node_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--beam", type=int, default=0,
                    help="kernel search at each node's boot (tinygrad's BEAM width, e.g. 2): minutes the first time, "
                         "cached on disk after; faster steps on larger models (default 0 = off)")
-    g.add_argument("--layer-partition", default="equal", metavar="SPLIT",
-                   help="how the model's blocks are split over the stages: equal, or each stage's block count, "
-                        "comma-separated, e.g. 8,8,14 (vLLM's VLLM_PP_LAYER_PARTITION; default equal)")
+    g.add_argument("--layer-partition", default="auto", metavar="SPLIT",
+                   help="how the model's blocks are split over the stages: auto (each node measures a block's step "
+                        "and the head's, and stage 0 plans), equal, or each stage's block count, comma-separated, "
+                        "e.g. 8,8,14 (vLLM's VLLM_PP_LAYER_PARTITION; default auto)")
     g.add_argument("--precision", choices=PRECISIONS, default="auto",
                    help="which weights stay as the model file holds them, read by the kernels (less memory; faster "
                         "with --beam): auto = Q8_0, and F16/BF16 too with --beam; file = all of them; f32 = none, "
@@ -247,8 +248,8 @@ def local_model(spec: str, env: dict[str, str]) -> tuple[str, int | None]:
 def partition_fits(text: str, num_stages: int, blocks: int | None) -> None:
     """--layer-partition covers the model's `blocks` (where known before the nodes start); ValueError if not."""
     partition = parse_partition(text, num_stages)
-    if partition is not None and blocks is not None:
-        Shard.of(0, num_stages, partition).sized(blocks)
+    if blocks is not None:
+        Shard.of(0, num_stages, None if partition == AUTO else partition).sized(blocks)
 
 
 @attrs.frozen

@@ -20,10 +20,11 @@ from runner.children import child_env, run_child, terminate_then_kill
 
 
 async def start_local_cluster(nursery: trio.Nursery, model: str, n: int, *, extra_env: dict[str, str] | None = None,
-                              token: str | None = None, api_keys: tuple[str, ...] = ()
-                              ) -> tuple[Orchestrator, list[str]]:
+                              token: str | None = None, api_keys: tuple[str, ...] = (),
+                              wrappers: dict[int, tuple[str, ...]] | None = None) -> tuple[Orchestrator, list[str]]:
     """Start n stages of `model` and wait until pp-entry resolves; returns the orchestrator and stage URLs.
-    `api_keys`: the clients' keys (none: the OpenAI API answers 401). Cancel the nursery to stop everything."""
+    `api_keys`: the clients' keys (none: the OpenAI API answers 401). `wrappers`: a command that execs a stage's
+    node, by stage (run_child). Cancel the nursery to stop everything."""
     token, run_dir = token or secrets.token_urlsafe(16), Path(tempfile.mkdtemp(prefix="bench-"))
     # as ppsmoke --seed: the stages share this machine's cores, unless the caller says otherwise
     extra_env = {"PP_THREADS": str(fair_share(available_cores(), n)), **(extra_env or {})}
@@ -32,7 +33,8 @@ async def start_local_cluster(nursery: trio.Nursery, model: str, n: int, *, extr
     for stage in range(n):
         env = child_env({**os.environ, **(extra_env or {})}, stage=stage, num_stages=n, token=token, model=model,
                         seed=orch.url, peer=prev, api_keys=api_keys)
-        child = await nursery.start(functools.partial(run_child, stage, env, run_dir / f"stage{stage}.log"))
+        child = await nursery.start(functools.partial(run_child, stage, env, run_dir / f"stage{stage}.log",
+                                                      wrapper=(wrappers or {}).get(stage, ())))
         urls.append(prev := child.url)
     await orch.converge(n)
     return orch, urls

@@ -47,8 +47,8 @@ class EntryStage:
         return None if worker is None else worker.info.max_seqs
 
     @property
-    def shard(self):
-        return self.node.shard
+    def split(self):
+        return self.node.split
 
     @property
     def url(self) -> str | None:

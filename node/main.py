@@ -3,6 +3,8 @@
 - The config and the stage's role come parsed (ppnode.py).
 - Listen, then join gossip through the seed and PEER_DIRECT.
 - Register pp-stage-{i}.
+- With `--layer-partition auto` (the default), measure a block's step and the head's and gossip them; stage 0
+  plans the split once every stage's figures are in, and every stage takes its range (node/planning.py).
 - Fetch and load the worker on the compute thread, start the step loop, and say ready in gossip.
 - Wait for a peer, then until the names this stage sends to resolve.
 - Register pp-entry / pp-exit last (roles/topology.py says who registers which name).
@@ -19,6 +21,7 @@ import random
 import time
 from typing import Callable
 
+import attrs
 import httpx
 import trio
 
@@ -26,8 +29,10 @@ from roles import topology
 from worker.errors import ModelFileError
 from worker.weights.fetch import REGISTRY, installed_model
 from worker.models import Model, open_model, open_worker
-from worker.partition import Shard
-from worker.weights.rangefetch import fetch_stage_slice
+from worker.calibrate import available_memory, calibrate
+from worker.partition import AUTO, Shard
+from worker.plan import Calibration, PlanError, Split
+from worker.weights.rangefetch import block_count, fetch_stage_slice
 
 from node.api.chat_page import add_chat_page
 from node.api.openai_api import add_openai_routes
@@ -39,6 +44,7 @@ from node.config.settings import NodeConfig
 from node.membership.gossip import TERMINAL, Member, Meta, SwimConfig
 from node.membership.swim import Swim
 from node.observe.log import event
+from node.planning import agree
 from node.downstream import DownstreamStage
 from node.entry import EntryStage
 from node.stage_node import StageNode
@@ -68,16 +74,28 @@ def replacing(swim: Swim, stage: int) -> bool:
     return any(m.meta.stage == stage and m.state in TERMINAL and m.id != swim.me.id for m in swim.members().values())
 
 
-def load_worker(config: NodeConfig, model_spec: str, shard: Shard, prompt_rows: int | None = 1):
+def load_worker(config: NodeConfig, model_spec: str | Model, shard: Shard, prompt_rows: int | None = 1):
     """Runs on the compute thread: tinygrad state stays on the thread that made it. Returns the worker and
-    the seconds each phase took (the boot's timeline: bench/boot.py). `prompt_rows`: a replacement's prompt
-    chunk, whose bucket it captures before it serves (a replay's rows come at once); by default only the
-    smallest bucket is (at N = 5 on two cores, `bench.boot` priced bucket 4's capture at 4.3-5.0 s a stage)."""
+    the seconds each phase took (the boot's timeline: bench/boot.py). `model_spec`: what to open, or the model
+    the calibration opened. `prompt_rows`: a replacement's prompt chunk, whose bucket it captures before it
+    serves (a replay's rows come at once); by default only the smallest bucket is (at N = 5 on two cores,
+    `bench.boot` priced bucket 4's capture at 4.3-5.0 s a stage)."""
     clock = time.perf_counter()
-    model = open_stage_model(config, model_spec)
+    model = model_spec if isinstance(model_spec, Model) else open_stage_model(config, model_spec)
     opened = time.perf_counter()
     worker, phases = build_worker(config, model, shard, prompt_rows)
     return worker, {"open_model_s": round(opened - clock, 3), **phases}
+
+
+def calibrate_stage(config: NodeConfig, model_spec: str) -> tuple[Model, Calibration, float]:
+    """Compute thread: the model opened, what this node measured of it (worker/calibrate.py), and the seconds."""
+    model = open_stage_model(config, model_spec)
+    clock = time.perf_counter()
+    try:
+        calibration = calibrate(model, config.max_seqs, available_memory())
+    except (ModelFileError, ValueError) as exc:
+        raise ModelRefused(f"stage {config.stage} cannot measure model {config.model!r}: {exc}") from exc
+    return model, calibration, round(time.perf_counter() - clock, 3)
 
 
 def open_stage_model(config: NodeConfig, model_spec: str) -> Model:
@@ -112,9 +130,10 @@ def slice_url(model: str) -> str | None:
     return None if installed_model(model) is not None else REGISTRY.get(model.strip().lower())
 
 
-async def fetch_own_slice(config: NodeConfig, swim: Swim, shard: Shard) -> str:
+async def fetch_own_slice(config: NodeConfig, swim: Swim, shard: Shard | None) -> str:
     """For a remote GGUF, fetch only this stage's tensors (reporting progress through gossip) and
-    return the local file; anything else is returned as given."""
+    return the local file; anything else is returned as given. `shard` None: the slice a node measures before
+    it is given blocks, the last block and the head (the last stage of a split (n-1, 1))."""
     url = slice_url(config.model)
     if url is None:
         return config.model
@@ -129,6 +148,9 @@ async def fetch_own_slice(config: NodeConfig, swim: Swim, shard: Shard) -> str:
 
     async with httpx.AsyncClient(follow_redirects=True, timeout=60) as client:
         try:
+            if shard is None:
+                blocks = await block_count(url, client)
+                shard = Shard.of(1, 2, (blocks - 1, 1)) if blocks >= 2 else Shard.of(1, 2)
             path = await fetch_stage_slice(url, config.cache_dir, shard=shard,
                                            client=client, progress=report)
         except ModelFileError as exc:
@@ -145,6 +167,40 @@ async def step_aside_when_replaced(swim: Swim, stage: int) -> None:
     raise Replaced(f"stage {stage} was replaced: the cluster declared it dead (it was frozen or cut off past the "
                    f"dead timeout, or an earlier node of this id was); exiting rather than serve a slice another "
                    f"member holds")
+
+
+async def load_own_slice(config: NodeConfig, swim: Swim, shard: Shard, compute: ComputeThread) -> tuple:
+    """The stage's worker, its boot phases' seconds and the split it has its range of. With `auto`, in two
+    steps: measure and agree on the split (node/planning.py), then fetch and load the planned range."""
+    prompt_rows = config.chunked_prefill_size if replacing(swim, shard.index) else 1
+    if config.layer_partition != AUTO:
+        model_spec = await fetch_own_slice(config, swim, shard)
+        return await compute.call(load_worker, config, model_spec, shard, prompt_rows)  # flag_split says why
+    clock = time.perf_counter()
+    model, calibration, measured_s = await compute.call(calibrate_stage, config, await fetch_own_slice(config, swim, None))
+    event(log, "calibrated", block_ms=_ms(calibration.block_s), head_ms=_ms(calibration.head_s), rows=calibration.rows,
+          memory_bytes=calibration.memory_bytes, seconds=round(time.perf_counter() - clock, 3))
+    try:
+        split = await agree(swim, shard.index, shard.count, calibration, replacing=replacing(swim, shard.index))
+    except PlanError as exc:
+        raise ModelRefused(f"stage 0 cannot plan the split of {config.model!r}: {exc}") from exc
+    shard = attrs.evolve(shard, partition=split.counts)
+    if slice_url(config.model) is not None:  # the measured slice was another file: this stage's range is fetched
+        model = await fetch_own_slice(config, swim, shard)
+    worker, phases = await compute.call(load_worker, config, model, shard, prompt_rows)
+    return worker, {"calibrate_s": measured_s, **phases}, split
+
+
+def flag_split(config: NodeConfig, shard: Shard) -> Split:
+    """The split `--layer-partition equal` or an explicit list gave a loaded stage."""
+    counts = tuple(len(shard.range_of(i, shard.total_blocks)) for i in range(shard.count))
+    if config.layer_partition is None:
+        return Split(counts, "equal", "the spec's even split (--layer-partition equal)")
+    return Split(counts, "given", "as --layer-partition gave it")
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)
 
 
 def _resolved(names: tuple[str, ...]):
@@ -184,7 +240,7 @@ def serve_api(app, entry: EntryStage, config: NodeConfig, view: httpx.AsyncClien
 
 
 async def _serve(config, swim_config, on_listening, compute, task_status, loaded) -> None:
-    shard = Shard.of(config.stage, config.num_stages, config.layer_partition)
+    shard = Shard.of(config.stage, config.num_stages, None if config.layer_partition == AUTO else config.layer_partition)
     async with PeerClient(config.cluster_token) as client, gossip_client(config.cluster_token) as gossip, \
             http1_client(config.cluster_token, HOPS_TIMEOUT_S) as view, trio.open_nursery() as nursery:
         node = open_stage(shard, client, config)
@@ -213,13 +269,14 @@ async def _serve(config, swim_config, on_listening, compute, task_status, loaded
         # otherwise sit idle until then.
         started = time.perf_counter()
         if loaded is None:
-            model_spec = await fetch_own_slice(config, swim, shard)
-            prompt_rows = config.chunked_prefill_size if replacing(swim, shard.index) else 1
-            loaded = await compute.call(load_worker, config, model_spec, shard, prompt_rows)
-        worker, phases = loaded
+            loaded = await load_own_slice(config, swim, shard, compute)
+        worker, phases, *planned = loaded  # a standby's loaded slice comes with its runner's split: no plan here
+        split = planned[0] if planned else flag_split(config, worker.info.shard)
+        swim.update_meta(plan=split.counts)
         event(log, "worker_ready", seconds=round(time.perf_counter() - started, 3), layers=str(worker.info.shard.blocks),
-              weight_bytes=worker.info.weight_bytes, **phases)
-        node.attach(worker)
+              weight_bytes=worker.info.weight_bytes, split=list(split.counts), how=split.how, reason=split.reason,
+              **phases)
+        node.attach(worker, split=split)
         # The loaded model is hundreds of thousands of objects that live as long as the process; a full
         # collection scanned them all on the event loop (200-340 ms, /health with it, under a burst of
         # large requests). Frozen, they are never scanned again.

@@ -67,6 +67,7 @@ class StageNode:
                  max_queue: int = DEFAULT_MAX_QUEUE, link_streams: bool = True, faults: Faults = NO_FAULTS,
                  prompt_rows: int | None = None, model_name: str, prefix_cache: bool = True):
         self.shard, self.node_id, self.name = shard, node_id, stage_name(shard.index)
+        self.split = None  # the worker.plan.Split the loaded range is of (attach)
         self.actor_settings = dict(max_queue=max_queue, node_id=node_id, prompt_rows=prompt_rows,
                                    prefix_cache=prefix_cache)  # roles.make_actor's; prefix_cache: stage 0's
         self.client, self.faults = client, faults
@@ -111,9 +112,11 @@ class StageNode:
         """Membership runs: links resolve their peers through it, and reply targets are checked against it."""
         self.swim = swim
 
-    def attach(self, worker, *, capacity: int | None = None) -> None:
-        """The worker is loaded: from now on messages are admitted. `capacity`: see roles.make_actor."""
+    def attach(self, worker, *, capacity: int | None = None, split=None) -> None:
+        """The worker is loaded: from now on messages are admitted. `capacity`: see roles.make_actor. `split`:
+        the worker.plan.Split its range is of, and why (the pipeline view shows it)."""
         self.shard = worker.info.shard  # sized: its blocks are known now
+        self.split = split
         self.actor = make_actor(worker, capacity=capacity, **self.actor_settings)
         self.worker, self._warming = worker, True  # after a lazy warm_up, the other buckets wait their capture
 

@@ -25,7 +25,7 @@ from node.compute import ComputeThread, open_compute_thread
 from node.config.settings import NodeConfig
 from node.main import ModelRefused, build_worker, open_stage_model, run_node, slice_url
 from node.observe.log import event
-from worker.partition import Shard
+from worker.partition import AUTO, Shard
 
 log = logging.getLogger("pp.node")
 
@@ -49,6 +49,9 @@ def take_of(line: str, num_stages: int) -> int:
 def prepare(config: NodeConfig) -> dict[int, tuple]:
     """Compute thread: every stage but the first, as build_worker makes it, with bucket 1 and the largest
     captured. Stage → (worker, its phases' seconds)."""
+    if config.layer_partition == AUTO:  # a spare starts after the plan: its runner gives it the cluster's split
+        raise ModelRefused("a standby loads every stage's range of a split it is given: give --layer-partition the "
+                           "cluster's split (ppsmoke --standby does), not auto")
     clock = time.perf_counter()
     model = open_stage_model(config, config.model)
     opened = round(time.perf_counter() - clock, 3)

@@ -50,13 +50,15 @@ def terminate_then_kill(grace_s: float):
 
 
 async def run_child(stage: int, env: dict[str, str], log_path: Path, *, grace_s: float = 5.0,
-                    supervised: bool = False, task_status=trio.TASK_STATUS_IGNORED) -> None:
+                    supervised: bool = False, wrapper: tuple[str, ...] = (),
+                    task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Run `ppnode.py` for `stage`; reports a Child once it printed its address; raises StageExited
     if it ever ends on its own — unless `supervised` and it had started: then it sets the Child's
-    `exited` and returns (whoever supervises it replaces it)."""
+    `exited` and returns (whoever supervises it replaces it). `wrapper`: a command that execs the node's
+    (benchmarks hold a stage to a CPU quota from its start: bench/plan.py)."""
     with open(log_path, "wb") as log:
         async with trio.open_nursery() as nursery:
-            process = await nursery.start(_node_process, env, log, grace_s)
+            process = await nursery.start(_node_process, env, log, grace_s, wrapper)
             url = await Lines(process).value_of(ADDR_PREFIX)
             child = None if url is None else Child(stage, process, url, log_path)
             if child is not None:
@@ -107,8 +109,9 @@ async def run_standby(env: dict[str, str], log_path: Path, *, grace_s: float = 5
     standby.exited.set()
 
 
-async def _node_process(env: dict[str, str], log, grace_s: float, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    command = [sys.executable, str(Path(__file__).resolve().parent.parent / "ppnode.py")]
+async def _node_process(env: dict[str, str], log, grace_s: float, wrapper: tuple[str, ...] = (),
+                        task_status=trio.TASK_STATUS_IGNORED) -> None:
+    command = [*wrapper, sys.executable, str(Path(__file__).resolve().parent.parent / "ppnode.py")]
     await trio.run_process(
         command, env=env, stdout=subprocess.PIPE, stderr=log, check=False,
         # our end of its stdin is a lifeline: if the runner dies, even by SIGKILL, the node reads EOF

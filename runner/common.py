@@ -19,6 +19,7 @@ class RunResult:
     num_stages: int
     timings: dict[str, object]
     run_dir: Path
+    split: tuple[int, ...] = ()  # each stage's block count, as the stages gossip it
 
 
 class RunFailed(RuntimeError):

@@ -9,7 +9,7 @@ from .common import RunResult
 def as_json(result: RunResult, model: str) -> str:
     r = result.response
     return json.dumps({"text": r.text, "token_ids": list(r.token_ids), "prompt_token_ids": list(r.prompt_token_ids),
-                       "num_stages": result.num_stages, "model": model, "timings": result.timings,
+                       "num_stages": result.num_stages, "split": list(result.split), "model": model, "timings": result.timings,
                        "logs": str(result.run_dir)})
 
 
@@ -17,5 +17,6 @@ def stats_line(result: RunResult) -> str:
     t = result.timings
     per_stage = " / ".join(f"{ms:.1f}" for ms in t["stage_compute_ms_per_token"])
     rate = f"{t['tokens_per_s']:.1f} tok/s" if t["tokens_per_s"] is not None else "n/a tok/s"
+    blocks = f" | blocks per stage: {' / '.join(map(str, result.split))}" if result.split else ""
     return (f"[{len(result.response.token_ids)} tokens | converge {t['converge_s']:.1f} s | first token "
-            f"{t['first_token_s']:.2f} s | {rate} | compute ms/token per stage: {per_stage}]")
+            f"{t['first_token_s']:.2f} s | {rate} | compute ms/token per stage: {per_stage}{blocks}]")

@@ -27,7 +27,7 @@ from worker.contract import Sampling
 from .children import Child, child_env, log_tail, run_child, run_standby
 from .common import RunFailed, RunResult, fail_on_signals, first_failure
 from .keeper import keep_stages, race
-from .phases import report_phases
+from .phases import report_phases, split_line
 from .ports import stop_and_free_port
 from .standby import Standbys
 from .session import Use, announce_entry, answer_once, serve
@@ -74,7 +74,7 @@ async def run_seed(opts: SeedOptions, progress: Callable[[str], None], *, on_tex
             await _start_children(nursery, opts, token, orch.url, run_dir, children, progress)
             converged = await _converge(orch, opts, children, started, progress)
             if opts.serve:
-                standbys = Standbys(opts.standby, functools.partial(_start_standby, opts, token, orch.url, run_dir,
+                standbys = Standbys(opts.standby, functools.partial(_start_standby, opts, token, orch.url, orch.swim, run_dir,
                                                                     itertools.count()), progress,
                                     settled=functools.partial(settled_through, orch.swim))
                 nursery.start_soon(standbys.run)
@@ -209,10 +209,17 @@ async def settled_through(swim, child: Child) -> None:
     await swim.wait_until(through)
 
 
-async def _start_standby(opts, token, seed_url, run_dir, numbers, place, task_status=trio.TASK_STATUS_IGNORED):
+async def swim_split(swim, num_stages: int) -> tuple[int, ...]:
+    """The split the cluster's stages gossip (each gossips the one it loaded)."""
+    return await swim.wait_until(lambda s: next((m.meta.plan for m in s.alive() if len(m.meta.plan) == num_stages), None))
+
+
+async def _start_standby(opts, token, seed_url, swim, run_dir, numbers, place, task_status=trio.TASK_STATUS_IGNORED):
     """One spare, for Standbys: a node with every stage's environment but a stage of its own."""
     env = node_env(opts, token, seed_url, 1, None)
     del env["STAGE"]
+    # a spare loads every stage's range of the split the cluster runs (planned at its boot: it is in gossip)
+    env["PP_LAYER_PARTITION"] = ",".join(map(str, await swim_split(swim, opts.num_stages)))
     await run_standby(env, run_dir / f"standby{next(numbers)}.log", grace_s=opts.grace_s, task_status=task_status)
 
 
@@ -242,6 +249,9 @@ async def _converge(orch: Orchestrator, opts, children, started, progress) -> fl
                         f"stages not alive: {missing}\n{tails}")
     now = time.monotonic()
     progress(f"converged in {now - started:.1f} s; pp-entry is ready")
+    line = split_line(orch.swim.members().values(), opts.num_stages)
+    if line:
+        progress(line)
     return now
 
 

@@ -57,7 +57,8 @@ async def answer_once(orch: Orchestrator, use: Use, *, converged: float, started
         raise RunFailed(f"no answer within {use.timeout_s:.0f} s") from None
     answered = time.monotonic()
     timings = timings_of(asked.response, converged - started, asked.first_token_s, answered - started)
-    return RunResult(asked.response, num_stages, timings, run_dir)
+    split = next((m.meta.plan for m in orch.swim.alive() if len(m.meta.plan) == num_stages), ())
+    return RunResult(asked.response, num_stages, timings, run_dir, split)
 
 
 def announce_entry(use: Use, stage: int, holder) -> None:

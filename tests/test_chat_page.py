@@ -102,7 +102,12 @@ def test_the_chat_page_streams_an_answer_shows_the_pipeline_and_stops_a_long_ans
         browser.find_element(By.ID, "key").send_keys(API_KEY)  # a client key
         browser.find_element(By.ID, "save-key").click()
         wait(browser, lambda: [s for s, _ in stages(browser)] == ["alive"] * N)
-        assert [b for _, b in stages(browser)] == ["0,3", "3,6", "6,8"]  # tiny's 8 blocks over 3 stages
+        view = httpx.get(cluster.base_url + "/v1/pipeline", headers={"Authorization": f"Bearer {API_KEY}"}).json()
+        counts = view["split"]["counts"]  # tiny's 8 blocks over 3 stages, as stage 0 planned them
+        assert sum(counts) == 8 and [b for _, b in stages(browser)] == [",".join(map(str, s["blocks"])) for s in view["stages"]]
+        split = browser.find_element(By.CSS_SELECTOR, "#stages .split")
+        assert split.text == f"split {','.join(map(str, counts))} (auto)" and "measured" in split.get_attribute("title")
+        assert "ms/block" in browser.find_element(By.ID, "stages").text  # what each node measured of itself
 
         set_setting(browser, "temperature", 0)
         set_setting(browser, "max-tokens", HELLO_TOKENS)

@@ -146,7 +146,7 @@ def test_the_port_flag_also_selects_the_vast_port_mapping():
     ({"PP_FAULTS": "delay=x"}, [], (), "'delay=x': 'x' is not a number"),
     ({"PP_FAULTS": "delay_ms=-1"}, [], (), "0..60000 ms"),
     ({"PP_LAYER_PARTITION": "10,20"}, [], (), "PP_LAYER_PARTITION='10,20': the layer partition 10,20 names 2 stages"),
-    ({}, ["--layer-partition", "a,b,c"], (), "--layer-partition='a,b,c': give equal, or each stage's block count"),
+    ({}, ["--layer-partition", "a,b,c"], (), "--layer-partition='a,b,c': give auto, equal, or each stage's block count"),
     ({"PP_THREADS": "0"}, [], (), "PP_THREADS=0 must be at least 1"),
     ({}, ["--threads", "257"], (), "--threads=257: at most 256 threads"),
     ({"PP_THREADS": "all"}, [], (), "PP_THREADS='all' is not a whole number"),
@@ -390,7 +390,8 @@ async def test_injected_faults_drop_and_delay_about_the_share_asked_for(autojump
     assert not any([await Faults().before_send() for _ in range(100)])
 
 
-def test_the_layer_partition_is_even_by_default_and_each_stage_s_count_when_given():
-    assert parse().layer_partition is None and parse({"PP_LAYER_PARTITION": "equal"}).layer_partition is None
+def test_the_layer_partition_is_planned_by_default_even_or_each_stage_s_count_when_given():
+    assert parse().layer_partition == "auto" and parse({"PP_LAYER_PARTITION": "AUTO"}).layer_partition == "auto"
+    assert parse({"PP_LAYER_PARTITION": "equal"}).layer_partition is None
     assert parse({"PP_LAYER_PARTITION": "4,20,6"}).layer_partition == (4, 20, 6)
     assert parse(argv=["--layer-partition", "1,1,28"]).layer_partition == (1, 1, 28)

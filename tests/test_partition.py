@@ -70,15 +70,16 @@ def test_a_shard_outside_the_chain_is_refused(index, count):
 # --- an explicit layer partition (--layer-partition, PP_LAYER_PARTITION) -----------------------------------
 
 @pytest.mark.parametrize("text, n, counts", [
-    ("equal", 3, None), (" EQUAL ", 2, None), ("4,20,6", 3, (4, 20, 6)), ("1, 29", 2, (1, 29)),
+    ("equal", 3, None), (" EQUAL ", 2, None), ("auto", 2, "auto"), (" Auto", 3, "auto"), ("4,20,6", 3, (4, 20, 6)),
+    ("1, 29", 2, (1, 29)),
 ])
-def test_a_layer_partition_is_equal_or_each_stage_s_block_count(text, n, counts):
+def test_a_layer_partition_is_auto_equal_or_each_stage_s_block_count(text, n, counts):
     assert parse_partition(text, n) == counts
 
 
 @pytest.mark.parametrize("text, n, says", [
     ("4,20", 3, "names 2 stages; the pipeline has 3"), ("0,30", 2, "every stage needs at least one block"),
-    ("4,x,6", 3, "give equal, or each stage's block count"), ("", 2, "give equal"), ("-1,31", 2, "give equal"),
+    ("4,x,6", 3, "give auto, equal, or each stage's block count"), ("", 2, "give auto, equal"), ("-1,31", 2, "give auto, equal"),
 ])
 def test_a_bad_layer_partition_is_refused_naming_what_is_wrong(text, n, says):
     with pytest.raises(ValueError, match=says):

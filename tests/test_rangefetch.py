@@ -205,6 +205,9 @@ def test_cache_names_carry_the_stage_split():
     ]
     for url, stage, n, name in table:
         assert cache_name(url, Shard.of(stage, n)) == name, url
+    # a planned or given split: another split's slice of the same stage is another file
+    assert cache_name("https://h/m.gguf", Shard.of(1, 2, (29, 1))) == "m.stage1of2.split29-1.gguf"
+    assert cache_name("https://h/m.gguf", Shard.of(1, 2, (18, 12))) == "m.stage1of2.split18-12.gguf"
 
 
 def test_cache_hit_needs_the_same_url_split_and_a_complete_file():

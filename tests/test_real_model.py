@@ -31,9 +31,11 @@ import pytest
 
 from cluster import API_KEY, start_cluster
 from npforward import teacher_forced
+from worker.calibrate import calibrate
 from worker.chain import run_chain
 from worker.contract import StepItem
 from worker.partition import Shard
+from worker.plan import partition_of
 from worker.tokens import chat
 from worker.errors import WorkerError
 from worker.weights.fetch import installed_model
@@ -87,8 +89,10 @@ class Pipeline:
     """pp over `n` in-process stages (n = 1: generate_full, the single-process path); each answer is
     computed once and kept, for every test that asks for it."""
 
-    def __init__(self, model, n: int, partition: tuple[int, ...] | None = None):
+    def __init__(self, model, n: int, partition: tuple[int, ...] | str | None = None):
         self.model, self.n = model, n
+        if partition == "auto":  # as the nodes plan it: each stage's figures measured (here all on this machine)
+            partition = partition_of([calibrate(model, 1, None) for _ in range(n)])
         self.workers = [open_worker(model, Shard.of(s, n, partition), max_seqs=1) for s in range(n)] if n > 1 else []
         self.tokenizer = model.tokenizer()
         self.stop_ids = self.workers[-1].info.stop_ids if self.workers else self.tokenizer.stop_ids
@@ -116,8 +120,12 @@ class Pipeline:
                                         (3, None), pytest.param((5, None), marks=SLOW),
                                         # one uneven split per N (--layer-partition)
                                         pytest.param((2, (22, 8)), marks=SLOW), (3, (4, 20, 6)),
-                                        pytest.param((5, (2, 9, 9, 9, 1)), marks=SLOW)],
-                ids=lambda p: f"N={p[0]}" + (f" split {','.join(map(str, p[1]))}" if p[1] else ""))
+                                        pytest.param((5, (2, 9, 9, 9, 1)), marks=SLOW),
+                                        # the planner's split (--layer-partition auto, the default)
+                                        pytest.param((2, "auto"), marks=SLOW), (3, "auto"),
+                                        pytest.param((5, "auto"), marks=SLOW)],
+                ids=lambda p: f"N={p[0]}" + (f" split {p[1] if isinstance(p[1], str) else ','.join(map(str, p[1]))}"
+                                             if p[1] else ""))
 def pipeline(request, model):
     """One at a time: pytest runs every test of one N (and split), then drops it for the next."""
     return Pipeline(model, *request.param)

@@ -23,6 +23,7 @@ class Model:
     total_blocks: int
     open_slice: Callable[..., Slice]  # (layers: range, *, embed: bool, head: bool, max_seqs: int) -> Slice
     tokenizer: Callable[[], object]
+    computes: bool = True  # whether a step does real work worth timing (worker/calibrate.py); not the stub's
 
 
 def tinygrad_model(source: WeightSource, precision: str = "auto", *, tuned: bool = False,
@@ -40,7 +41,7 @@ def tinygrad_model(source: WeightSource, precision: str = "auto", *, tuned: bool
 
 
 def stub_model() -> Model:
-    return Model("stub", STUB_BLOCKS, StubSlice, StubTokenizer)
+    return Model("stub", STUB_BLOCKS, StubSlice, StubTokenizer, computes=False)
 
 
 def open_worker(model: Model, shard: Shard, *, max_seqs: int = DEFAULT_MAX_SEQS) -> StageWorker:

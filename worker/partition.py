@@ -32,15 +32,20 @@ def check_partition(counts: tuple[int, ...], num_stages: int) -> None:
         raise ValueError(f"the layer partition {','.join(map(str, counts))}: every stage needs at least one block")
 
 
-def parse_partition(text: str, num_stages: int) -> tuple[int, ...] | None:
-    """`equal` (None: the even split) or each stage's block count, comma-separated (vLLM's
-    VLLM_PP_LAYER_PARTITION); ValueError naming what is wrong. The sum is checked against the model later."""
+AUTO = "auto"  # --layer-partition auto: planned from what each node measures (node/planning.py)
+
+
+def parse_partition(text: str, num_stages: int) -> tuple[int, ...] | str | None:
+    """`auto` (AUTO: planned at boot), `equal` (None: the even split) or each stage's block count, comma-separated
+    (vLLM's VLLM_PP_LAYER_PARTITION); ValueError naming what is wrong. The sum is checked against the model later."""
     value = text.strip().lower()
     if value == "equal":
         return None
+    if value == AUTO:
+        return AUTO
     parts = [p.strip() for p in value.split(",")]
     if not all(p.isdigit() for p in parts):
-        raise ValueError("give equal, or each stage's block count, comma-separated (e.g. 8,8,14)")
+        raise ValueError("give auto, equal, or each stage's block count, comma-separated (e.g. 8,8,14)")
     counts = tuple(int(p) for p in parts)
     check_partition(counts, num_stages)
     return counts

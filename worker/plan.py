@@ -19,6 +19,7 @@ blocks by bytes), so the plan differs from the spec's split only by the head's w
 from __future__ import annotations
 
 import enum
+import math
 
 import attrs
 
@@ -43,15 +44,55 @@ class NodeCost:
     memory_bytes: int | None = None
 
 
+def _count(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
+    """A byte or block count from a peer: a non-negative int (bool is no count)."""
+    if value is not None and (type(value) is not int or value < 0):
+        raise ValueError(f"{type(instance).__name__}.{attribute.name}={value!r}: expected a count >= 0")
+
+
+def _seconds(instance: object, attribute: attrs.Attribute, value: float | None) -> None:
+    """A measured time from a peer: finite and non-negative, or None (not measured)."""
+    if value is not None and (type(value) not in (int, float) or not math.isfinite(value) or value < 0):
+        raise ValueError(f"{type(instance).__name__}.{attribute.name}={value!r}: expected finite seconds >= 0")
+
+
 @attrs.frozen
 class ModelCost:
     """What a model asks of a stage: its blocks, the bytes one block needs (weights and its KV), and the
     embedding's and the head's bytes (a tied head shares the embedding's: give 0 for one of them)."""
 
-    blocks: int
-    block_bytes: int
-    embed_bytes: int = 0
-    head_bytes: int = 0
+    blocks: int = attrs.field(validator=_count)
+    block_bytes: int = attrs.field(validator=_count)
+    embed_bytes: int = attrs.field(default=0, validator=_count)
+    head_bytes: int = attrs.field(default=0, validator=_count)
+
+
+@attrs.frozen
+class Calibration:
+    """What a node measured of itself before it was given blocks (worker/calibrate.py), as gossip carries it
+    (node.membership.gossip.Meta.cost): one block's step and the head's at `rows` decode rows (None: nothing
+    to measure, the stub), the bytes it may hold (None: unbounded), and what the model asks of a stage."""
+
+    block_s: float | None = attrs.field(validator=_seconds)
+    head_s: float | None = attrs.field(validator=_seconds)
+    rows: int = attrs.field(validator=_count)
+    memory_bytes: int | None = attrs.field(validator=_count)
+    model: ModelCost
+
+    @property
+    def node(self) -> NodeCost:
+        return NodeCost(self.block_s, self.head_s, self.memory_bytes)
+
+
+@attrs.frozen
+class Split:
+    """The split a node loaded its range of: each stage's block count, how it was chosen (`auto`: planned from
+    measured figures; `kept`: the running cluster's, by a node that joined it; `equal` or `given`: the flag's),
+    and why, in words (node/planning.py)."""
+
+    counts: tuple[int, ...]
+    how: str
+    reason: str
 
 
 class PlanError(ValueError):
@@ -76,6 +117,27 @@ def plan(nodes: list[NodeCost], model: ModelCost, objective: Objective = Objecti
         ranges.append(range(lo, lo + count))
         lo += count
     return tuple(ranges)
+
+
+def partition_of(calibrations: list[Calibration], objective: Objective = Objective.THROUGHPUT) -> tuple[int, ...]:
+    """Each stage's block count, planned from every stage's calibration in stage order (the model's cost is
+    the first stage's: every node opened the same model). PlanError where none fits, or where the stages
+    measured different models."""
+    model = calibrations[0].model
+    if any(c.model.blocks != model.blocks for c in calibrations):
+        raise PlanError(f"the stages opened different models: {sorted({c.model.blocks for c in calibrations})} "
+                        f"blocks")
+    return tuple(len(r) for r in plan([c.node for c in calibrations], model, objective))
+
+
+def stage_seconds(calibrations: list[Calibration], counts: tuple[int, ...]) -> list[float | None]:
+    """What each stage of `counts` costs a step at its node's figures, the head on the last (None where a
+    node measured nothing): the planner's estimate, shown beside the split."""
+    out = []
+    for i, (c, k) in enumerate(zip(calibrations, counts)):
+        last = i == len(counts) - 1
+        out.append(None if c.block_s is None or c.head_s is None else k * c.block_s + (c.head_s if last else 0.0))
+    return out
 
 
 def _costs(nodes: list[NodeCost], model: ModelCost) -> tuple[list[float], float | list[float]]:

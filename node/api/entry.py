@@ -10,7 +10,7 @@ from typing import Protocol
 import trio
 
 from roles.messages import InferenceRequest
-from worker.partition import Shard
+from worker.plan import Split
 
 from node.membership.gossip import Member
 
@@ -56,8 +56,8 @@ class Entry(Protocol):
     def url(self) -> str | None:
         """The advertised address: the API's requests name it as their reply_to."""
     @property
-    def shard(self) -> Shard:
-        """This stage's place (stage 0 of the chain's count) and the model's blocks, once loaded."""
+    def split(self) -> Split | None:
+        """Each stage's block count, how they were chosen and why (worker.plan.Split); None while loading."""
     @property
     def swim(self) -> Members | None:
         """None until membership runs."""

@@ -1,6 +1,6 @@
 """What pp-entry's chat page shows of the pipeline (`GET /v1/pipeline`): one entry per stage with the state
-gossip gives its node (alive, suspect, dead, loading with its download progress), the blocks it holds, its
-compute per token in the last answer, and the median time a message spent on the wire into it (asked of
+gossip gives its node (alive, suspect, dead, loading with its download progress), the blocks it holds and what
+its node measured of itself to plan them (ms a block, the head's, memory), its compute per token in the last answer, and the median time a message spent on the wire into it (asked of
 the stage itself, `GET /v1/hops`, with a short timeout: a stage that does not answer shows none).
 
 The asks are HopFigures': at most one gathering at a time, shared by the views that come meanwhile and kept for
@@ -32,20 +32,38 @@ def stage_state(member) -> str:
 
 def stages_view(node: Entry, last_ms_per_token: list[float] | None) -> list[dict]:
     """Pure: the stages as gossip and the entry's last answer see them."""
-    shard = node.shard
+    counts = node.split.counts
     members = {m.meta.stage: m for m in sorted(node.swim.members().values(), key=lambda m: m.incarnation)
                if m.meta.stage is not None}  # the latest holder of each stage
     out = []
-    for stage in range(shard.count):
+    for stage in range(len(counts)):
         member = node.swim.resolve(stage_name(stage)) or members.get(stage)
-        layers = shard.range_of(stage, shard.total_blocks)
+        layers = range(sum(counts[:stage]), sum(counts[:stage + 1]))
         out.append({"stage": stage, "state": stage_state(member), "node": member.id if member else None,
                     "addr": member.addr if member else None, "progress": member.meta.progress if member else None,
-                    "blocks": [layers.start, layers.stop],
+                    "blocks": [layers.start, layers.stop], **measured(member, len(layers), stage == len(counts) - 1),
                     "compute_ms_per_token": (round(last_ms_per_token[stage], 2)
                                              if last_ms_per_token and stage < len(last_ms_per_token) else None),
                     "hop_in_ms": None})
     return out
+
+
+def measured(member, blocks: int, last: bool) -> dict:
+    """Pure: what the stage's node measured of itself at boot (--layer-partition auto; node/planning.py): ms a
+    block and the head's (the last stage's), the memory it said it may fill, and the step that makes for its
+    blocks; None where it measured nothing."""
+    cost = member.meta.cost if member is not None else None
+    if cost is None or cost.block_s is None:
+        return {"block_ms": None, "head_ms": None, "memory_bytes": cost.memory_bytes if cost else None,
+                "planned_step_ms": None}
+    step = blocks * cost.block_s + (cost.head_s if last else 0.0)
+    return {"block_ms": round(cost.block_s * 1000, 3), "head_ms": round(cost.head_s * 1000, 3) if last else None,
+            "memory_bytes": cost.memory_bytes, "planned_step_ms": round(step * 1000, 2)}
+
+
+def split_view(split) -> dict:
+    """Pure: the split the chain runs, how it was chosen and why."""
+    return {"counts": list(split.counts), "how": split.how, "reason": split.reason}
 
 
 def askable(entry: dict) -> bool:
@@ -110,5 +128,5 @@ async def pipeline_view(node: Entry, hops: HopFigures) -> dict:
     for entry in stages:
         entry["hop_in_ms"] = figures.get(entry["stage"])
     health = node.health()
-    return {"stages": stages, "admitting": health.get("admitting"), "running": health.get("slots", {}).get("active"),
+    return {"stages": stages, "split": split_view(node.split), "admitting": health.get("admitting"), "running": health.get("slots", {}).get("active"),
             "queued": health.get("queue", {}).get("waiting"), "last_answer": node.last_answer}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from node.config.sources import ConfigError, Sources
 from roles.messages import is_http_url
-from worker.partition import parse_partition
+from worker.partition import AUTO, parse_partition
 from worker.weights.contract import PRECISIONS
 from worker.weights.fetch import DEFAULT_MODEL, REGISTRY
 from worker.weights.tiny import BUILT_IN
@@ -34,11 +34,12 @@ def precision(src: Sources) -> str:
     return value
 
 
-def layer_partition(src: Sources, num_stages: int) -> tuple[int, ...] | None:
-    """`equal` (None: the even split, the default) or each stage's block count (worker.partition.parse_partition);
-    whether they sum to the model's blocks is checked once the model is open."""
+def layer_partition(src: Sources, num_stages: int) -> tuple[int, ...] | str | None:
+    """`auto` (the default: planned at boot from what each node measures), `equal` (None: the even split) or each
+    stage's block count (worker.partition.parse_partition); whether they sum to the model's blocks is checked once
+    the model is open."""
     raw, label = src.get("--layer-partition")
     try:
-        return parse_partition(raw or "equal", num_stages)
+        return parse_partition(raw or AUTO, num_stages)
     except ValueError as exc:
         raise ConfigError(f"{label}={raw!r}: {exc}") from None

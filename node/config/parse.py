@@ -59,8 +59,9 @@ ENV_TABLE = (
     ("PP_THREADS", "--threads", "cores a step computes on, like llama.cpp's -t: its matrices and attention split over "
      "them (default: every core this process may use)"),
     ("PP_BEAM", "--beam", "kernel search at boot: tinygrad's BEAM width, e.g. 2; minutes once, cached on disk for the next boot (0 = off)"),
-    ("PP_LAYER_PARTITION", "--layer-partition", "equal, or each stage's block count, comma-separated, e.g. 8,8,14 "
-     "(vLLM's VLLM_PP_LAYER_PARTITION); every stage must be given the same (equal)"),
+    ("PP_LAYER_PARTITION", "--layer-partition", "auto: each node measures a block's step and the head's, and stage 0 "
+     "plans the split; equal: the spec's even split; or each stage's block count, comma-separated, e.g. 8,8,14 "
+     "(vLLM's VLLM_PP_LAYER_PARTITION); every stage must be given the same (auto)"),
     ("PP_PRECISION", "--precision", "auto: Q8_0 weights stay as the file holds them, F16/BF16 too with --beam; file: all of them always; f32: every weight widened at load (auto)"),
     ("PP_LINKS", "--links", "stream: messages to the next stage as frames of one long-lived HTTP/2 stream; post: a POST each (stream)"),
     ("PP_FAULTS", "", "chaos testing: drop=P,delay=P,delay_ms=MS,seed=N drops or delays that share of link sends (off)"),
@@ -121,7 +122,8 @@ def build_parser(prog: str = "python ppnode.py") -> argparse.ArgumentParser:
                    "this process may use)")
     p.add_argument("--beam", metavar="W", help="kernel search width at boot, 0 = off (PP_BEAM, default 0)")
     p.add_argument("--layer-partition", metavar="SPLIT",
-                   help="equal, or each stage's block count, e.g. 8,8,14 (PP_LAYER_PARTITION, default equal)")
+                   help="auto, equal, or each stage's block count, e.g. 8,8,14 (PP_LAYER_PARTITION, default auto: "
+                        "planned from what each node measures)")
     p.add_argument("--precision", metavar="P", help="auto, file or f32: which weights stay as the file holds them (PP_PRECISION, default auto)")
     p.add_argument("--links", metavar="KIND", help="stream or post: how messages go to the next stage (PP_LINKS)")
     p.add_argument("--log-level", metavar="LEVEL", help=f"{', '.join(LOG_LEVELS)} (PP_LOG_LEVEL)")

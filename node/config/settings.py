@@ -47,7 +47,7 @@ class NodeConfig:
     ctx: int = DEFAULT_CONTEXT          # PP_CTX: positions a slot's KV holds (prompt + answer), at most the model's
     threads: int = 1                    # PP_THREADS: cores a step computes on (parse: every core the process may use)
     beam: int = 0                       # PP_BEAM: tinygrad's kernel search width at boot (0 = off); cached on disk
-    layer_partition: tuple[int, ...] | None = None  # PP_LAYER_PARTITION: each stage's block count; None: even
+    layer_partition: tuple[int, ...] | str | None = "auto"  # PP_LAYER_PARTITION: "auto" (planned), None (even) or counts
     precision: str = "auto"             # PP_PRECISION: which matrices keep the file's precision (worker.weights.contract.narrow_kinds)
     link_streams: bool = True           # PP_LINKS=stream: one long-lived HTTP/2 stream to the next stage; post: a POST each
     exit_on_stdin_eof: bool = False     # PP_STDIN_LIFELINE=1: a local runner holds our stdin; EOF = it is gone

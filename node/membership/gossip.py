@@ -9,6 +9,8 @@ import enum
 
 import attrs
 
+from worker.plan import Calibration
+
 
 class State(enum.Enum):
     ALIVE = "alive"
@@ -27,6 +29,12 @@ class Heard(enum.Enum):
     REQUEST = "request"  # a ping, ping-req or sync push to this member: anyone holding the token can send one
 
 
+def _plan_counts(counts: tuple[int, ...]) -> None:
+    """A gossiped split: at most MAX_MEMBERS stages of at least one block each."""
+    if len(counts) > MAX_MEMBERS or any(type(k) is not int or k < 1 for k in counts):
+        raise ValueError(f"Meta.plan={counts!r}: expected at most {MAX_MEMBERS} block counts, each >= 1")
+
+
 @attrs.frozen
 class Meta:
     stage: int | None = None
@@ -38,6 +46,8 @@ class Meta:
     progress: float | None = None  # weight download progress, 0..1
     max_seqs: int | None = None  # sequence slots of a ready stage: stage 0 admits no more than the chain's least
     settled: tuple[str, ...] = ()  # stage 0: its chain's member ids once no request waits for a replay (FirstActor)
+    cost: Calibration | None = None  # what this node measured of itself before it was given blocks (issue 37)
+    plan: tuple[int, ...] = attrs.field(default=(), validator=lambda i, a, v: _plan_counts(v))  # each stage's blocks
 
 
 @attrs.frozen

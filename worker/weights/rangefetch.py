@@ -68,11 +68,14 @@ _meta_json = make_converter(forbid_extra_keys=True)
 # --- pure decisions ----------------------------------------------------------------------------
 
 def cache_name(url: str, shard: Shard) -> str:
-    """`<basename>.stage<S>of<N>.gguf` (S counts from 0, as STAGE does), so stages sharing a disk don't clash."""
+    """`<basename>.stage<S>of<N>.gguf` (S counts from 0, as STAGE does), so stages sharing a disk don't clash;
+    with a layer partition `<basename>.stage<S>of<N>.split<A>-<B>-....gguf`, so another split's slice of the
+    same stage is never taken for this one's."""
     base = unquote(urlparse(url).path).rstrip("/").rsplit("/", 1)[-1]
     base = re.sub(r"\.gguf$", "", base, flags=re.IGNORECASE)
     base = re.sub(r"[^A-Za-z0-9._-]", "_", base).lstrip(".") or "model"
-    return f"{base}.stage{shard.index}of{shard.count}.gguf"
+    split = "" if shard.partition is None else ".split" + "-".join(map(str, shard.partition))
+    return f"{base}.stage{shard.index}of{shard.count}{split}.gguf"
 
 
 def cache_hit(meta: SliceMeta | None, file_size: int | None, *, url: str, shard: Shard) -> bool:
@@ -279,6 +282,13 @@ async def _download(client: httpx.AsyncClient, url: str, tmp: Path, prefix: byte
                 await _get_range(client, url, start, end, ident, write)
     except OSError as e:
         raise ModelFileError(tmp, f"cannot write the slice of {url}: {e.strerror}") from e
+
+
+async def block_count(url: str, client: httpx.AsyncClient, header_guess: int = HEADER_GUESS) -> int:
+    """The blocks of the GGUF at `url`, from its header alone (a node measures a block before it knows its
+    range: worker/calibrate.py). ModelFileError naming the URL."""
+    header, _, _ = await _fetch_header(client, url, header_guess)
+    return config_from_header(header, url, None).n_layers
 
 
 async def fetch_stage_slice(url: str, cache_dir: Path, *, shard: Shard, client: httpx.AsyncClient,

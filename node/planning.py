@@ -1,0 +1,102 @@
+"""How a node learns its blocks at boot with `--layer-partition auto` (issue 37), in two steps: it measures itself
+(worker/calibrate.py) and gossips the figures (Meta.cost); then stage 0, once every stage's figures are in its
+view, plans the split (worker/plan.py) and gossips it (Meta.plan), and every other stage loads its range of it.
+Each node gossips the split it loaded, so a node that boots into a running cluster (a replacement) keeps it and
+takes the range of the stage it replaces: replanning would reload every stage that lives, and drop the KV of the
+requests they hold. It says so, with what a new plan would have given at the figures gossip holds.
+
+The decisions are pure functions of the view (table tests: tests/test_planning.py); `agree` waits on gossip."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from worker.plan import Calibration, Objective, PlanError, Split, partition_of, stage_seconds
+
+from node.membership.gossip import TERMINAL, Member
+from node.membership.swim import Swim
+
+
+def gossiped_plan(members: Iterable[Member], me: str, num_stages: int) -> tuple[int, ...] | None:
+    """Pure: the split another live member gossips (stage 0's decision, or the one each member loaded), or None."""
+    for m in sorted(members, key=lambda m: (m.meta.stage or 0, m.id)):
+        if m.id != me and m.state not in TERMINAL and not m.meta.observer and len(m.meta.plan) == num_stages:
+            return m.meta.plan
+    return None
+
+
+def gossiped_costs(members: Iterable[Member], num_stages: int) -> list[Calibration] | None:
+    """Pure: each stage's figures, in stage order, from the live members that hold it (the latest incarnation
+    where several do), or None until every stage has some."""
+    found: dict[int, Member] = {}
+    for m in members:
+        stage = m.meta.stage
+        if m.state in TERMINAL or m.meta.observer or m.meta.cost is None or stage is None or not 0 <= stage < num_stages:
+            continue
+        if stage not in found or m.incarnation > found[stage].incarnation:
+            found[stage] = m
+    if len(found) < num_stages:
+        return None
+    return [found[s].meta.cost for s in range(num_stages)]
+
+
+def planned(costs: list[Calibration], objective: Objective = Objective.THROUGHPUT) -> Split:
+    """Pure: stage 0's decision from every stage's figures. PlanError where no split fits."""
+    counts = partition_of(costs, objective)
+    return Split(counts, "auto", f"planned for {objective.value} from each stage's measured step: "
+                                 f"{describe(costs, counts)}")
+
+
+def kept(plan: tuple[int, ...], stage: int, costs: list[Calibration] | None, objective=Objective.THROUGHPUT) -> Split:
+    """Pure: a node joining a running cluster keeps its split. `costs`: every stage's figures as gossip holds
+    them now, this node's for its stage (None where some are missing): what a new plan would give is said too."""
+    reason = (f"kept the running cluster's split and took stage {stage}'s blocks: replanning would reload the "
+              f"{len(plan) - 1} stages that live and drop the KV of the requests they hold")
+    if costs is not None:
+        try:
+            now, new = _slowest(costs, plan), _slowest(costs, partition_of(costs, objective))
+        except PlanError:
+            now = new = None
+        if now is not None and new is not None:
+            reason += f"; at the measured figures the slowest stage takes {now * 1000:.1f} ms a step, " \
+                      f"{new * 1000:.1f} ms replanned"
+    return Split(plan, "kept", reason)
+
+
+def describe(costs: list[Calibration], counts: tuple[int, ...]) -> str:
+    """Pure: each stage's blocks, ms a block and estimated ms a step, in one line."""
+    parts = []
+    for i, (c, k, s) in enumerate(zip(costs, counts, stage_seconds(costs, counts))):
+        block = "unmeasured" if c.block_s is None else f"{c.block_s * 1000:.2f} ms/block"
+        head = f" + head {c.head_s * 1000:.2f} ms" if i == len(counts) - 1 and c.head_s is not None else ""
+        parts.append(f"stage {i}: {k} blocks at {block}{head}" + ("" if s is None else f" = {s * 1000:.1f} ms"))
+    return "; ".join(parts)
+
+
+def _slowest(costs: list[Calibration], counts: tuple[int, ...]) -> float | None:
+    seconds = stage_seconds(costs, counts)
+    return None if None in seconds else max(seconds)
+
+
+async def agree(swim: Swim, stage: int, num_stages: int, calibration: Calibration, *, replacing: bool,
+                objective: Objective = Objective.THROUGHPUT) -> Split:
+    """Gossip this node's figures, then wait for the split: a running cluster's (kept), stage 0's plan, or, on
+    stage 0, its own once every stage's figures are in. Gossips the split it returns."""
+    swim.update_meta(cost=calibration)
+
+    def ready(s: Swim):
+        view = s.members().values()
+        held = gossiped_plan(view, s.me.id, num_stages)
+        if held is not None:
+            return "held", held
+        costs = gossiped_costs(view, num_stages) if stage == 0 else None
+        return ("costs", costs) if costs is not None else None
+
+    kind, found = await swim.wait_until(ready)
+    if kind == "costs":
+        split = planned(found, objective)
+    elif replacing:
+        split = kept(found, stage, gossiped_costs(swim.members().values(), num_stages), objective)
+    else:
+        split = Split(found, "auto", "planned by stage 0 from each stage's measured step")
+    swim.update_meta(plan=split.counts)
+    return split

@@ -1,0 +1,101 @@
+"""How nodes agree on the split at boot (node/planning.py, issue 37): the decisions are pure functions of the
+gossip view; a cluster of real tinygrad nodes plans, loads and shows its split."""
+import httpx
+import pytest
+
+from cluster import API_KEY, PATIENT_SWIM, start_cluster
+from node.membership.gossip import Member, Meta, State
+from node.planning import describe, gossiped_costs, gossiped_plan, kept, planned
+from runner.phases import split_line, stage_phases
+from worker.plan import Calibration, ModelCost
+
+MODEL = ModelCost(blocks=30, block_bytes=3_500_000, embed_bytes=28_000_000, head_bytes=28_000_000)
+
+
+def cost(block_ms: float | None, head_ms: float | None = 8.0) -> Calibration:
+    return Calibration(None if block_ms is None else block_ms / 1000, None if head_ms is None else head_ms / 1000,
+                       8, None, MODEL)
+
+
+def m(mid, stage, *, c=None, plan=(), state=State.ALIVE, inc=1, ready=False, observer=False):
+    return Member(mid, f"http://{mid}:1", inc, state, Meta(stage=stage, cost=c, plan=plan, ready=ready,
+                                                           observer=observer))
+
+
+@pytest.mark.parametrize("members, want", [
+    ([], None),
+    ([m("a", 0, c=cost(1)), m("b", 1, c=cost(1))], [cost(1), cost(1)]),
+    ([m("a", 0, c=cost(1))], None),  # stage 1 has not measured yet
+    ([m("a", 0, c=cost(1)), m("b", 1)], None),  # its node is up but measuring
+    ([m("a", 0, c=cost(1)), m("b", 1, c=cost(3), state=State.DEAD)], None),  # a dead node's figures don't count
+    ([m("a", 0, c=cost(1)), m("b", 1, c=cost(3), inc=1), m("c", 1, c=cost(2), inc=5)], [cost(1), cost(2)]),
+    ([m("a", 0, c=cost(1)), m("b", 1, c=cost(1)), m("x", 7, c=cost(9))], [cost(1), cost(1)]),  # no stage 7
+    ([m("a", 0, c=cost(1)), m("r", None, c=cost(1), observer=True)], None),  # the runner holds no stage
+])
+def test_stage_0_plans_once_every_stage_s_live_node_has_gossiped_its_figures(members, want):
+    assert gossiped_costs(members, 2) == want
+
+
+@pytest.mark.parametrize("members, want", [
+    ([m("me", 1)], None),
+    ([m("me", 1), m("a", 0, plan=(18, 12))], (18, 12)),
+    ([m("me", 1, plan=(1, 29)), m("a", 0)], None),  # its own gossiped split is no one else's decision
+    ([m("me", 1), m("a", 0, plan=(18, 12), state=State.DEAD)], None),  # a dead node's is not the cluster's
+    ([m("me", 1), m("a", 0, plan=(10, 10, 10))], None),  # a split of another stage count
+    ([m("me", 0), m("b", 1, plan=(18, 12), state=State.SUSPECT)], (18, 12)),  # suspected, still the cluster's
+])
+def test_a_node_takes_the_split_another_live_member_gossips(members, want):
+    assert gossiped_plan(members, "me", 2) == want
+
+
+def test_the_plan_weighs_the_head_and_says_why():
+    # 18/12 and 17/13 tie on the slowest stage (54 ms) and on the sum: the one nearer the spec's split wins
+    split = planned([cost(3.0, 15.0), cost(3.0, 15.0)])
+    assert split.counts == (17, 13) and split.how == "auto"
+    assert "stage 0: 17 blocks at 3.00 ms/block = 51.0 ms" in split.reason
+    assert "stage 1: 13 blocks at 3.00 ms/block + head 15.00 ms = 54.0 ms" in split.reason
+
+
+def test_unmeasured_nodes_get_the_spec_s_split_less_the_head_s_bytes():
+    assert planned([cost(None, None)] * 2).counts == (19, 11)  # the head weighs 8 blocks by bytes
+    assert describe([cost(None, None)] * 2, (19, 11)) == "stage 0: 19 blocks at unmeasured; stage 1: 11 blocks at unmeasured"
+
+
+def test_a_replacement_keeps_the_running_split_and_says_what_a_replan_would_give():
+    # the replacement of stage 1 is 3x slower: 12 blocks at 9 ms and the head make 123 ms; 24 and 6 would make 72
+    split = kept((18, 12), 1, [cost(3.0, 15.0), cost(9.0, 15.0)])
+    assert split.counts == (18, 12) and split.how == "kept"
+    assert "replanning would reload the 1 stages that live" in split.reason
+    assert "the slowest stage takes 123.0 ms a step, 72.0 ms replanned" in split.reason
+    assert "measured" not in kept((18, 12), 1, None).reason  # figures missing: no estimate
+
+
+@pytest.mark.parametrize("members, phases", [
+    ([m("a", 0), m("b", 1, c=cost(1))], {0: "listening", 1: "measured"}),
+    ([m("a", 0, c=cost(1), ready=True), m("b", 1, c=cost(1))], {0: "ready", 1: "measured"}),
+    ([m("a", 1, c=cost(1)), m("b", 1)], {1: "measured"}),  # a stage's phase is its most advanced live node's
+])
+def test_the_runner_shows_a_stage_that_measured_itself(members, phases):
+    assert stage_phases(members, 2) == phases
+
+
+def test_the_runner_says_how_the_converged_cluster_split_the_blocks():
+    members = [m("a", 0, c=cost(3.0), plan=(18, 12), ready=True), m("b", 1, c=cost(3.1), plan=(18, 12), ready=True)]
+    assert split_line(members, 2) == "blocks per stage: 18 at 3.00 ms / 12 at 3.10 ms"
+    assert split_line([m("a", 0, plan=(15, 15), ready=True)], 2) == "blocks per stage: 15 / 15"
+    assert split_line([m("a", 0, ready=True)], 2) is None
+
+
+async def test_a_cluster_of_real_nodes_plans_its_split_and_the_pipeline_view_shows_it(nursery, tmp_path):
+    # the tiny model: 8 blocks; every node measures itself, stage 0 plans, each loads its range
+    _, urls, _ = await start_cluster(nursery, 2, tmp_path, model="tiny", swim_config=PATIENT_SWIM)
+    async with httpx.AsyncClient(timeout=30) as client:
+        view = (await client.get(urls[0] + "/v1/pipeline", headers={"Authorization": f"Bearer {API_KEY}"})).json()
+    split = view["split"]
+    assert split["how"] == "auto" and sum(split["counts"]) == 8 and min(split["counts"]) >= 1
+    assert "planned for throughput from each stage's measured step" in split["reason"]
+    stages = view["stages"]
+    assert [s["blocks"] for s in stages] == [[0, split["counts"][0]], [split["counts"][0], 8]]
+    assert all(s["block_ms"] > 0 and s["memory_bytes"] > 0 for s in stages)
+    assert stages[0]["head_ms"] is None and stages[1]["head_ms"] >= 0
+    nursery.cancel_scope.cancel()
