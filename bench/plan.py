@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import platform
 import statistics
@@ -138,9 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="clusters booted per mode, alternating")
     p.add_argument("--slow-stage", type=int, help="hold this stage's node to --quota of one core (needs root)")
     p.add_argument("--quota", type=float, default=0.35, help="the slow stage's share of one core (0.35)")
+    p.add_argument("--json", type=Path, help="also write every round's figures and /v1/pipeline view here")
     args = p.parse_args(argv)
     results = trio.run(run, args)
-    print(report(results, args, "python -m bench.plan " + " ".join(argv if argv is not None else sys.argv[1:])))
+    command = "python -m bench.plan " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(report(results, args, command))
+    if args.json:
+        args.json.write_text(json.dumps({"command": command, "rounds": [{k: v for k, v in r.items() if k != "texts"}
+                                                                        for r in results]}, indent=1) + "\n")
     return 0
 
 

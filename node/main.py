@@ -44,7 +44,7 @@ from node.config.settings import NodeConfig
 from node.membership.gossip import TERMINAL, Member, Meta, SwimConfig
 from node.membership.swim import Swim
 from node.observe.log import event
-from node.planning import agree
+from node.planning import agree, held
 from node.downstream import DownstreamStage
 from node.entry import EntryStage
 from node.stage_node import StageNode
@@ -170,25 +170,34 @@ async def step_aside_when_replaced(swim: Swim, stage: int) -> None:
 
 
 async def load_own_slice(config: NodeConfig, swim: Swim, shard: Shard, compute: ComputeThread) -> tuple:
-    """The stage's worker, its boot phases' seconds and the split it has its range of. With `auto`, in two
-    steps: measure and agree on the split (node/planning.py), then fetch and load the planned range."""
-    prompt_rows = config.chunked_prefill_size if replacing(swim, shard.index) else 1
-    if config.layer_partition != AUTO:
-        model_spec = await fetch_own_slice(config, swim, shard)
-        return await compute.call(load_worker, config, model_spec, shard, prompt_rows)  # flag_split says why
+    """The stage's worker, its boot phases' seconds and, with `auto`, the split it has its range of: kept where
+    it replaces a stage of a running cluster, else planned in two steps: measure and agree on the split
+    (node/planning.py), then fetch and load the planned range."""
+    replaces = replacing(swim, shard.index)
+    prompt_rows = config.chunked_prefill_size if replaces else 1
+    if config.layer_partition != AUTO:  # flag_split says why
+        return await compute.call(load_worker, config, await fetch_own_slice(config, swim, shard), shard, prompt_rows)
+    split, model, phases = held(swim, shard.index, shard.count, replacing=replaces), None, {}
+    if split is None:
+        split, model, phases = await measure_and_agree(config, swim, shard, compute)
+    shard = attrs.evolve(shard, partition=split.counts)
+    if model is None or slice_url(config.model) is not None:  # the measured slice is another file than this range's
+        model = await fetch_own_slice(config, swim, shard)
+    worker, loaded = await compute.call(load_worker, config, model, shard, prompt_rows)
+    return worker, {**phases, **loaded}, split
+
+
+async def measure_and_agree(config: NodeConfig, swim: Swim, shard: Shard, compute: ComputeThread) -> tuple:
+    """Measure this node (worker/calibrate.py), then agree on the split: (split, the model opened, phases)."""
     clock = time.perf_counter()
     model, calibration, measured_s = await compute.call(calibrate_stage, config, await fetch_own_slice(config, swim, None))
     event(log, "calibrated", block_ms=_ms(calibration.block_s), head_ms=_ms(calibration.head_s), rows=calibration.rows,
           memory_bytes=calibration.memory_bytes, seconds=round(time.perf_counter() - clock, 3))
     try:
-        split = await agree(swim, shard.index, shard.count, calibration, replacing=replacing(swim, shard.index))
+        split = await agree(swim, shard.index, shard.count, calibration)
     except PlanError as exc:
         raise ModelRefused(f"stage 0 cannot plan the split of {config.model!r}: {exc}") from exc
-    shard = attrs.evolve(shard, partition=split.counts)
-    if slice_url(config.model) is not None:  # the measured slice was another file: this stage's range is fetched
-        model = await fetch_own_slice(config, swim, shard)
-    worker, phases = await compute.call(load_worker, config, model, shard, prompt_rows)
-    return worker, {"calibrate_s": measured_s, **phases}, split
+    return split, model, {"calibrate_s": measured_s}
 
 
 def flag_split(config: NodeConfig, shard: Shard) -> Split:

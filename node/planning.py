@@ -2,15 +2,16 @@
 (worker/calibrate.py) and gossips the figures (Meta.cost); then stage 0, once every stage's figures are in its
 view, plans the split (worker/plan.py) and gossips it (Meta.plan), and every other stage loads its range of it.
 Each node gossips the split it loaded, so a node that boots into a running cluster (a replacement) keeps it and
-takes the range of the stage it replaces: replanning would reload every stage that lives, and drop the KV of the
-requests they hold. It says so, with what a new plan would have given at the figures gossip holds.
+takes the range of the stage it replaces, without measuring itself first: a new plan would reload every stage
+that lives and drop the KV of the requests they hold, and measuring would lengthen the lost stage's gap. It says
+so (Split.reason).
 
 The decisions are pure functions of the view (table tests: tests/test_planning.py); `agree` waits on gossip."""
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from worker.plan import Calibration, Objective, PlanError, Split, partition_of, stage_seconds
+from worker.plan import Calibration, Objective, Split, partition_of, stage_seconds
 
 from node.membership.gossip import TERMINAL, Member
 from node.membership.swim import Swim
@@ -46,20 +47,12 @@ def planned(costs: list[Calibration], objective: Objective = Objective.THROUGHPU
                                  f"{describe(costs, counts)}")
 
 
-def kept(plan: tuple[int, ...], stage: int, costs: list[Calibration] | None, objective=Objective.THROUGHPUT) -> Split:
-    """Pure: a node joining a running cluster keeps its split. `costs`: every stage's figures as gossip holds
-    them now, this node's for its stage (None where some are missing): what a new plan would give is said too."""
-    reason = (f"kept the running cluster's split and took stage {stage}'s blocks: replanning would reload the "
-              f"{len(plan) - 1} stages that live and drop the KV of the requests they hold")
-    if costs is not None:
-        try:
-            now, new = _slowest(costs, plan), _slowest(costs, partition_of(costs, objective))
-        except PlanError:
-            now = new = None
-        if now is not None and new is not None:
-            reason += f"; at the measured figures the slowest stage takes {now * 1000:.1f} ms a step, " \
-                      f"{new * 1000:.1f} ms replanned"
-    return Split(plan, "kept", reason)
+def kept(plan: tuple[int, ...], stage: int) -> Split:
+    """Pure: a node that replaces a stage of a running cluster keeps its split, without measuring itself first
+    (a lost stage's gap is what counts then: issue 36)."""
+    return Split(plan, "kept", f"kept the running cluster's split and took stage {stage}'s blocks: a new plan "
+                               f"would reload the {len(plan) - 1} stages that live and drop the KV of every "
+                               f"request they hold")
 
 
 def describe(costs: list[Calibration], counts: tuple[int, ...]) -> str:
@@ -72,15 +65,18 @@ def describe(costs: list[Calibration], counts: tuple[int, ...]) -> str:
     return "; ".join(parts)
 
 
-def _slowest(costs: list[Calibration], counts: tuple[int, ...]) -> float | None:
-    seconds = stage_seconds(costs, counts)
-    return None if None in seconds else max(seconds)
+def held(swim: Swim, stage: int, num_stages: int, *, replacing: bool) -> Split | None:
+    """The running cluster's split, kept, where this node replaces a stage of it (gossip holds the stage's
+    gone holder, and a live member's split); else None: the node measures itself and agrees (agree)."""
+    plan = gossiped_plan(swim.members().values(), swim.me.id, num_stages) if replacing else None
+    return None if plan is None else kept(plan, stage)
 
 
-async def agree(swim: Swim, stage: int, num_stages: int, calibration: Calibration, *, replacing: bool,
+async def agree(swim: Swim, stage: int, num_stages: int, calibration: Calibration,
                 objective: Objective = Objective.THROUGHPUT) -> Split:
-    """Gossip this node's figures, then wait for the split: a running cluster's (kept), stage 0's plan, or, on
-    stage 0, its own once every stage's figures are in. Gossips the split it returns."""
+    """Gossip this node's figures, then wait for the split: stage 0's plan, or, on stage 0, its own once every
+    stage's figures are in (or a split another live member gossips: stage 0 itself was replaced meanwhile).
+    Gossips the split it returns."""
     swim.update_meta(cost=calibration)
 
     def ready(s: Swim):
@@ -92,11 +88,7 @@ async def agree(swim: Swim, stage: int, num_stages: int, calibration: Calibratio
         return ("costs", costs) if costs is not None else None
 
     kind, found = await swim.wait_until(ready)
-    if kind == "costs":
-        split = planned(found, objective)
-    elif replacing:
-        split = kept(found, stage, gossiped_costs(swim.members().values(), num_stages), objective)
-    else:
-        split = Split(found, "auto", "planned by stage 0 from each stage's measured step")
+    split = planned(found, objective) if kind == "costs" else \
+        Split(found, "auto", "planned by stage 0 from each stage's measured step")
     swim.update_meta(plan=split.counts)
     return split
