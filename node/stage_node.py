@@ -85,7 +85,7 @@ class StageNode:
         self.swim: Swim | None = None
         self.url: str | None = None  # advertised; the entry's own API requests name it as their reply_to
         self.worker = self.actor = self.links = None  # the actor is made with the worker: its size comes from the slice
-        self._warming = self._chain_up = False
+        self.warming = self._chain_up = False  # warming: step buckets left to capture (/health says so)
         self._work = trio.Event()
 
     @property
@@ -118,7 +118,7 @@ class StageNode:
         self.shard = worker.info.shard  # sized: its blocks are known now
         self.split = split
         self.actor = make_actor(worker, capacity=capacity, **self.actor_settings)
-        self.worker, self._warming = worker, True  # after a lazy warm_up, the other buckets wait their capture
+        self.worker, self.warming = worker, True  # after a lazy warm_up, the other buckets wait their capture
 
     def deliver(self, message, *, source: str | None = None, sent_at: float | None = None) -> None:
         """Admit a message from the network for the next steps, or refuse it (raises Refused). A message
@@ -197,8 +197,8 @@ class StageNode:
                 event(log, "first_steps", steps=[list(s) for s in self.figures.first_steps])
             for action in self.actor.finish(step, outcome):
                 self.post(action)
-            if self._warming and self.worker.wants_capture:  # under steady load: never idle long enough
-                self._warming = await self._warm_more(compute)
+            if self.warming and self.worker.wants_capture:  # under steady load: never idle long enough
+                self.warming = await self._warm_more(compute)
 
     async def _idle(self, compute) -> None:
         """Nothing to compute: wait for work. Once the chain serves, a stage with step buckets left to capture
@@ -206,11 +206,11 @@ class StageNode:
         whose stages share the machine, nor between the steps of a request being answered, nor while requests
         hold slots here: rows that stop coming for them mean a stage is missing, whose replacement boots
         (perhaps on this machine) and a replay follows, which a capture would only delay."""
-        if self._warming and self._chain_up and not self.worker.slots_in_use:
+        if self.warming and self._chain_up and not self.worker.slots_in_use:
             with trio.move_on_after(CAPTURE_IDLE_S):
                 await self._work.wait()
             if not self._work.is_set():
-                self._warming = await self._warm_more(compute)
+                self.warming = await self._warm_more(compute)
                 return
         else:
             await self._work.wait()

@@ -4,6 +4,7 @@ into the captured buckets alone, and every answer is the same as with every buck
 import types
 
 import numpy as np
+import httpx
 import pytest
 import trio
 
@@ -123,12 +124,17 @@ async def test_a_stage_captures_its_other_buckets_once_the_chain_serves_and_it_i
         real_init(self, *args, **kw)
         nodes.append(self)
     monkeypatch.setattr(StageNode, "__init__", init)
-    orch, _, _ = await start_cluster(nursery, 2, tmp_path, model="tiny", swim_config=PATIENT_SWIM)
-    with trio.fail_after(120):
-        while not all(captured(n.worker) == list(n.worker.compute.model.buckets) for n in nodes):
-            await trio.sleep(0.05)
-        response = await orch.submit("Say hello", max_tokens=4)
-    assert response.error is None and len(response.token_ids) == 4
+    orch, urls, _ = await start_cluster(nursery, 2, tmp_path, model="tiny", swim_config=PATIENT_SWIM)
+    async with httpx.AsyncClient(timeout=30) as client:
+        assert (await client.get(urls[1] + "/health")).json()["warming"] is True  # buckets left: /health says so
+        with trio.fail_after(120):
+            while not all(captured(n.worker) == list(n.worker.compute.model.buckets) for n in nodes):
+                await trio.sleep(0.05)
+            response = await orch.submit("Say hello", max_tokens=4)
+        assert response.error is None and len(response.token_ids) == 4
+        with trio.fail_after(30):  # the capture is over once its step returns
+            while any([(await client.get(u + "/health")).json()["warming"] for u in urls]):
+                await trio.sleep(0.05)
     nursery.cancel_scope.cancel()
 
 

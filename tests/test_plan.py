@@ -70,3 +70,14 @@ def test_a_tie_on_the_slowest_stage_goes_to_the_smaller_sum():
     ranges = plan([NodeCost(0.010, 0.0), NodeCost(0.020, 0.0), stuck], PLAIN)
     assert counts(ranges) == [28, 1, 1]
     assert counts(plan([NodeCost(0.010, 0.0), NodeCost(0.020, 0.0), stuck], PLAIN, Objective.LATENCY)) == [28, 1, 1]
+
+
+@pytest.mark.parametrize("nodes, want", [
+    # two alike machines measured 30% apart (a shared VM's vCPUs): one speed, the head still weighed
+    ([NodeCost(0.0030, 0.0), NodeCost(0.0039, 0.0195)], [17, 13]),
+    ([NodeCost(0.0039, 0.0), NodeCost(0.0030, 0.0150)], [17, 13]),
+    # 1.5x apart is a slower machine: it gets fewer blocks
+    ([NodeCost(0.0030, 0.0), NodeCost(0.0045, 0.0225)], [21, 9]),
+])
+def test_block_times_within_the_noise_band_count_as_one_speed_each_node_keeping_its_head_ratio(nodes, want):
+    assert counts(plan(nodes, SMOL)) == want

@@ -13,6 +13,9 @@ A tie on the objective goes to the other one, and then to the split nearest the 
 first total % N one more; by the sum of squared differences in blocks), so equal nodes with no head to weigh
 get exactly the spec's split.
 
+Measured block times within SAME_SPEED of the fastest count as one speed (measurement noise on shared machines),
+each node keeping its measured head-to-block ratio.
+
 Where any node's figures are missing, every node counts as equal (a block costs 1, the head its weight in
 blocks by bytes), so the plan differs from the spec's split only by the head's weight.
 """
@@ -27,6 +30,13 @@ from .partition import layer_range
 
 
 EPS = 1e-12  # seconds: stage times this close are equal
+# Block times within this share of the fastest node's count as one speed. Two nodes on one 2-core VM, each
+# measuring itself at once, measured 2.33 and 2.67, 4.30 and 3.09, 3.65 and 3.14 ms a block in three rounds
+# (bench.plan, docs/plan-smollm2-equal-machines-noband.json): the vCPUs' steal differs for seconds at a time, and those
+# splits (19/11, 15/15, 16/14) followed the noise. A machine 1.4x slower than the fastest is thus planned as an
+# equal one (at most ~15% below the best split); the differences the planner is for (a CPU quota, a laptop
+# beside a desktop, GPU generations) are 1.5-3x.
+SAME_SPEED = 0.4
 
 
 class Objective(enum.Enum):
@@ -146,7 +156,17 @@ def _costs(nodes: list[NodeCost], model: ModelCost) -> tuple[list[float], float 
     if any(c.block_s is None or c.head_s is None for c in nodes):
         head = model.head_bytes / model.block_bytes if model.block_bytes else 0.0
         return [1.0] * len(nodes), [head] * len(nodes)
-    return [c.block_s for c in nodes], [c.head_s for c in nodes]
+    return _alike([c.block_s for c in nodes], [c.head_s for c in nodes])
+
+
+def _alike(block_s: list[float], head_s: list[float]) -> tuple[list[float], list[float]]:
+    """Nodes whose block is within SAME_SPEED of the fastest's count as one speed, their mean; each keeps its
+    own head-to-block ratio, which varies far less between measurements than the speed does."""
+    fastest = min(block_s)
+    alike = [b for b in block_s if b <= fastest * (1 + SAME_SPEED)]
+    mean = sum(alike) / len(alike)
+    out_block = [mean if b <= fastest * (1 + SAME_SPEED) else b for b in block_s]
+    return out_block, [h * nb / b if b else h for h, nb, b in zip(head_s, out_block, block_s)]
 
 
 def _most_blocks(i: int, node: NodeCost, model: ModelCost, n: int) -> int:
