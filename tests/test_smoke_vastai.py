@@ -95,7 +95,6 @@ async def test_sigint_mid_run_still_destroys_every_instance(nursery, tmp_path):
 @pytest.mark.slow  # ~1 min; the range fetch itself is in the default suite (test_rangefetch.py)
 async def test_each_rented_stage_fetches_only_its_slice_of_a_served_gguf(nursery, tmp_path, monkeypatch):
     from rangeserver import RangeServer, write_gguf
-    from worker.partition import layer_range
     from worker.weights.contract import stage_tensor_names
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the stand-in's "containers" inherit it
     from worker.weights.gguf import GGUFSource
@@ -116,9 +115,15 @@ async def test_each_rented_stage_fetches_only_its_slice_of_a_served_gguf(nursery
     model = tinygrad_model(GGUFSource(whole))
     assert result["token_ids"] == generate_full(model, result["prompt_token_ids"], 5).token_ids
     assert "weights: stage 0 100%" in done.stderr.decode()  # progress gossiped by the nodes, shown by the runner
-    for stage in range(3):  # each stage fetched its own tensors (and rope_freqs), nothing else
-        meta = json.loads((tmp_path / "cache/pp" / f"tiny.stage{stage}of3.gguf.pp_meta").read_text())
-        want = stage_tensor_names(TINY_CONFIG, layer_range(8, stage, 3), embed=stage == 0, head=stage == 2)
+    split = result["split"]  # planned (--layer-partition auto): each node first measured the last block and the head
+    measured = json.loads((tmp_path / "cache/pp" / "tiny.stage1of2.split7-1.gguf.pp_meta").read_text())
+    assert sorted(measured["tensors"]) == sorted([*stage_tensor_names(TINY_CONFIG, range(7, 8), embed=False, head=True),
+                                                  "rope_freqs.weight"])
+    for stage in range(3):  # then each stage fetched its own range's tensors (and rope_freqs), nothing else
+        name = f"tiny.stage{stage}of3.split{'-'.join(map(str, split))}.gguf.pp_meta"
+        meta = json.loads((tmp_path / "cache/pp" / name).read_text())
+        blocks = range(sum(split[:stage]), sum(split[:stage + 1]))
+        want = stage_tensor_names(TINY_CONFIG, blocks, embed=stage == 0, head=stage == 2)
         assert sorted(meta["tensors"]) == sorted([*want, "rope_freqs.weight"])
     assert await live_instances(url) == {}
     nursery.cancel_scope.cancel()
