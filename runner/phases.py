@@ -9,6 +9,7 @@ import time
 from typing import Callable
 
 from node.membership.gossip import State
+from node.planning import gossiped_plan
 
 
 PHASES = ("listening", "measured", "ready")
@@ -26,7 +27,7 @@ def stage_phases(members, num_stages: int) -> dict[int, str]:
         if stage is None or not 0 <= stage < num_stages or m.state is not State.ALIVE:
             continue
         phase = "ready" if m.meta.ready else "measured" if m.meta.cost is not None else "listening"
-        if PHASES.index(phase) > PHASES.index(phases.get(stage, "listening")) or stage not in phases:
+        if stage not in phases or PHASES.index(phase) > PHASES.index(phases[stage]):
             phases[stage] = phase
     return phases
 
@@ -42,11 +43,11 @@ async def report_phases(swim, num_stages: int, progress: Callable[[str], None], 
     while True:
         now = await swim.wait_until(lambda s: (p := stage_phases(s.members().values(), num_stages)) != seen and p)
         for stage, phase in news(seen, now):
-            progress(f"stage {stage}: {_said(phase, stage, swim, num_stages)} (+{time.monotonic() - started:.1f} s)")
+            progress(f"stage {stage}: {_said(phase, stage, swim)} (+{time.monotonic() - started:.1f} s)")
         seen = now
 
 
-def _said(phase: str, stage: int, swim, num_stages: int) -> str:
+def _said(phase: str, stage: int, swim) -> str:
     if phase != "measured":
         return WHAT[phase]
     cost = next((m.meta.cost for m in swim.members().values() if m.meta.stage == stage and m.meta.cost), None)
@@ -59,7 +60,7 @@ def split_line(members, num_stages: int) -> str | None:
     """Pure: how the converged cluster split the blocks (each stage's count) and, where its node measured itself,
     ms a block; None where no member gossips a split."""
     live = [m for m in members if m.state is State.ALIVE and m.meta.stage is not None and m.meta.ready]
-    plan = next((m.meta.plan for m in live if len(m.meta.plan) == num_stages), None)
+    plan = gossiped_plan(live, "", num_stages)
     if plan is None:
         return None
     by_stage = {m.meta.stage: m.meta.cost for m in sorted(live, key=lambda m: m.incarnation)}

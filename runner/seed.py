@@ -20,6 +20,7 @@ import attrs
 import trio
 
 from node.config.network import LOOPBACK
+from node.planning import gossiped_plan
 from roles.topology import stage_name
 from .orchestrator import Orchestrator, run_orchestrator
 from worker.contract import Sampling
@@ -211,7 +212,7 @@ async def settled_through(swim, child: Child) -> None:
 
 async def swim_split(swim, num_stages: int) -> tuple[int, ...]:
     """The split the cluster's stages gossip (each gossips the one it loaded)."""
-    return await swim.wait_until(lambda s: next((m.meta.plan for m in s.alive() if len(m.meta.plan) == num_stages), None))
+    return await swim.wait_until(lambda s: gossiped_plan(s.members().values(), s.me.id, num_stages))
 
 
 async def _start_standby(opts, token, seed_url, swim, run_dir, numbers, place, task_status=trio.TASK_STATUS_IGNORED):

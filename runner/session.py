@@ -11,6 +11,7 @@ import attrs
 import trio
 
 from node.groups import unwrapped
+from node.planning import gossiped_plan
 from .orchestrator import Orchestrator, StageDied
 from roles import topology
 from worker.contract import Sampling
@@ -57,7 +58,7 @@ async def answer_once(orch: Orchestrator, use: Use, *, converged: float, started
         raise RunFailed(f"no answer within {use.timeout_s:.0f} s") from None
     answered = time.monotonic()
     timings = timings_of(asked.response, converged - started, asked.first_token_s, answered - started)
-    split = next((m.meta.plan for m in orch.swim.alive() if len(m.meta.plan) == num_stages), ())
+    split = gossiped_plan(orch.swim.members().values(), orch.swim.me.id, num_stages) or ()
     return RunResult(asked.response, num_stages, timings, run_dir, split)
 
 
