@@ -29,9 +29,9 @@ from roles import topology
 from worker.errors import ModelFileError
 from worker.weights.fetch import REGISTRY, installed_model
 from worker.models import Model, open_model, open_worker
-from worker.calibrate import available_memory, calibrate
+from worker.calibrate import Sizing, available_memory, sizing, timed
 from worker.partition import AUTO, Shard
-from worker.plan import Calibration, PlanError, Split
+from worker.plan import PlanError, Split
 from worker.weights.rangefetch import block_count, fetch_stage_slice
 
 from node.api.chat_page import add_chat_page
@@ -44,7 +44,7 @@ from node.config.settings import NodeConfig
 from node.membership.gossip import TERMINAL, Member, Meta, SwimConfig
 from node.membership.swim import Swim
 from node.observe.log import event
-from node.planning import agree, held
+from node.planning import agree, held, measured_by, measurer, stage_machines
 from node.downstream import DownstreamStage
 from node.entry import EntryStage
 from node.stage_node import StageNode
@@ -87,15 +87,14 @@ def load_worker(config: NodeConfig, model_spec: str | Model, shard: Shard, promp
     return worker, {"open_model_s": round(opened - clock, 3), **phases}
 
 
-def calibrate_stage(config: NodeConfig, model_spec: str) -> tuple[Model, Calibration, float]:
-    """Compute thread: the model opened, what this node measured of it (worker/calibrate.py), and the seconds."""
+def size_stage(config: NodeConfig, model_spec: str) -> tuple[Model, Sizing]:
+    """Compute thread: the model opened and this node's sizes, with the slice that times it
+    (worker/calibrate.py); ModelRefused if the file is no usable model."""
     model = open_stage_model(config, model_spec)
-    clock = time.perf_counter()
     try:
-        calibration = calibrate(model, config.max_seqs, available_memory())
+        return model, sizing(model, config.max_seqs, available_memory())
     except (ModelFileError, ValueError) as exc:
         raise ModelRefused(f"stage {config.stage} cannot measure model {config.model!r}: {exc}") from exc
-    return model, calibration, round(time.perf_counter() - clock, 3)
 
 
 def open_stage_model(config: NodeConfig, model_spec: str) -> Model:
@@ -188,16 +187,25 @@ async def load_own_slice(config: NodeConfig, swim: Swim, shard: Shard, compute: 
 
 
 async def measure_and_agree(config: NodeConfig, swim: Swim, shard: Shard, compute: ComputeThread) -> tuple:
-    """Measure this node (worker/calibrate.py), then agree on the split: (split, the model opened, phases)."""
+    """Size this node (a broken file fails here, before any wait), then time it, or take the figures of the
+    node that times its machine, or none where every stage shares one (node/planning.measurer); then agree on
+    the split: (split, the model opened, phases)."""
     clock = time.perf_counter()
-    model, calibration, measured_s = await compute.call(calibrate_stage, config, await fetch_own_slice(config, swim, None))
+    model, sized = await compute.call(size_stage, config, await fetch_own_slice(config, swim, None))
+    machines = await swim.wait_until(lambda s: stage_machines(s.members().values(), shard.count))
+    timer, timing = measurer(machines, shard.index), time.perf_counter()
+    calibration = await compute.call(timed, sized) if timer == shard.index else sized.calibration
+    timed_s, sized.probe = round(time.perf_counter() - timing, 3), None  # the probe's memory goes before the range's
+    if timer is not None and timer != shard.index:  # another stage on this machine times it
+        theirs = await swim.wait_until(lambda s: measured_by(s.members().values(), timer, shard.count))
+        calibration = attrs.evolve(calibration, block_s=theirs.block_s, head_s=theirs.head_s)
     event(log, "calibrated", block_ms=_ms(calibration.block_s), head_ms=_ms(calibration.head_s), rows=calibration.rows,
-          memory_bytes=calibration.memory_bytes, seconds=round(time.perf_counter() - clock, 3))
+          memory_bytes=calibration.memory_bytes, timed_by=timer, seconds=round(time.perf_counter() - clock, 3))
     try:
-        split = await agree(swim, shard.index, shard.count, calibration)
+        split = await agree(swim, shard.index, shard.count, calibration, one_machine=timer is None)
     except PlanError as exc:
         raise ModelRefused(f"stage 0 cannot plan the split of {config.model!r}: {exc}") from exc
-    return split, model, {"calibrate_s": measured_s}
+    return split, model, {"calibrate_s": timed_s}
 
 
 def flag_split(config: NodeConfig, shard: Shard) -> Split:
@@ -265,7 +273,8 @@ async def _serve(config, swim_config, on_listening, compute, task_status, loaded
         event(log, "listening", url=url, stage=shard.index, num_stages=shard.count)
         on_listening(url)
 
-        me = Member(config.node_id, url, incarnation=time.time_ns() // 1_000_000, meta=Meta(stage=shard.index))
+        me = Member(config.node_id, url, incarnation=time.time_ns() // 1_000_000,
+                    meta=Meta(stage=shard.index, machine=config.machine_id))
         seeds = [a for a in (config.seed_addr, *config.peer_direct) if a]
         swim = Swim(me, swim_config, HttpTransport(gossip), random.Random(), seeds, yield_when_dead=True)
         node.joined(swim)

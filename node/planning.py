@@ -6,6 +6,10 @@ takes the range of the stage it replaces, without measuring itself first: a new 
 that lives and drop the KV of the requests they hold, and measuring would lengthen the lost stage's gap. It says
 so (Split.reason).
 
+Nodes that share a machine's cores (Meta.machine) would time their contention if each timed itself while the
+others boot: the lowest stage on a machine times it for all of them, and where every stage shares one machine
+(ppsmoke --seed) none is timed at all (`measurer`).
+
 The decisions are pure functions of the view (table tests: tests/test_planning.py); `agree` waits on gossip."""
 from __future__ import annotations
 
@@ -25,24 +29,60 @@ def gossiped_plan(members: Iterable[Member], me: str, num_stages: int) -> tuple[
     return None
 
 
-def gossiped_costs(members: Iterable[Member], num_stages: int) -> list[Calibration] | None:
-    """Pure: each stage's figures, in stage order, from the live members that hold it (the latest incarnation
-    where several do), or None until every stage has some."""
+def _holders(members: Iterable[Member], num_stages: int) -> dict[int, Member]:
+    """Pure: each stage's live holder (the latest incarnation where several hold it); the runner holds none."""
     found: dict[int, Member] = {}
     for m in members:
         stage = m.meta.stage
-        if m.state in TERMINAL or m.meta.observer or m.meta.cost is None or stage is None or not 0 <= stage < num_stages:
+        if m.state in TERMINAL or m.meta.observer or stage is None or not 0 <= stage < num_stages:
             continue
         if stage not in found or m.incarnation > found[stage].incarnation:
             found[stage] = m
+    return found
+
+
+def gossiped_costs(members: Iterable[Member], num_stages: int) -> list[Calibration] | None:
+    """Pure: each stage's figures, in stage order, from the live members that hold it (the latest incarnation
+    where several do), or None until every stage has some."""
+    found = _holders((m for m in members if m.meta.cost is not None), num_stages)
     if len(found) < num_stages:
         return None
     return [found[s].meta.cost for s in range(num_stages)]
 
 
-def planned(costs: list[Calibration], objective: Objective = Objective.THROUGHPUT) -> Split:
-    """Pure: stage 0's decision from every stage's figures. PlanError where no split fits."""
+def stage_machines(members: Iterable[Member], num_stages: int) -> list[str | None] | None:
+    """Pure: each stage's machine (Meta.machine; None: unknown, its own) from its live holder, or None until
+    every stage has one."""
+    found = _holders(members, num_stages)
+    return None if len(found) < num_stages else [found[s].meta.machine for s in range(num_stages)]
+
+
+def measurer(machines: list[str | None], stage: int) -> int | None:
+    """Pure: the stage that times `stage`'s machine: the lowest stage on it, since nodes that share cores,
+    timed at once, would time their contention, not their speed; None where every stage shares it: they are
+    one speed by construction, and nothing needs timing (the head is weighed by its bytes)."""
+    mine = machines[stage]
+    if mine is None:
+        return stage
+    if all(m == mine for m in machines):
+        return None
+    return min(i for i, m in enumerate(machines) if m == mine)
+
+
+def measured_by(members: Iterable[Member], stage: int, num_stages: int) -> Calibration | None:
+    """Pure: the figures `stage`'s live holder gossips, or None until it has measured."""
+    found = _holders((m for m in members if m.meta.cost is not None), num_stages)
+    return found[stage].meta.cost if stage in found else None
+
+
+def planned(costs: list[Calibration], objective: Objective = Objective.THROUGHPUT, *,
+            one_machine: bool = False) -> Split:
+    """Pure: stage 0's decision from every stage's figures (`one_machine`: every stage shares one machine, and
+    none was timed). PlanError where no split fits."""
     counts = partition_of(costs, objective)
+    if one_machine:
+        return Split(counts, "auto", f"every stage shares one machine's cores, so they count as one speed: "
+                                     f"the even split, less the head's weight in blocks by bytes: {describe(costs, counts)}")
     return Split(counts, "auto", f"planned for {objective.value} from each stage's measured step: "
                                  f"{describe(costs, counts)}")
 
@@ -73,7 +113,7 @@ def held(swim: Swim, stage: int, num_stages: int, *, replacing: bool) -> Split |
 
 
 async def agree(swim: Swim, stage: int, num_stages: int, calibration: Calibration,
-                objective: Objective = Objective.THROUGHPUT) -> Split:
+                objective: Objective = Objective.THROUGHPUT, *, one_machine: bool = False) -> Split:
     """Gossip this node's figures, then wait for the split: stage 0's plan, or, on stage 0, its own once every
     stage's figures are in (or a split another live member gossips: stage 0 itself was replaced meanwhile).
     Gossips the split it returns."""
@@ -88,7 +128,8 @@ async def agree(swim: Swim, stage: int, num_stages: int, calibration: Calibratio
         return ("costs", costs) if costs is not None else None
 
     kind, found = await swim.wait_until(ready)
-    split = planned(found, objective) if kind == "costs" else \
-        Split(found, "auto", "planned by stage 0 from each stage's measured step")
+    split = planned(found, objective, one_machine=one_machine) if kind == "costs" else \
+        Split(found, "auto", "planned by stage 0, " + ("every stage on one machine, none timed" if one_machine
+                                                       else "from each stage's measured step"))
     swim.update_meta(plan=split.counts)
     return split

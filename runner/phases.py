@@ -14,7 +14,7 @@ from node.planning import gossiped_plan
 
 PHASES = ("listening", "measured", "ready")
 WHAT = {"listening": "listens and joined gossip; loading its slice",
-        "measured": "measured its step; waiting for the plan",
+        "measured": "sized its slice, untimed; waiting for the plan",
         "ready": "loaded its slice"}
 
 

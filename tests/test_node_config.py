@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from node.config.cores import available_cores, fair_share
+from node.config import cores
+from node.config.cores import available_cores, fair_share, machine_id
 from node.config.network import advertised_url, normalise_url
 from node.config.parse import parse_config
 from node.config.settings import NodeConfig, loggable
@@ -40,13 +41,31 @@ def test_nodes_on_one_machine_share_its_cores_at_least_one_each(cores, nodes, wa
     assert fair_share(cores, nodes) == want
 
 
+def test_processes_of_one_machine_share_an_id_unless_their_cpu_cgroup_or_affinity_differs(monkeypatch):
+    files = {"/proc/sys/kernel/random/boot_id": "b2d1e823", "/proc/self/cgroup": "4:memory:/job1\n1:cpu:/\n0::/"}
+    monkeypatch.setattr(cores, "_read", lambda path: files.get(path, ""))
+    monkeypatch.setattr(cores.os, "sched_getaffinity", lambda pid: {0, 1})
+    base = machine_id()
+    assert re.fullmatch(r"[0-9a-f]{16}", base) and machine_id() == base
+    files["/proc/self/cgroup"] = "4:memory:/job2\n1:cpu:/\n0::/"  # another memory cgroup: the same cores
+    assert machine_id() == base
+    files["/proc/self/cgroup"] = "4:memory:/job2\n1:cpu:/pp-bench-slow\n0::/"  # a CPU quota of its own
+    assert machine_id() != base
+    files["/proc/self/cgroup"] = "4:memory:/job1\n1:cpu:/\n0::/"
+    monkeypatch.setattr(cores.os, "sched_getaffinity", lambda pid: {1})  # pinned to one core
+    assert machine_id() != base
+    monkeypatch.setattr(cores.os, "sched_getaffinity", lambda pid: {0, 1})
+    files["/proc/sys/kernel/random/boot_id"] = "0f00"  # another machine, or another boot
+    assert machine_id() != base
+
+
 def test_a_minimal_environment_gives_the_documented_defaults():
     cfg = parse({"PP_NODE_ID": "n1"})
     assert cfg == NodeConfig(
         stage=1, num_stages=3, cluster_token=TOKEN, node_id="n1", cache_dir=Path("/home/alice/.cache/pp"),
         ollama_models_dir=Path("/home/alice/.ollama/models"), seed_addr=None, peer_direct=(), model="smollm2:135m",
         port=8000, bind_host="0.0.0.0", advertise_addr=None, public_ip=None, public_port=None,
-        max_body_bytes=67108864, log_level="INFO", threads=available_cores())
+        max_body_bytes=67108864, log_level="INFO", threads=available_cores(), machine_id=machine_id())
 
 
 def test_every_variable_is_read_from_the_environment():
@@ -94,12 +113,13 @@ def test_the_cluster_token_loses_surrounding_whitespace():
     (["--no-prefix-cache"], "prefix_cache", False),
     (["--threads", "3"], "threads", 3),
     (["-t", "1"], "threads", 1),  # llama.cpp's short name
+    (["--machine-id", "rack2.box-7"], "machine_id", "rack2.box-7"),
 ])
 def test_a_flag_wins_over_its_variable(argv, field, expected):
     env = {"NUM_STAGES": "6", "SEED_ADDR": "s:1", "PEER_DIRECT": "p:1", "MODEL": "tiny", "PP_PORT": "8100",
            "PP_BIND": "10.0.0.1", "PP_ADVERTISE_ADDR": "x:1", "PP_NODE_ID": "alpha", "PP_LOG_LEVEL": "ERROR",
            "PP_PRECISION": "file", "PP_CTX": "1024", "PP_CHUNKED_PREFILL_SIZE": "12", "PP_NO_PREFIX_CACHE": "0",
-           "PP_THREADS": "7"}
+           "PP_THREADS": "7", "PP_MACHINE_ID": "other"}
     assert getattr(parse(env, argv), field) == expected
 
 
@@ -150,6 +170,8 @@ def test_the_port_flag_also_selects_the_vast_port_mapping():
     ({"PP_THREADS": "0"}, [], (), "PP_THREADS=0 must be at least 1"),
     ({}, ["--threads", "257"], (), "--threads=257: at most 256 threads"),
     ({"PP_THREADS": "all"}, [], (), "PP_THREADS='all' is not a whole number"),
+    ({"PP_MACHINE_ID": "my box"}, [], (), "PP_MACHINE_ID='my box': a machine id is 1-64 letters, digits"),
+    ({}, ["--machine-id", "x" * 65], (), "a machine id is 1-64 letters"),
 ])
 def test_a_bad_value_exits_with_a_message_naming_its_source(capsys, env, argv, drop, message):
     with pytest.raises(SystemExit) as exc_info:

@@ -7,7 +7,9 @@ import trio
 
 from cluster import API_KEY, PATIENT_SWIM, _scoped, _shared_compute, stage_config, start_cluster
 from node.membership.gossip import Member, Meta, State
-from node.planning import describe, gossiped_costs, gossiped_plan, kept, planned
+from node.transport import wire
+from node.planning import (describe, gossiped_costs, gossiped_plan, kept, measured_by, measurer, planned,
+                           stage_machines)
 from runner.phases import split_line, stage_phases
 from worker.plan import Calibration, ModelCost
 
@@ -115,3 +117,61 @@ async def test_a_replacement_keeps_the_running_split_without_measuring_itself(nu
                                                          and m.meta.ready), None))
     assert new.meta.plan == plan and new.meta.cost is None  # stage 0's split, and no figures: it measured nothing
     nursery.cancel_scope.cancel()
+
+
+def on(mid, stage, machine, *, c=None, state=State.ALIVE):
+    return Member(mid, f"http://{mid}:1", 1, state, Meta(stage=stage, machine=machine, cost=c))
+
+
+@pytest.mark.parametrize("members, want", [
+    ([on("a", 0, "m1")], None),  # stage 1 has not joined yet
+    ([on("a", 0, "m1"), on("b", 1, None)], ["m1", None]),
+    ([on("a", 0, "m1"), on("b", 1, "m2", state=State.DEAD)], None),  # a dead holder's machine is no stage's
+    ([on("a", 0, "m1"), on("b", 1, "m2"), on("x", 5, "m3")], ["m1", "m2"]),
+])
+def test_a_node_knows_every_stage_s_machine_once_every_stage_has_a_live_holder(members, want):
+    assert stage_machines(members, 2) == want
+
+
+@pytest.mark.parametrize("machines, stage, want", [
+    (["m1", "m1", "m1"], 1, None),  # one machine: its stages are one speed, and none is timed
+    (["m1", "m2", "m3"], 1, 1),  # each times itself
+    (["m1", "m2", "m1", "m2"], 2, 0),  # the lowest stage on a machine times it for the others
+    (["m1", "m2", "m1", "m2"], 3, 1),
+    (["m1", "m2", "m1", "m2"], 1, 1),
+    ([None, None], 1, 1),  # unknown machines: each times itself, as before machines were gossiped
+    (["m1", None, "m1"], 2, 0),
+])
+def test_the_lowest_stage_on_a_machine_times_it_and_no_stage_is_timed_where_all_share_one(machines, stage, want):
+    assert measurer(machines, stage) == want
+
+
+def test_a_stage_takes_the_figures_its_machine_s_timer_gossips():
+    members = [on("a", 0, "m1", c=cost(3.0)), on("b", 1, "m2"), on("c", 2, "m1")]
+    assert measured_by(members, 0, 3) == cost(3.0)
+    assert measured_by(members, 1, 3) is None  # still timing itself
+
+
+def test_one_machine_s_stages_get_the_even_split_less_the_head_and_say_why():
+    split = planned([cost(None, None)] * 2, one_machine=True)
+    assert split.counts == (19, 11)  # the head weighs 8 blocks by bytes
+    assert split.reason.startswith("every stage shares one machine's cores, so they count as one speed")
+
+
+@pytest.mark.parametrize("meta, message", [
+    ({"stage": 1, "machine": "my box"}, "Meta.machine='my box'"),
+    ({"stage": 1, "machine": "m" * 65}, "expected 1-64 letters"),
+    ({"stage": 1, "plan": [18, 0]}, "Meta.plan=(18, 0)"),
+    ({"stage": 1, "cost": {"block_s": -1.0, "head_s": 0.0, "rows": 8, "memory_bytes": None,
+                           "model": {"blocks": 30, "block_bytes": 1}}}, "block_s=-1.0: expected finite seconds"),
+])
+def test_a_member_record_with_a_bad_machine_split_or_figure_is_refused_at_the_edge(meta, message):
+    raw = {"id": "b", "addr": "http://b:1", "incarnation": 1, "state": "alive", "meta": meta}
+    with pytest.raises(Exception) as caught:
+        wire.converter.structure(raw, Member)
+    assert message in repr(caught.value) + "".join(repr(e) for e in getattr(caught.value, "exceptions", ()))
+
+
+def test_a_member_record_carries_its_machine_over_the_wire():
+    member = on("b", 1, "rack2.box-7", c=cost(3.0))
+    assert wire.converter.structure(wire.converter.unstructure(member), Member) == member

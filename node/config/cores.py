@@ -1,12 +1,18 @@
 """How many cores a node computes on: every core its process may use, unless told (--threads, PP_THREADS);
-and a fair share of them when several nodes share one machine (ppsmoke --seed)."""
+a fair share of them when several nodes share one machine (ppsmoke --seed); and which machine's cores they
+are (--machine-id, PP_MACHINE_ID), so that the planner knows which nodes share them."""
 from __future__ import annotations
 
+import hashlib
 import os
+import re
+import socket
 
 from worker.config import MAX_THREADS
 
-__all__ = ["MAX_THREADS", "available_cores", "fair_share"]
+__all__ = ["MACHINE_ID", "MAX_THREADS", "available_cores", "fair_share", "machine_id"]
+
+MACHINE_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")  # --machine-id, and what gossip accepts as one
 
 
 def available_cores() -> int:
@@ -21,3 +27,28 @@ def fair_share(cores: int, nodes: int) -> int:
     """Threads for each of `nodes` nodes on a machine of `cores` cores, so that together they do not ask
     for more cores than there are: at least one each."""
     return max(1, cores // max(1, nodes))
+
+
+def machine_id() -> str:
+    """Which pool of cores this process computes on, as 16 hex digits: the kernel's boot id (one a machine and
+    boot), the CPU cgroups the process is in (a container or a CPU quota is a pool of its own) and its CPU
+    affinity. Nodes with the same id share their cores, so timing each of them while they all boot would time
+    their contention, not their speed (node/planning.py)."""
+    parts = [_read("/proc/sys/kernel/random/boot_id") or socket.gethostname()]
+    for line in _read("/proc/self/cgroup").splitlines():  # "hierarchy:controllers:path"; v2 is "0::path"
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if not controllers or {"cpu", "cpuacct", "cpuset"} & set(controllers.split(",")):
+            parts.append(f"{controllers}:{path}")
+    try:
+        parts.append(",".join(map(str, sorted(os.sched_getaffinity(0)))))
+    except AttributeError:  # no affinity on this OS
+        parts.append(str(os.cpu_count()))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""

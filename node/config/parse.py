@@ -12,7 +12,7 @@ import secrets
 from collections.abc import Mapping
 from pathlib import Path
 
-from node.config.cores import MAX_THREADS, available_cores
+from node.config.cores import MACHINE_ID, MAX_THREADS, available_cores, machine_id
 from node.config.credentials import (API_KEY_ENV, API_KEY_FILE_ENV, TOKEN_ENV, TOKEN_IS_API_KEY_ENV,
                                      client_api_keys, cluster_token)
 from node.config.model import layer_partition, model_spec, precision
@@ -62,6 +62,9 @@ ENV_TABLE = (
     ("PP_LAYER_PARTITION", "--layer-partition", "auto: each node measures a block's step and the head's, and stage 0 "
      "plans the split; equal: the spec's even split; or each stage's block count, comma-separated, e.g. 8,8,14 "
      "(vLLM's VLLM_PP_LAYER_PARTITION); every stage must be given the same (auto)"),
+    ("PP_MACHINE_ID", "--machine-id", "which machine's cores this node computes on. With auto, the nodes of one "
+     "machine are timed once, by the lowest stage among them, and where every stage shares one machine none is "
+     "timed (they count as one speed). Default: from the kernel's boot id and the process's CPU cgroup and affinity"),
     ("PP_PRECISION", "--precision", "auto: Q8_0 weights stay as the file holds them, F16/BF16 too with --beam; file: all of them always; f32: every weight widened at load (auto)"),
     ("PP_LINKS", "--links", "stream: messages to the next stage as frames of one long-lived HTTP/2 stream; post: a POST each (stream)"),
     ("PP_FAULTS", "", "chaos testing: drop=P,delay=P,delay_ms=MS,seed=N drops or delays that share of link sends (off)"),
@@ -124,6 +127,8 @@ def build_parser(prog: str = "python ppnode.py") -> argparse.ArgumentParser:
     p.add_argument("--layer-partition", metavar="SPLIT",
                    help="auto, equal, or each stage's block count, e.g. 8,8,14 (PP_LAYER_PARTITION, default auto: "
                         "planned from what each node measures)")
+    p.add_argument("--machine-id", metavar="ID", help="which machine's cores this node computes on, for the "
+                   "planner (PP_MACHINE_ID, default: this kernel's boot, CPU cgroup and affinity)")
     p.add_argument("--precision", metavar="P", help="auto, file or f32: which weights stay as the file holds them (PP_PRECISION, default auto)")
     p.add_argument("--links", metavar="KIND", help="stream or post: how messages go to the next stage (PP_LINKS)")
     p.add_argument("--log-level", metavar="LEVEL", help=f"{', '.join(LOG_LEVELS)} (PP_LOG_LEVEL)")
@@ -181,7 +186,7 @@ def _config_from(src: Sources, *, home: Path, rng: random.Random | None) -> Node
         ctx=count(src, "--ctx", DEFAULT_CONTEXT, lowest=16),
         threads=threads(src),
         beam=count(src, "--beam", 0, lowest=0), precision=precision(src), link_streams=link_streams(src),
-        layer_partition=layer_partition(src, num_stages),
+        layer_partition=layer_partition(src, num_stages), machine_id=_machine_id(src),
         exit_on_stdin_eof=env_switch(env, "PP_STDIN_LIFELINE"), faults=link_faults(env))
 
 
@@ -210,6 +215,16 @@ def _node_id(src: Sources, prefix: str, rng: random.Random | None) -> str:
     if not node_id.isprintable() or " " in node_id:
         raise ConfigError(f"{label}={raw!r}: a node id must be printable and without spaces")
     return node_id
+
+
+def _machine_id(src: Sources) -> str:
+    raw, label = src.get("--machine-id")
+    value = (raw or "").strip()
+    if not value:
+        return machine_id()
+    if not MACHINE_ID.fullmatch(value):
+        raise ConfigError(f"{label}={raw!r}: a machine id is 1-64 letters, digits, '.', '_' or '-'")
+    return value
 
 
 def _log_level(raw: str | None, label: str) -> str:

@@ -9,6 +9,7 @@ import enum
 
 import attrs
 
+from node.config.cores import MACHINE_ID
 from worker.plan import Calibration
 
 
@@ -35,6 +36,12 @@ def _plan_counts(counts: tuple[int, ...]) -> None:
         raise ValueError(f"Meta.plan={counts!r}: expected at most {MAX_MEMBERS} block counts, each >= 1")
 
 
+def _machine(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
+    """A gossiped machine id (node.config.cores.machine_id, or --machine-id): 1-64 letters, digits, . _ -."""
+    if value is not None and (type(value) is not str or not MACHINE_ID.fullmatch(value)):
+        raise ValueError(f"Meta.machine={value!r}: expected 1-64 letters, digits, '.', '_' or '-'")
+
+
 @attrs.frozen
 class Meta:
     stage: int | None = None
@@ -48,6 +55,7 @@ class Meta:
     settled: tuple[str, ...] = ()  # stage 0: its chain's member ids once no request waits for a replay (FirstActor)
     cost: Calibration | None = None  # what this node measured of itself before it was given blocks (issue 37)
     plan: tuple[int, ...] = attrs.field(default=(), validator=lambda i, a, v: _plan_counts(v))  # each stage's blocks
+    machine: str | None = attrs.field(default=None, validator=_machine)  # whose cores it computes on (planning)
 
 
 @attrs.frozen
