@@ -8,7 +8,7 @@ import tinygrad.engine.realize as realize
 from tinygrad import Tensor, TinyJit
 
 from worker.compute import replay as replay_module
-from worker.compute.model import _write
+from worker.compute.host_io import write as _write
 from worker.compute.replay import Replay
 
 

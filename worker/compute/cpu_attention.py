@@ -12,6 +12,9 @@ kernels are freestanding C, without libm): 2^(x log2 e) split into 2^n by the ex
 a degree-6 polynomial, relative error ~2e-7, within float-summation tolerance of tinygrad's softmax.
 The (row, head) pairs are split over the stage's threads (cpu_threads.py); each pair's arithmetic is the
 same on any of them.
+
+A float16 cache (--kv-cache-dtype float16) is read by the same code, each 8 keys or values widened to float32
+as they are loaded (F16C's vcvtph2ps under -march=native), so only the stored values differ from float32's.
 """
 from __future__ import annotations
 
@@ -20,14 +23,19 @@ from tinygrad import Tensor
 from .cpu_jobs import c_kernel, trampoline
 
 HEAD_DIMS = (32, 64, 96, 128, 256)  # specialised (constant loop bounds); any other multiple of 8 is generic
-WORK = tuple(f"pp_attention_{hd}" for hd in HEAD_DIMS) + ("pp_attention",)
+CACHE_TYPES = {"float": ("", "float"), "half": ("h", "_Float16")}  # a cache's tinygrad dtype: name suffix, C type
+WORK = tuple(f"pp_attention{suffix}_{hd}" for suffix, _ in CACHE_TYPES.values() for hd in HEAD_DIMS) + \
+    tuple(f"pp_attention{suffix}" for suffix, _ in CACHE_TYPES.values())
+_LOAD = {"float": "__builtin_memcpy(&{dst}, {src}, 32);",
+         "_Float16": "{{ v8h t; __builtin_memcpy(&t, {src}, 16); {dst} = __builtin_convertvector(t, v8f); }}"}
 
 
-def _work(name: str, head_dim: str) -> str:
+def _work(name: str, head_dim: str, elem: str = "float") -> str:
     """C: items lo..hi-1 of the (row, head) pairs; job p = y, q, cache, ints; n = rows, heads, kv_heads,
-    head_dim, max_context; f = scale."""
+    head_dim, max_context; f = scale. `elem`: the cache's C type (float or _Float16)."""
+    load_k, load_v = _LOAD[elem].format(dst="kv", src="k + 8*i"), _LOAD[elem].format(dst="vv", src="v + 8*i")
     return f"""void {name}(const struct pp_job* j, long lo, long hi) {{
-  float* y = j->p[0]; const float* q = j->p[1]; const float* cache = j->p[2]; const int* ints = j->p[3];
+  float* y = j->p[0]; const float* q = j->p[1]; const {elem}* cache = j->p[2]; const int* ints = j->p[3];
   long rows = j->n[0], heads = j->n[1], kv_heads = j->n[2], max_context = j->n[4];
   const long head_dim = {head_dim}, vec = head_dim / 8, group = heads / kv_heads, width = 2 * kv_heads * head_dim;
   const float scale = j->f[0];
@@ -35,13 +43,13 @@ def _work(name: str, head_dim: str) -> str:
   for (long item = lo; item < hi; item++) {{
     long b = item / heads, h = item % heads, g = h / group;
     int pos = ints[b], slot = ints[rows + b];
-    const float* base = cache + (long)slot * max_context * width;
+    const {elem}* base = cache + (long)slot * max_context * width;
     const float* qh = q + b * heads * head_dim + h * head_dim;
     v8f qv[vec]; for (long i = 0; i < vec; i++) __builtin_memcpy(&qv[i], qh + 8*i, 32);
     float m = -3.0e38f;
     for (int l = 0; l <= pos; l++) {{
-      const float* k = base + (long)l * width + g * head_dim;
-      v8f acc = 0; for (long i = 0; i < vec; i++) {{ v8f kv; __builtin_memcpy(&kv, k + 8*i, 32); acc += qv[i] * kv; }}
+      const {elem}* k = base + (long)l * width + g * head_dim;
+      v8f acc = 0; for (long i = 0; i < vec; i++) {{ v8f kv; {load_k} acc += qv[i] * kv; }}
       float d = (((acc[0]+acc[1]) + (acc[2]+acc[3])) + ((acc[4]+acc[5]) + (acc[6]+acc[7]))) * scale;
       s[l] = d; if (d > m) m = d;
     }}
@@ -56,8 +64,8 @@ def _work(name: str, head_dim: str) -> str:
         union {{ float f; int i; }} u; u.i = ((int)n + 127) << 23; p = t * u.f;
       }}
       total += p;
-      const float* v = base + (long)l * width + kv_heads * head_dim + g * head_dim;
-      for (long i = 0; i < vec; i++) {{ v8f vv; __builtin_memcpy(&vv, v + 8*i, 32); o[i] += p * vv; }}
+      const {elem}* v = base + (long)l * width + kv_heads * head_dim + g * head_dim;
+      for (long i = 0; i < vec; i++) {{ v8f vv; {load_v} o[i] += p * vv; }}
     }}
     float inv = 1.0f / total;
     float* yh = y + b * heads * head_dim + h * head_dim;
@@ -67,20 +75,25 @@ def _work(name: str, head_dim: str) -> str:
 
 
 def work_source() -> str:
-    """The library's attention kernels (cpu_threads.py): one per common head size, and a generic one."""
-    return "\n".join([_work(f"pp_attention_{hd}", str(hd)) for hd in HEAD_DIMS] + [_work("pp_attention", "j->n[3]")])
+    """The library's attention kernels (cpu_threads.py): for each cache dtype, one per common head size and a
+    generic one."""
+    out = ["typedef _Float16 v8h __attribute__((ext_vector_type(8)));"]
+    for suffix, elem in CACHE_TYPES.values():
+        out += [_work(f"pp_attention{suffix}_{hd}", str(hd), elem) for hd in HEAD_DIMS]
+        out.append(_work(f"pp_attention{suffix}", "j->n[3]", elem))
+    return "\n".join(out)
 
 
 def attention(q: Tensor, cache: Tensor, ints: Tensor, *, heads: int, kv_heads: int, head_dim: int,
               max_context: int, threads) -> Tensor:
     """q (rows, heads·head_dim) float32 → (rows, heads·head_dim): each row attends to its slot's cached
     positions 0..its own (ints: position, slot, cache row per row), the (row, head) pairs split over
-    `threads` (cpu_threads.CpuThreads)."""
+    `threads` (cpu_threads.CpuThreads). The cache is float32 or float16."""
     if head_dim % 8:
         raise ValueError(f"head_dim {head_dim} is not a multiple of 8")
-    rows = q.shape[0]
-    work = f"pp_attention_{head_dim}" if head_dim in HEAD_DIMS else "pp_attention"
+    rows, suffix = q.shape[0], CACHE_TYPES[cache.dtype.name][0]
+    work = f"pp_attention{suffix}_{head_dim}" if head_dim in HEAD_DIMS else f"pp_attention{suffix}"
     text = trampoline(threads.slot(work), 4, (rows, heads, kv_heads, head_dim, max_context), rows * heads,
                       (1.0 / head_dim ** 0.5,))
-    return c_kernel(f"attention_{rows}_{heads}_{kv_heads}_{head_dim}", text, (rows, heads * head_dim),
+    return c_kernel(f"attention{suffix}_{rows}_{heads}_{kv_heads}_{head_dim}", text, (rows, heads * head_dim),
                     q.contiguous(), cache, ints, threads.table)

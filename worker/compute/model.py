@@ -39,21 +39,17 @@ from typing import Callable
 import attrs
 import numpy as np
 from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
-from tinygrad.device import Buffer
 from tinygrad.uop.ops import KernelInfo
 
 from . import cpu_attention, cpu_threads, device_wait, kernel_cache, replay, warm, whole_graphs
 from .replay import Replay
+from .host_io import FROM_BLOB, StepInputs, aligned_copy, read, write, zero_copy
 from ..batching import DEFAULT_MAX_SEQS, Segment, bucket_sizes, default_max_batch, split_rows, unmeasured_cost
 from ..config import ModelConfig
 from .linear import DeviceWeight, linear, to_device
 from ..weights.packed import Packed
-from ..files import ALIGN, aligned_empty
+from ..files import ALIGN
 from ..weights.contract import EMBEDDING, OUTPUT_NORM
-
-# numpy types the CPU device can compute on in place, as tinygrad's
-_FROM_BLOB = {np.float32: dtypes.float32, np.float16: dtypes.float16, np.int8: dtypes.int8, np.uint8: dtypes.uint8,
-              np.uint16: dtypes.uint16, np.int32: dtypes.int32}
 
 # HF rotate-half RoPE: the first and second halves of each head form the rotary pairs.
 
@@ -142,47 +138,6 @@ class _Rows:
     ints: Tensor  # (3, b) int32: position | slot | cache row, as written by the host
 
 
-class _StepInputs:
-    """The host-written input buffers of one bucket: floats (b, dim + head_dim) = hidden | cos | sin,
-    ints (3, b) = position | slot | cache row. On the CPU they are written in place through a
-    zero-copy view; copying a fresh numpy array in costs more than a small step (docs/benchmarks.md)."""
-
-    def __init__(self, rows: int, dim: int, head_dim: int, zeros: Callable[..., Tensor]):
-        self.floats = zeros((rows, dim + head_dim))
-        self.ints = zeros((3, rows), np.int32)
-
-    def write(self, floats: np.ndarray, ints: np.ndarray) -> None:
-        _write(self.floats, floats)
-        _write(self.ints, ints)
-
-
-def _aligned_copy(array: np.ndarray) -> np.ndarray:
-    out = aligned_empty(array.nbytes).view(array.dtype).reshape(array.shape)
-    out[...] = array
-    return out
-
-
-def _zero_copy(buffer: Buffer) -> bool:
-    return buffer.device.startswith("CPU") and hasattr(buffer.allocator, "_as_buffer")
-
-
-def _write(t: Tensor, data: np.ndarray) -> None:
-    buffer = t.uop.buffer
-    if _zero_copy(buffer):
-        np.frombuffer(buffer.as_memoryview(force_zero_copy=True), dtype=data.dtype)[:] = data.reshape(-1)
-        return
-    data = np.ascontiguousarray(data)
-    buffer.copy_from(Buffer("PYTHON", buffer.size, buffer.dtype, opaque=memoryview(data.reshape(-1)).cast("B"))
-                     .ensure_allocated())
-
-
-def _read(t: Tensor) -> np.ndarray:
-    buffer = t.uop.buffer
-    if _zero_copy(buffer):  # the output buffer is reused by the next step: copy it out
-        return np.frombuffer(buffer.as_memoryview(force_zero_copy=True), dtype=np.float32).reshape(t.shape).copy()
-    return t.numpy()
-
-
 class StageModel:
     """Blocks `layers` of a model; with `head`, also final norm + output head (returns logits)."""
 
@@ -212,7 +167,7 @@ class StageModel:
         for module in (kernel_cache, whole_graphs, replay, device_wait):  # whole_graphs before the first capture
             module.install()
         self._graphs, self._head_graphs = self._new_graphs(), self._new_head_graphs()
-        self._inputs = {b: _StepInputs(b, config.dim, config.head_dim, self._zeros) for b in self.buckets}
+        self._inputs = {b: StepInputs(b, config.dim, config.head_dim, self._zeros) for b in self.buckets}
         self._head_inputs = {b: self._zeros((b, config.dim)) for b in self._head_graphs}
         # the buckets steps may use (all of them before warm_up) and one call's seconds in each
         self.bucket_cost = unmeasured_cost(self.buckets)
@@ -242,12 +197,12 @@ class StageModel:
         """An array on the device. The CPU device computes on the host array itself (no copy, kept alive
         here for as long as the model); any other device gets a copy."""
         array = np.ascontiguousarray(array)
-        if not Device.DEFAULT.startswith("CPU") or array.dtype.type not in _FROM_BLOB:
+        if not Device.DEFAULT.startswith("CPU") or array.dtype.type not in FROM_BLOB:
             return Tensor(array).realize()
         if array.ctypes.data % ALIGN:  # kernels read whole cache lines; a misaligned weight is slower to stream
-            array = _aligned_copy(array)
+            array = aligned_copy(array)
         self._backing.append(array)
-        return Tensor.from_blob(array.ctypes.data, array.shape, dtype=_FROM_BLOB[array.dtype.type],
+        return Tensor.from_blob(array.ctypes.data, array.shape, dtype=FROM_BLOB[array.dtype.type],
                                 device=Device.DEFAULT)
 
     def head_host_weight(self) -> Packed | None:
@@ -294,8 +249,8 @@ class StageModel:
     def head_call(self, bucket: int, part: np.ndarray) -> np.ndarray:
         padded = np.zeros((bucket, self.config.dim), dtype=np.float32)
         padded[:len(part)] = part
-        _write(self._head_inputs[bucket], padded)
-        return _read(self._head_graphs[bucket](self._head_inputs[bucket]))[:len(part)]
+        write(self._head_inputs[bucket], padded)
+        return read(self._head_graphs[bucket](self._head_inputs[bucket]))[:len(part)]
 
     def forward_batch(self, hidden: np.ndarray, segments: list[Segment], logit_rows=None) -> np.ndarray:
         """hidden (rows, dim) float32, the rows of `segments` in order → next hidden (rows, dim); with a
@@ -335,7 +290,7 @@ class StageModel:
         ctx = self.config.max_context
         for block in self.blocks:
             buffer = block.cache.uop.buffer
-            if _zero_copy(buffer):
+            if zero_copy(buffer):
                 view = np.frombuffer(buffer.as_memoryview(force_zero_copy=True), dtype=np.float32)
                 view = view.reshape(block.cache.shape)
                 view[dst * ctx:dst * ctx + rows] = view[src * ctx:src * ctx + rows]
@@ -358,7 +313,7 @@ class StageModel:
         ints = np.stack([positions, slots, slots * c.max_context + positions]).astype(np.int32)
         inputs = self._inputs[bucket]
         inputs.write(floats, ints)
-        return _read(self._graphs[bucket](inputs.floats, inputs.ints, kv_len=int(positions.max()) + 1))[:n]
+        return read(self._graphs[bucket](inputs.floats, inputs.ints, kv_len=int(positions.max()) + 1))[:n]
 
     def warm_up(self, beam: int = 0, buckets: tuple[int, ...] | None = None) -> dict[int, float]:
         """Capture the graphs of `buckets` (default: every one) now, so that no request pays their compile,
