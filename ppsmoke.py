@@ -32,6 +32,7 @@ import attrs
 
 from node.transport.app import ListenError, check_listenable
 from node.config.cores import MAX_THREADS, available_cores, fair_share
+from node.config.model import KV_CACHE_DTYPES
 from node.config.credentials import check_keys, read_key_file, split_keys
 from node.config.network import LOOPBACK
 from node.config.sources import ConfigError
@@ -116,6 +117,9 @@ def _node_arguments(p: argparse.ArgumentParser) -> None:
                    help="how the model's blocks are split over the stages: auto (each node measures a block's step "
                         "and the head's, and stage 0 plans), equal, or each stage's block count, comma-separated, "
                         "e.g. 8,8,14 (vLLM's VLLM_PP_LAYER_PARTITION; default auto)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="what every node's KV caches hold: float16 (half the bytes) or float32 (PP_KV_CACHE_DTYPE; "
+                        "default auto = float16)")
     g.add_argument("--precision", choices=PRECISIONS, default="auto",
                    help="which weights stay as the model file holds them, read by the kernels (less memory; faster "
                         "with --beam): auto = Q8_0, and F16/BF16 too with --beam; file = all of them; f32 = none, "
@@ -394,6 +398,7 @@ def serving_env(args) -> dict[str, str]:
     cores, kernel search, precision, the layer partition, the prefix cache."""
     return {**({"PP_THREADS": str(args.threads)} if args.threads else {}),"PP_MAX_SEQS": str(args.max_seqs), "PP_MAX_QUEUE": str(args.max_queue), "PP_CTX": str(args.ctx),
             "PP_BEAM": str(args.beam), "PP_PRECISION": args.precision, "PP_LAYER_PARTITION": args.layer_partition,
+            "PP_KV_CACHE_DTYPE": args.kv_cache_dtype,
             **({"PP_NO_PREFIX_CACHE": "1"} if args.no_prefix_cache else {})}
 
 

@@ -2,6 +2,7 @@
 its weights and its KV caches. Run once per configuration: peak RSS only grows in a process.
 
   python -m bench.memory small
+  python -m bench.memory smollm2:135m --stage 1 --stages 2 --kv-cache-dtype float32
   python -m bench.memory /tmp/bench-f32.gguf --stage 0 --stages 2
 """
 from __future__ import annotations
@@ -31,9 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ctx", type=int, default=DEFAULT_CONTEXT, help="positions a slot holds, as a node's --ctx")
     p.add_argument("--precision", choices=PRECISIONS, default="auto",
                    help="which weights keep the file's precision (weights.contract.narrow_kinds)")
+    p.add_argument("--kv-cache-dtype", choices=("float16", "float32"), default="float16",
+                   help="what the KV caches hold, as a node's --kv-cache-dtype (float16, a node's default)")
     args = p.parse_args(argv)
     model = open_model(args.model, cache_dir=Path(tempfile.gettempdir()), ollama_models_dir=None,
-                       precision=args.precision, max_context=args.ctx)
+                       precision=args.precision, max_context=args.ctx, kv_dtype=args.kv_cache_dtype)
     if args.stages == 1:
         layers, embed, head = range(model.total_blocks), True, True
     else:
@@ -47,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     del tokenizer
     mb = 2 ** 20
-    print(json.dumps({"model": args.model, "precision": args.precision, "stage": args.stage, "stages": args.stages, "max_seqs": args.max_seqs,
+    print(json.dumps({"model": args.model, "precision": args.precision, "kv_cache_dtype": args.kv_cache_dtype, "stage": args.stage, "stages": args.stages, "max_seqs": args.max_seqs,
                       "load_s": round(loaded_s, 1), "weight_mb": round(s.weight_bytes / mb),
                       "kv_mb": round(s.kv_bytes / mb), "peak_rss_mb": round(peak / mb),
                       "rss_over_weights_and_kv": round(peak / (s.weight_bytes + s.kv_bytes), 2)}))

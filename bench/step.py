@@ -80,11 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precision", choices=PRECISIONS, default="auto",
                    help="which weights keep the file's precision (weights.contract.narrow_kinds)")
     p.add_argument("--threads", nargs="+", type=int, default=[1], help="cores a step runs on (ppnode --threads)")
+    p.add_argument("--kv-cache-dtype", nargs="+", choices=("float16", "float32"), default=["float16"],
+                   help="what the KV caches hold (ppnode --kv-cache-dtype; default float16, a node's)")
     args = p.parse_args(argv)
-    for threads in args.threads:
-        model = open_model(args.model, cache_dir=Path(tempfile.gettempdir()), ollama_models_dir=None,
-                           precision=args.precision, tuned=args.beam > 0, threads=threads)
-        _run(model, args, threads)
+    for kv in args.kv_cache_dtype:
+        for threads in args.threads:
+            model = open_model(args.model, cache_dir=Path(tempfile.gettempdir()), ollama_models_dir=None,
+                               precision=args.precision, tuned=args.beam > 0, threads=threads, kv_dtype=kv)
+            print(f"KV caches: {kv}")
+            _run(model, args, threads)
     return 0
 
 

@@ -102,7 +102,7 @@ def open_stage_model(config: NodeConfig, model_spec: str) -> Model:
     try:
         return open_model(model_spec, cache_dir=config.cache_dir, ollama_models_dir=config.ollama_models_dir,
                           progress=False, precision=config.precision, tuned=config.beam > 0, max_context=config.ctx,
-                          threads=config.threads)
+                          threads=config.threads, kv_dtype=config.kv_cache_dtype)
     except (ModelFileError, ValueError) as exc:  # a bad path, file or name: the user's to fix, not a crash
         raise ModelRefused(f"stage {config.stage} cannot load model {config.model!r}: {exc}") from exc
 

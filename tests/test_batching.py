@@ -19,22 +19,28 @@ def test_a_step_has_room_for_a_decode_row_of_every_slot_and_as_many_prompt_rows(
     assert default_max_batch(max_seqs) == want >= 2 * max_seqs
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=lambda t: f"{t} thread(s)")
+PROMPTS = ("Say hello", "Name three rivers of Europe, briefly.", "x", "Why?")
+
+
+@pytest.fixture(scope="module", params=[(1, "float32"), (2, "float32"), (2, "float16")],
+                ids=lambda p: f"{p[0]} thread(s), {p[1]} KV")
 def model(request):
-    """The tiny model with its steps on one thread, then split over two (worker/compute/cpu_threads.py)."""
-    return tinygrad_model(TinySource(), threads=request.param)
+    """The tiny model with its steps on one thread, then split over two (worker/compute/cpu_threads.py), with
+    each KV cache dtype (--kv-cache-dtype)."""
+    threads, kv_dtype = request.param
+    return tinygrad_model(TinySource(), threads=threads, kv_dtype=kv_dtype)
 
 
-def test_two_threads_give_one_threads_logits_bit_for_bit(prompts):
+def test_two_threads_give_one_threads_logits_bit_for_bit():
     one, two = tinygrad_model(TinySource(), threads=1), tinygrad_model(TinySource(), threads=2)
-    for ids in prompts:
+    for ids in [one.tokenizer().encode_chat(p) for p in PROMPTS]:
         assert all(np.array_equal(a, b) for a, b in zip(alone(one, ids, 4), alone(two, ids, 4)))
 
 
 @pytest.fixture(scope="module")
 def prompts(model):
     tok = model.tokenizer()
-    return [tok.encode_chat(p) for p in ("Say hello", "Name three rivers of Europe, briefly.", "x", "Why?")]
+    return [tok.encode_chat(p) for p in PROMPTS]
 
 
 def alone(model, ids, steps):
@@ -73,6 +79,16 @@ def test_a_step_longer_than_the_largest_bucket_runs_as_several_steps(model, prom
     t = model.open_slice(range(2), embed=True, head=False, max_seqs=1)
     one_by_one = np.concatenate([t.forward(t.embed([x]), i) for i, x in enumerate(ids)])
     assert np.array_equal(whole, one_by_one)
+
+
+def test_a_float16_cache_holds_half_the_bytes_and_its_answers_stay_near_float32_s():
+    wide, half = tinygrad_model(TinySource(), kv_dtype="float32"), tinygrad_model(TinySource(), kv_dtype="float16")
+    slices = [m.open_slice(range(2), embed=True, head=True, max_seqs=2) for m in (wide, half)]
+    assert slices[1].kv_bytes * 2 == slices[0].kv_bytes
+    for ids in [wide.tokenizer().encode_chat(p) for p in ("Say hello", "Why?")]:
+        a, b = alone(wide, ids, 4), alone(half, ids, 4)
+        assert not all(np.array_equal(x, y) for x, y in zip(a, b))  # the keys and values were rounded ...
+        assert max(float(np.abs(x - y).max()) for x, y in zip(a, b)) < 0.05  # ... to float16's precision
 
 
 @pytest.mark.parametrize("rows,cost,want", [

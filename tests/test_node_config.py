@@ -114,12 +114,15 @@ def test_the_cluster_token_loses_surrounding_whitespace():
     (["--threads", "3"], "threads", 3),
     (["-t", "1"], "threads", 1),  # llama.cpp's short name
     (["--machine-id", "rack2.box-7"], "machine_id", "rack2.box-7"),
+    (["--kv-cache-dtype", "FLOAT32"], "kv_cache_dtype", "float32"),
+    (["--kv-cache-dtype", "auto"], "kv_cache_dtype", "float16"),  # auto: float16, half float32's bytes
 ])
 def test_a_flag_wins_over_its_variable(argv, field, expected):
     env = {"NUM_STAGES": "6", "SEED_ADDR": "s:1", "PEER_DIRECT": "p:1", "MODEL": "tiny", "PP_PORT": "8100",
            "PP_BIND": "10.0.0.1", "PP_ADVERTISE_ADDR": "x:1", "PP_NODE_ID": "alpha", "PP_LOG_LEVEL": "ERROR",
            "PP_PRECISION": "file", "PP_CTX": "1024", "PP_CHUNKED_PREFILL_SIZE": "12", "PP_NO_PREFIX_CACHE": "0",
-           "PP_THREADS": "7", "PP_MACHINE_ID": "other"}
+           "PP_THREADS": "7", "PP_MACHINE_ID": "other",
+           "PP_KV_CACHE_DTYPE": "float16"}
     assert getattr(parse(env, argv), field) == expected
 
 
@@ -170,6 +173,7 @@ def test_the_port_flag_also_selects_the_vast_port_mapping():
     ({"PP_THREADS": "0"}, [], (), "PP_THREADS=0 must be at least 1"),
     ({}, ["--threads", "257"], (), "--threads=257: at most 256 threads"),
     ({"PP_THREADS": "all"}, [], (), "PP_THREADS='all' is not a whole number"),
+    ({"PP_KV_CACHE_DTYPE": "fp8"}, [], (), "PP_KV_CACHE_DTYPE='fp8': expected auto, float16, float32"),
     ({"PP_MACHINE_ID": "my box"}, [], (), "PP_MACHINE_ID='my box': a machine id is 1-64 letters, digits"),
     ({}, ["--machine-id", "x" * 65], (), "a machine id is 1-64 letters"),
 ])

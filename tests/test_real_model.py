@@ -205,6 +205,23 @@ def test_a_stage_on_two_threads_answers_as_on_one_bit_for_bit(model, tokenizer, 
     assert all(np.array_equal(a, b) for a, b in zip(logits, want_logits))
 
 
+@pytest.fixture(scope="module")
+def half_model(tmp_path_factory):
+    """SmolLM2 with float16 KV caches (--kv-cache-dtype float16, the default of a node)."""
+    return open_model(MODEL, cache_dir=tmp_path_factory.mktemp("cache"), ollama_models_dir=None, progress=False,
+                      max_context=CTX, kv_dtype="float16")
+
+
+@pytest.mark.parametrize("n", [pytest.param(1, marks=SLOW), pytest.param(2, marks=SLOW), 3, pytest.param(5, marks=SLOW)])
+def test_a_float16_kv_cache_keeps_every_greedy_answer_equal_to_transformers(half_model, tokenizer, n):
+    # its logits differ from float32's by up to ~0.016, more than the smallest top-2 gap along "Say hello"
+    # (0.0076): tokens are what must hold
+    pipeline = Pipeline(half_model, n)
+    for prompt in PROMPTS:
+        tokens, _ = pipeline.answer(tokenizer.encode_chat(prompt))
+        assert tokens == TRANSFORMERS[prompt]["token_ids"], prompt
+
+
 def test_an_answer_stops_at_im_end_and_its_text_holds_no_control_token(pipeline, tokenizer):
     tokens, _ = pipeline.answer(tokenizer.encode_chat(HELLO))
     assert tokens[-1] == tokenizer.special_ids[IM_END] and tokens[-1] in pipeline.stop_ids
@@ -256,8 +273,9 @@ def batched_answers(workers, prompts: list[list[int]]) -> list[tuple[list[int], 
 
 
 @SLOW
-def test_eight_requests_in_batched_steps_each_get_their_solo_answer_bit_for_bit(model, tokenizer):
-    workers = [open_worker(model, Shard.of(s, 2), max_seqs=8) for s in range(2)]
+@pytest.mark.parametrize("kv", ["float32", "float16"])
+def test_eight_requests_in_batched_steps_each_get_their_solo_answer_bit_for_bit(model, half_model, tokenizer, kv):
+    workers = [open_worker(model if kv == "float32" else half_model, Shard.of(s, 2), max_seqs=8) for s in range(2)]
     prompts = [tokenizer.encode_chat(p) for p in EIGHT]
     together = batched_answers(workers, prompts)
     for prompt, ids, (tokens, logits) in zip(EIGHT, prompts, together):

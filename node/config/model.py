@@ -1,5 +1,5 @@
-"""The model a node serves and how its weights are kept: a model it can load or fetch, the precision, and how
-its blocks are split over the stages."""
+"""The model a node serves and how its weights are kept: a model it can load or fetch, the precision, what its
+KV caches hold, and how its blocks are split over the stages."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,6 +24,19 @@ def model_spec(src: Sources) -> str:
         return model
     raise ConfigError(f"{label}={raw!r} is neither a built-in model ({', '.join(['stub', *BUILT_IN])}), a known "
                       f"name ({', '.join(sorted(REGISTRY))}), an http(s) URL nor an existing path")
+
+
+KV_CACHE_DTYPES = ("auto", "float16", "float32")  # vLLM's --kv-cache-dtype, with its names for these two
+
+
+def kv_cache_dtype(src: Sources) -> str:
+    """What the KV caches hold: float16 (auto: half float32's bytes, and SmolLM2's greedy answers equal
+    transformers' at N = 1, 2, 3 and 5; docs/benchmarks.md) or float32."""
+    raw, label = src.get("--kv-cache-dtype")
+    value = (raw or "auto").strip().lower()
+    if value not in KV_CACHE_DTYPES:
+        raise ConfigError(f"{label}={raw!r}: expected {', '.join(KV_CACHE_DTYPES)}")
+    return "float16" if value == "auto" else value
 
 
 def precision(src: Sources) -> str:

@@ -51,6 +51,10 @@ from ..weights.packed import Packed
 from ..files import ALIGN
 from ..weights.contract import EMBEDDING, OUTPUT_NORM
 
+# What a KV cache may hold (--kv-cache-dtype), by name: float16 halves its bytes; keys and values are rounded to
+# it as they are stored, and widened back to float32 as attention reads them.
+KV_DTYPES = {"float32": np.float32, "float16": np.float16}
+
 # HF rotate-half RoPE: the first and second halves of each head form the rotary pairs.
 
 
@@ -85,12 +89,12 @@ class Block:
     """One transformer block and the KV cache of every slot: (slots × max_context, 2 × kv_heads × head_dim)."""
 
     def __init__(self, config: ModelConfig, w: dict[str, Tensor], slots: int, zeros: Callable[..., Tensor],
-                 threads: cpu_threads.CpuThreads | None):
+                 threads: cpu_threads.CpuThreads | None, kv_dtype=np.float32):
         self.config, self.w, self.slots, self.threads = config, w, slots, threads
         c = config
         # on the CPU, worker/compute/cpu_attention.py's kernel; elsewhere tinygrad's own attention
         self.hand_written = Device.DEFAULT.startswith("CPU") and c.head_dim % 8 == 0
-        self.cache = zeros((slots * c.max_context, 2 * c.n_kv_heads * c.head_dim))
+        self.cache = zeros((slots * c.max_context, 2 * c.n_kv_heads * c.head_dim), kv_dtype)
 
     def __call__(self, x: Tensor, rows: _Rows, kv_len: UOp, searched: bool) -> Tensor:
         c, w = self.config, self.w
@@ -114,13 +118,14 @@ class Block:
         k = mm(x, "attn_k").contiguous().reshape(b, kvh, 1, hd)
         v = mm(x, "attn_v").contiguous().reshape(b, kvh, 1, hd)
         q, k = _rotate(q, rows.cos, rows.sin), _rotate(k, rows.cos, rows.sin)
-        new = k.reshape(b, kvh * hd).cat(v.reshape(b, kvh * hd), dim=1).contiguous()
+        new = k.reshape(b, kvh * hd).cat(v.reshape(b, kvh * hd), dim=1).cast(self.cache.dtype).contiguous()
         cache = self.cache.custom_kernel(new, rows.cache_row, fxn=_kv_store)[0]
         if self.hand_written:
             out = cpu_attention.attention(q.reshape(b, c.n_heads * hd), cache, rows.ints, heads=c.n_heads,
                                           kv_heads=kvh, head_dim=hd, max_context=c.max_context, threads=self.threads)
             return mm(out, "attn_output")
         seen = cache.reshape(self.slots, c.max_context, 2, kvh, hd)[rows.slot, 0:kv_len]  # (b, kv_len, 2, kvh, hd)
+        seen = seen.cast(dtypes.float32)  # a float16 cache is widened as it is read
         keys, values = seen[:, :, 0].permute(0, 2, 1, 3), seen[:, :, 1].permute(0, 2, 1, 3)
         out = q.scaled_dot_product_attention(keys, values, attn_mask=rows.mask, enable_gqa=True)
         return mm(out.reshape(b, c.dim), "attn_output")
@@ -142,7 +147,8 @@ class StageModel:
     """Blocks `layers` of a model; with `head`, also final norm + output head (returns logits)."""
 
     def __init__(self, config: ModelConfig, layers: range, tensors, *, head_weight: str | None,
-                 max_seqs: int = DEFAULT_MAX_SEQS, max_batch: int | None = None, threads: int = 1):
+                 max_seqs: int = DEFAULT_MAX_SEQS, max_batch: int | None = None, threads: int = 1,
+                 kv_dtype: str = "float32"):
         if max_seqs < 1:
             raise ValueError(f"max_seqs must be at least 1, got {max_seqs}")
         self.threads = cpu_threads.shared(threads) if Device.DEFAULT.startswith("CPU") else None  # its C kernels' cores
@@ -156,7 +162,7 @@ class StageModel:
         self._backing: list[np.ndarray] = []  # host arrays the CPU device uses in place (see _put)
         dev = {name: self._on_device(tensors.pop(name)) for name in [n for n in tensors if n != EMBEDDING]}
         self.blocks = [Block(config, {k.split(".")[2]: v for k, v in dev.items() if k.startswith(f"blk.{i}.")},
-                             max_seqs + 1, self._zeros, self.threads) for i in layers]
+                             max_seqs + 1, self._zeros, self.threads, KV_DTYPES[kv_dtype]) for i in layers]
         self.head, self._head_host = None, None
         if head_weight is not None:
             host = tensors[head_weight] if head_weight not in dev else None  # a tied head: the embedding
@@ -291,7 +297,7 @@ class StageModel:
         for block in self.blocks:
             buffer = block.cache.uop.buffer
             if zero_copy(buffer):
-                view = np.frombuffer(buffer.as_memoryview(force_zero_copy=True), dtype=np.float32)
+                view = np.frombuffer(buffer.as_memoryview(force_zero_copy=True), dtype=np.dtype(block.cache.dtype.fmt))
                 view = view.reshape(block.cache.shape)
                 view[dst * ctx:dst * ctx + rows] = view[src * ctx:src * ctx + rows]
             else:

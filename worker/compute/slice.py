@@ -55,7 +55,7 @@ class _OnDemand:
 class TinygradSlice:
     def __init__(self, source: WeightSource, layers: range, *, embed: bool, head: bool,
                  max_seqs: int = DEFAULT_MAX_SEQS, keep: frozenset[str] = NARROW_KINDS, max_context: int | None = None,
-                 threads: int = 1):
+                 threads: int = 1, kv_dtype: str = "float32"):
         config: ModelConfig = source.config
         if max_context is not None:  # KV and RoPE tables are sized by it; the file's context is the most
             if max_context < 1:
@@ -65,7 +65,7 @@ class TinygradSlice:
         self.hidden_dim, self.vocab_size, self.max_context = config.dim, config.vocab_size, config.max_context
         head_weight = (EMBEDDING if config.tie_embeddings else OUTPUT) if head else None
         self.model = StageModel(config, layers, tensors, head_weight=head_weight, max_seqs=max_seqs,
-                                threads=threads)
+                                threads=threads, kv_dtype=kv_dtype)
         self._table = None
         if embed:  # the table stays on the host, where rows are looked up; a tied head's device copy will do
             view = self.model.head_host_weight() if head_weight == EMBEDDING else None
