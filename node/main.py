@@ -43,7 +43,7 @@ from node.config.network import advertised_url
 from node.config.settings import NodeConfig
 from node.membership.gossip import TERMINAL, Member, Meta, SwimConfig
 from node.membership.swim import Swim
-from node.observe.log import event
+from node.observe.log import event, warn_event
 from node.planning import agree, held, measured_by, measurer, stage_machines
 from node.downstream import DownstreamStage
 from node.entry import EntryStage
@@ -208,6 +208,16 @@ async def measure_and_agree(config: NodeConfig, swim: Swim, shard: Shard, comput
     return split, model, {"calibrate_s": timed_s}
 
 
+def warn_if_kv_outgrows(kv_bytes: int, available: int | None, config: NodeConfig) -> None:
+    """The KV caches are reserved for every slot's whole context but take memory only as they are written
+    (worker/files.lazy_zeros): say so where filling them all would outgrow the machine's free memory."""
+    if available is not None and kv_bytes > available:
+        warn_event(log, "kv_over_memory", kv_bytes=kv_bytes, available_bytes=available,
+                   advice=f"the KV caches of {config.max_seqs} slots of {config.ctx} positions would take more "
+                          f"memory than is free; they take it only as requests fill them, but if they all fill, "
+                          f"the system may kill this node: lower --max-seqs or --ctx, or --kv-cache-dtype float16")
+
+
 def flag_split(config: NodeConfig, shard: Shard) -> Split:
     """The split `--layer-partition equal` or an explicit list gave a loaded stage."""
     counts = tuple(len(shard.range_of(i, shard.total_blocks)) for i in range(shard.count))
@@ -292,8 +302,9 @@ async def _serve(config, swim_config, on_listening, compute, task_status, loaded
         split = planned[0] if planned else flag_split(config, worker.info.shard)
         swim.update_meta(plan=split.counts)
         event(log, "worker_ready", seconds=round(time.perf_counter() - started, 3), layers=str(worker.info.shard.blocks),
-              weight_bytes=worker.info.weight_bytes, split=list(split.counts), how=split.how, reason=split.reason,
-              **phases)
+              weight_bytes=worker.info.weight_bytes, kv_bytes=worker.info.kv_bytes, split=list(split.counts),
+              how=split.how, reason=split.reason, **phases)
+        warn_if_kv_outgrows(worker.info.kv_bytes, available_memory(), config)
         node.attach(worker, split=split)
         # The loaded model is hundreds of thousands of objects that live as long as the process; a full
         # collection scanned them all on the event loop (200-340 ms, /health with it, under a burst of

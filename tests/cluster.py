@@ -30,8 +30,10 @@ PATIENT_SWIM = SwimConfig(protocol_period_s=0.5, probe_timeout_s=0.4, suspicion_
 def stage_config(stage: int, n: int, *, model: str, seed: str, peer: str | None, tmp: Path, **kw) -> NodeConfig:
     """A node's config as ppsmoke would make it, but with the spec's even split unless `layer_partition` says
     otherwise: with `auto` (the default) every tinygrad node measures itself for seconds before it loads, and
-    no node loads before every stage has (tests/test_planning.py boots clusters that plan)."""
-    kw = {"api_keys": (API_KEY,), "layer_partition": None, **kw}
+    no node loads before every stage has (tests/test_planning.py boots clusters that plan); and with float32 KV
+    caches unless `kv_cache_dtype` says otherwise, as the in-process references (generate_full on a model
+    opened with its defaults) hold theirs: float16's rounding may flip a random-weight model's near-ties."""
+    kw = {"api_keys": (API_KEY,), "layer_partition": None, "kv_cache_dtype": "float32", **kw}
     return NodeConfig(stage=stage, num_stages=n, cluster_token=TOKEN, node_id=f"stage{stage}", cache_dir=tmp,
                       ollama_models_dir=tmp / "ollama", seed_addr=seed, peer_direct=(peer,) if peer else (),
                       model=model, port=0, bind_host="127.0.0.1", **kw)

@@ -6,6 +6,7 @@ No other module of the worker is imported here but its errors.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from pathlib import Path
 
@@ -14,6 +15,29 @@ import numpy as np
 from .errors import ModelFileError
 
 ALIGN = 4096  # what tinygrad's own CPU buffers get: the CPU device can compute on such an array in place
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """Zeros in an anonymous private mapping: page-aligned, and a page takes memory only once it is written
+    (the kernel maps every untouched page to its one zero page), so RSS follows what is used, not what is
+    reserved. `release` gives written pages back."""
+    nbytes = max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared memory would keep its pages
+    return np.frombuffer(mapping, dtype=dtype, count=int(np.prod(shape))).reshape(shape)
+
+
+def release(array: np.ndarray, start: int, stop: int) -> None:
+    """Give back the written pages of bytes [start, stop) of a lazy_zeros array: they read as zeros again and
+    take no memory. Only pages wholly inside the range go (a page at either end may hold a neighbour's bytes)."""
+    mapping = array
+    while mapping is not None and not isinstance(mapping, mmap.mmap):  # views, then frombuffer's memoryview
+        mapping = mapping.obj if isinstance(mapping, memoryview) else getattr(mapping, "base", None)
+    if mapping is None:
+        raise ValueError("not an array of lazy_zeros")
+    page = mmap.PAGESIZE
+    lo, hi = -(-start // page) * page, stop // page * page
+    if hi > lo:
+        mapping.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:

@@ -33,6 +33,9 @@ class Slice(Protocol):
     # the KV of positions 0 .. rows - 1 of slot src, in every block, into slot dst (the prefix cache)
     def copy_rows(self, src: int, dst: int, rows: int) -> None: ...
 
+    # a slot's KV no one will read again: its memory may go back (it reads as zeros after)
+    def trim(self, slot: int) -> None: ...
+
     # compile what the first request would, before it arrives; beam > 0: tinygrad's kernel search first
     def warm_up(self, beam: int = 0, *, lazy: bool = False, prompt_rows: int | None = None
                 ) -> dict[int, float]: ...  # seconds each capture took

@@ -39,10 +39,14 @@ class Request:
 
 
 class Slots:
-    """`copy_rows(source, slot, n)` copies a slot's first n KV rows into another (the slice's)."""
+    """`copy_rows(source, slot, n)` copies a slot's first n KV rows into another (the slice's); `trim(slot)`
+    gives back the memory of a slot's KV that no one will read: a released request's, and a slot's before a
+    new request takes it (an entry evicted or forgotten), so a stage's KV memory follows what its slots hold."""
 
-    def __init__(self, *, stage: int, max_seqs: int, max_context: int, copy_rows: Callable[[int, int, int], None]):
+    def __init__(self, *, stage: int, max_seqs: int, max_context: int, copy_rows: Callable[[int, int, int], None],
+                 trim: Callable[[int], None] = lambda slot: None):
         self.stage, self.max_seqs, self.max_context, self._copy_rows = stage, max_seqs, max_context, copy_rows
+        self._trim = trim
         self.requests: dict[str, Request] = {}
         self.kept = KeptSlots(stage)
 
@@ -82,6 +86,8 @@ class Slots:
         req = self.requests.pop(request_id, None)
         if req is not None and keep_as:
             self.kept.keep(keep_as, req.slot, req.next_position, req.rows.below(req.next_position))
+        elif req is not None:
+            self._trim(req.slot)
 
     def restart(self, request_id: str) -> None:
         """The request's next item begins a new life, which keeps the slot and what it holds; an unknown
@@ -129,4 +135,5 @@ class Slots:
         if free is None and (free := self.kept.evict(other_than=keep)) is None:
             raise WorkerError(f"request {item.request_id!r}: all {self.max_seqs} sequence slots of stage "
                               f"{self.stage} are taken")
+        self._trim(free)  # what an evicted or forgotten entry left there
         return free

@@ -95,6 +95,10 @@ class StubSlice:
         for i in self.layers:
             self._cache[(dst, i)][:rows] = self._cache[(src, i)][:rows]
 
+    def trim(self, slot: int) -> None:
+        for i in self.layers:
+            self._cache[(slot, i)][:] = 0
+
     def forward(self, hidden: np.ndarray, position: int) -> np.ndarray:
         h = self._forward(hidden, position, 0)
         return self._logits(h[-1]) if self._head else h.astype(np.float32)

@@ -48,7 +48,7 @@ from ..batching import DEFAULT_MAX_SEQS, Segment, bucket_sizes, default_max_batc
 from ..config import ModelConfig
 from .linear import DeviceWeight, linear, to_device
 from ..weights.packed import Packed
-from ..files import ALIGN
+from ..files import ALIGN, lazy_zeros, release
 from ..weights.contract import EMBEDDING, OUTPUT_NORM
 
 # What a KV cache may hold (--kv-cache-dtype), by name: float16 halves its bytes; keys and values are rounded to
@@ -94,7 +94,7 @@ class Block:
         c = config
         # on the CPU, worker/compute/cpu_attention.py's kernel; elsewhere tinygrad's own attention
         self.hand_written = Device.DEFAULT.startswith("CPU") and c.head_dim % 8 == 0
-        self.cache = zeros((slots * c.max_context, 2 * c.n_kv_heads * c.head_dim), kv_dtype)
+        self.cache = zeros((slots * c.max_context, 2 * c.n_kv_heads * c.head_dim), kv_dtype, lazy=True)
 
     def __call__(self, x: Tensor, rows: _Rows, kv_len: UOp, searched: bool) -> Tensor:
         c, w = self.config, self.w
@@ -160,6 +160,7 @@ class StageModel:
         # them only now: slice.py's _OnDemand), so a weight's host copy is freed as soon as the device holds it.
         # The embedding table is left to the caller, which looks rows up on the host.
         self._backing: list[np.ndarray] = []  # host arrays the CPU device uses in place (see _put)
+        self._backing_of: dict[int, np.ndarray] = {}  # id(KV cache tensor) -> its lazy host array (trim)
         dev = {name: self._on_device(tensors.pop(name)) for name in [n for n in tensors if n != EMBEDDING]}
         self.blocks = [Block(config, {k.split(".")[2]: v for k, v in dev.items() if k.startswith(f"blk.{i}.")},
                              max_seqs + 1, self._zeros, self.threads, KV_DTYPES[kv_dtype]) for i in layers]
@@ -194,9 +195,15 @@ class StageModel:
     def _on_device(self, weight: np.ndarray | Packed) -> Tensor | DeviceWeight:
         return to_device(weight, self._put) if isinstance(weight, Packed) else self._put(weight)
 
-    def _zeros(self, shape: tuple[int, ...], dtype=np.float32) -> Tensor:
+    def _zeros(self, shape: tuple[int, ...], dtype=np.float32, *, lazy: bool = False) -> Tensor:
         """A buffer of zeros on the device, from host memory: a zeros kernel is scheduled and lowered per
-        shape, and those made most of a slice's weights phase (bench.boot at N = 5: 12.4-16.9 s → 2.7-3.2 s)."""
+        shape, and those made most of a slice's weights phase (bench.boot at N = 5: 12.4-16.9 s → 2.7-3.2 s).
+        `lazy` (the KV caches): on the CPU, pages that take memory only once written (files.lazy_zeros)."""
+        if lazy and Device.DEFAULT.startswith("CPU"):
+            host = lazy_zeros(shape, dtype)
+            tensor = self._put(host)
+            self._backing_of[id(tensor)] = host  # trim releases its pages
+            return tensor
         return self._put(np.zeros(shape, dtype))
 
     def _put(self, array: np.ndarray) -> Tensor:
@@ -286,6 +293,16 @@ class StageModel:
         """One sequence in slot 0: hidden (seq_len, dim) → next hidden, or logits (vocab,) with a head."""
         out = self.forward_batch(hidden, [Segment(0, start_pos, hidden.shape[0])])
         return out[0] if self.head is not None else out
+
+    def trim(self, slot: int) -> None:
+        """Give back the memory of a slot's KV, which no one will read (its request ended, and no prefix-cache
+        entry holds it): on the CPU its pages return to the system (files.release), so a stage holds the KV
+        of what its slots use, not of `max_context` each. Elsewhere a no-op."""
+        for block in self.blocks:
+            host = self._backing_of.get(id(block.cache))
+            if host is not None:
+                rows, width = self.config.max_context, host.strides[0]
+                release(host, slot * rows * width, (slot + 1) * rows * width)
 
     def copy_rows(self, src: int, dst: int, rows: int) -> None:
         """The KV of slot src's first `rows` positions into slot dst, every block (the prefix cache). On the

@@ -86,6 +86,9 @@ class TinygradSlice:
     def copy_rows(self, src: int, dst: int, rows: int) -> None:
         self.model.copy_rows(src, dst, rows)
 
+    def trim(self, slot: int) -> None:
+        self.model.trim(slot)
+
     def warm_up(self, beam: int = 0, *, lazy: bool = False, prompt_rows: int | None = None) -> dict[int, float]:
         return self.model.warm_up(beam, warm.boot_buckets(self.model.buckets, prompt_rows) if lazy else None)
 
