@@ -245,7 +245,7 @@ async def test_a_live_cluster_answers_the_same_with_and_without_the_prefix_cache
 
 def test_off_the_cpu_a_slot_s_rows_are_copied_by_tinygrad_as_the_cpu_copies_them(monkeypatch):
     """The path a GPU takes (a tinygrad slice assign, not a host memcpy), run here on the CPU device."""
-    from worker.compute import model as tinygrad_slice
+    from worker.compute import kv_rows as tinygrad_slice
     model = tinygrad_model(TinySource())
     host, device = (model.open_slice(range(model.total_blocks), embed=True, head=True, max_seqs=3) for _ in range(2))
     ids = model.tokenizer().encode_prompt("Name three rivers of Europe, briefly.")

@@ -43,12 +43,12 @@ from tinygrad.uop.ops import KernelInfo
 
 from . import cpu_attention, cpu_threads, device_wait, kernel_cache, replay, warm, whole_graphs
 from .replay import Replay
-from .host_io import FROM_BLOB, StepInputs, aligned_copy, read, write, zero_copy
+from .host_io import FROM_BLOB, StepInputs, aligned_copy, read, write
 from ..batching import DEFAULT_MAX_SEQS, Segment, bucket_sizes, default_max_batch, split_rows, unmeasured_cost
 from ..config import ModelConfig
 from .linear import DeviceWeight, linear, to_device
 from ..weights.packed import Packed
-from ..files import ALIGN, lazy_zeros, release
+from ..files import ALIGN, lazy_zeros
 from ..weights.contract import EMBEDDING, OUTPUT_NORM
 
 # What a KV cache may hold (--kv-cache-dtype), by name: float16 halves its bytes; keys and values are rounded to
@@ -218,6 +218,10 @@ class StageModel:
         return Tensor.from_blob(array.ctypes.data, array.shape, dtype=FROM_BLOB[array.dtype.type],
                                 device=Device.DEFAULT)
 
+    def lazy_host(self, cache: Tensor) -> np.ndarray | None:
+        """The host array a KV cache lives in where its pages are backed only once written (the CPU), else None."""
+        return self._backing_of.get(id(cache))
+
     def head_host_weight(self) -> Packed | None:
         """The head's weight as host arrays the device itself computes on, where the device is the CPU;
         else None. A slice with both ends of a tied model looks embedding rows up here rather than in a
@@ -293,32 +297,6 @@ class StageModel:
         """One sequence in slot 0: hidden (seq_len, dim) → next hidden, or logits (vocab,) with a head."""
         out = self.forward_batch(hidden, [Segment(0, start_pos, hidden.shape[0])])
         return out[0] if self.head is not None else out
-
-    def trim(self, slot: int) -> None:
-        """Give back the memory of a slot's KV, which no one will read (its request ended, and no prefix-cache
-        entry holds it): on the CPU its pages return to the system (files.release), so a stage holds the KV
-        of what its slots use, not of `max_context` each. Elsewhere a no-op."""
-        for block in self.blocks:
-            host = self._backing_of.get(id(block.cache))
-            if host is not None:
-                rows, width = self.config.max_context, host.strides[0]
-                release(host, slot * rows * width, (slot + 1) * rows * width)
-
-    def copy_rows(self, src: int, dst: int, rows: int) -> None:
-        """The KV of slot src's first `rows` positions into slot dst, every block (the prefix cache). On the
-        CPU a copy in host memory; elsewhere a slice assign, which tinygrad compiles once per row count."""
-        for s in (src, dst):
-            if not 0 <= s < self.max_seqs:
-                raise ValueError(f"slot {s}: need 0..{self.max_seqs - 1}")
-        ctx = self.config.max_context
-        for block in self.blocks:
-            buffer = block.cache.uop.buffer
-            if zero_copy(buffer):
-                view = np.frombuffer(buffer.as_memoryview(force_zero_copy=True), dtype=np.dtype(block.cache.dtype.fmt))
-                view = view.reshape(block.cache.shape)
-                view[dst * ctx:dst * ctx + rows] = view[src * ctx:src * ctx + rows]
-            else:
-                block.cache[dst * ctx:dst * ctx + rows].assign(block.cache[src * ctx:src * ctx + rows]).realize()
 
     def run_graph(self, hidden: np.ndarray, slots: np.ndarray, positions: np.ndarray,
                   bucket: int | None = None) -> np.ndarray:

@@ -8,7 +8,7 @@ import numpy as np
 
 from ..batching import DEFAULT_MAX_SEQS, Segment
 from ..config import ModelConfig
-from . import warm
+from . import kv_rows, warm
 from .model import StageModel
 from ..weights.packed import Packed
 from ..weights.packed import dense as packed_dense
@@ -84,10 +84,10 @@ class TinygradSlice:
         return self.model.forward(hidden, position)
 
     def copy_rows(self, src: int, dst: int, rows: int) -> None:
-        self.model.copy_rows(src, dst, rows)
+        kv_rows.copy_rows(self.model, src, dst, rows)
 
     def trim(self, slot: int) -> None:
-        self.model.trim(slot)
+        kv_rows.trim(self.model, slot)
 
     def warm_up(self, beam: int = 0, *, lazy: bool = False, prompt_rows: int | None = None) -> dict[int, float]:
         return self.model.warm_up(beam, warm.boot_buckets(self.model.buckets, prompt_rows) if lazy else None)
