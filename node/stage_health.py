@@ -7,9 +7,14 @@ import resource
 
 
 def memory(worker) -> dict:
-    """The memory figures of /health and of the metrics' gauges: weights, KV caches, slots held, peak RSS."""
+    """The memory figures of /health and of the metrics' gauges: weights, KV caches (the bytes reserved, and
+    the positions of all slots, those requests hold and those prefix-cache entries hold: on the CPU only
+    positions held take memory), slots held, peak RSS."""
     info = worker.info if worker is not None else None
+    used, cached = worker.kv_positions if worker is not None else (None, None)
     return {"weight_bytes": info.weight_bytes if info else None, "kv_bytes": info.kv_bytes if info else None,
+            "kv_positions": None if info is None else {"total": info.max_seqs * info.max_context, "used": used,
+                                                        "cached": cached},
             "slots_in_use": worker.slots_in_use if worker is not None else None,
             "slots_kept": worker.kept_count if worker is not None else None,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # ru_maxrss is KiB

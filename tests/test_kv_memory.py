@@ -59,3 +59,13 @@ def test_a_released_request_s_slot_gives_its_kv_back_and_the_next_request_answer
         assert not c[slot_of["a"] * ctx:(slot_of["a"] + 1) * ctx].any()  # given back
         assert c[slot_of["b"] * ctx:slot_of["b"] * ctx + 3].any()  # the other request's KV stays
     assert np.array_equal(run("c", (5, 6, 7, 8)), first)  # the trimmed slot serves the next request as new
+
+
+def test_a_stage_counts_the_kv_positions_its_requests_and_its_prefix_cache_hold():
+    worker = open_worker(tinygrad_model(TinySource()), Shard.of(0, 2), max_seqs=3)
+    assert worker.kv_positions == (0, 0)
+    worker.run([StepItem("a", 0, tokens=(5, 6, 7, 8)), StepItem("b", 0, tokens=(9, 10))])
+    assert worker.kv_positions == (6, 0)
+    worker.release("a", keep_as="entry-a")  # kept for the prefix cache: cached, not used
+    worker.release("b")
+    assert worker.kv_positions == (0, 4)

@@ -51,6 +51,10 @@ async def test_metrics_parse_and_move_by_what_one_request_did(nursery, tmp_path)
         assert value(a, "pp_step_compute_seconds_count") > value(b, "pp_step_compute_seconds_count"), stage
         assert ("pp_weight_bytes", frozenset({("model_name", MODEL_NAME)})) in a  # the stub weighs 0
         assert value(a, "pp_peak_rss_bytes") > 0
+        # the finished request's KV is the prefix cache's now: none held by a request, its positions cached
+        total, cached = value(a, "pp_kv_cache_positions", state="total"), value(a, "pp_kv_cache_positions", state="cached")
+        assert value(a, "pp_kv_cache_positions", state="used") == 0 and prompt <= cached <= prompt + 5
+        assert total > cached and value(a, "pp_kv_cache_usage_perc") == cached / total
         assert value(a, "pp_gossip_members", state="alive") == 4  # three stages and the orchestrator
         assert value(a, "pp_gossip_members", state="dead") == 0
     # the hop into stage 1 was timed on the wire, and in the queue before its step

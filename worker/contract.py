@@ -169,5 +169,9 @@ class Worker(Protocol):
         """The requests holding a slot."""
 
     @property
+    def kv_positions(self) -> tuple[int, int]:
+        """KV positions held by requests and by prefix-cache entries; any thread."""
+
+    @property
     def slots_in_use(self) -> int:
         """How many slots requests hold; any thread."""

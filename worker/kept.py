@@ -62,7 +62,7 @@ class _Kept:
 
 
 class KeptSlots:
-    """Compute thread only, but for `len`."""
+    """Compute thread only, but for `len` and `positions`."""
 
     def __init__(self, stage: int):
         self.stage = stage  # named in a PrefixMissing
@@ -70,6 +70,10 @@ class KeptSlots:
 
     def __len__(self) -> int:
         return len(self._kept)
+
+    def positions(self) -> int:
+        """Positions the entries hold, in all; any thread."""
+        return sum(k.length for k in tuple(self._kept.values()))
 
     def lengths(self) -> dict[str, int]:
         return {name: k.length for name, k in self._kept.items()}

@@ -53,6 +53,11 @@ class Slots:
     def __len__(self) -> int:
         return len(self.requests)
 
+    def positions(self) -> tuple[int, int]:
+        """KV positions the slots hold: requests' (each what its slot holds) and prefix-cache entries'; any
+        thread (tuple() copies a dict's values without letting another thread in)."""
+        return sum(r.valid for r in tuple(self.requests.values())), self.kept.positions()
+
     def admit(self, item: StepItem, planned: dict[str, int], starting: dict[str, Request]) -> Request:
         """Check one step's place and return its request; a step at position 0 of an unknown one starts it
         (in `starting`, kept only once its batch has computed). `planned`: the next position per request,

@@ -145,6 +145,11 @@ class StageWorker:
         """How many slots are held; safe to read from any thread."""
         return len(self._slots)
 
+    @property
+    def kv_positions(self) -> tuple[int, int]:
+        """KV positions held by requests and by prefix-cache entries; safe to read from any thread."""
+        return self._slots.positions()
+
     # -- internals ---------------------------------------------------------------------------
     def _compute(self, accepted: list[tuple[int, StepItem, Request]], starting: dict[str, Request],
                  results: list) -> None:

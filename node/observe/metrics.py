@@ -13,6 +13,9 @@ moved by the node as things happen; the gauges are read from the node when a scr
     pp_prefix_cache_queries_total, _hits_total       stage 0: prompt tokens looked up in the prefix cache / found
     pp_prefix_cache_blocks                           stage 0: whole blocks the prefix cache holds
     pp_weight_bytes, pp_kv_bytes, pp_peak_rss_bytes  memory
+    pp_kv_cache_usage_perc                           KV positions held (requests' and the prefix cache's) over all
+                                                     slots' (vLLM's kv_cache_usage_perc: 1 = full)
+    pp_kv_cache_positions{state}                     KV positions: total, used (by requests), cached (by entries)
 
 Every series carries `model_name`, the name the OpenAI API serves the model by, as vLLM's do: a dashboard
 made for vLLM filters on it, and one Prometheus can scrape clusters of several models apart.
@@ -88,12 +91,28 @@ class _Snapshot:
                 gauge = GaugeMetricFamily(name, help_text, labels=["model_name"])
                 gauge.add_metric(name_label, value)
                 yield gauge
+        yield from self._kv_positions(s.get("kv_positions"), name_label)
         yield from self._prefix_cache(s.get("prefix_cache"), name_label)
         members = GaugeMetricFamily("pp_gossip_members", "Members of this node's gossip view, by state",
                                     labels=["model_name", "state"])
         for state in State:
             members.add_metric([*name_label, state.value], s.get("members", {}).get(state.value, 0))
         yield members
+
+    @staticmethod
+    def _kv_positions(figures: dict | None, name_label: list[str]):
+        """How full the stage's KV caches are, in positions (on the CPU only positions held take memory)."""
+        if not figures or figures.get("used") is None:
+            return
+        usage = GaugeMetricFamily("pp_kv_cache_usage_perc", "KV positions held, by requests and the prefix cache, "
+                                  "over all slots' (1 = full)", labels=["model_name"])
+        usage.add_metric(name_label, (figures["used"] + figures["cached"]) / figures["total"])
+        yield usage
+        positions = GaugeMetricFamily("pp_kv_cache_positions", "KV positions of this stage: total, used by requests, "
+                                      "cached by prefix-cache entries", labels=["model_name", "state"])
+        for state in ("total", "used", "cached"):
+            positions.add_metric([*name_label, state], figures[state])
+        yield positions
 
     @staticmethod
     def _prefix_cache(figures: dict | None, name_label: list[str]):
