@@ -189,7 +189,8 @@ def _config_from(src: Sources, *, home: Path, rng: random.Random | None) -> Node
         prefix_cache=not switch(src, "--no-prefix-cache"),
         ctx=count(src, "--ctx", DEFAULT_CONTEXT, lowest=16),
         threads=threads(src),
-        beam=count(src, "--beam", 0, lowest=0), precision=precision(src), kv_cache_dtype=kv_cache_dtype(src), link_streams=link_streams(src),
+        beam=count(src, "--beam", 0, lowest=0), precision=precision(src), kv_cache_dtype=kv_cache_dtype(src),
+        link_streams=link_streams(src),
         layer_partition=layer_partition(src, num_stages), machine_id=_machine_id(src),
         exit_on_stdin_eof=env_switch(env, "PP_STDIN_LIFELINE"), faults=link_faults(env))
 
