@@ -215,7 +215,8 @@ def warn_if_kv_outgrows(kv_bytes: int, available: int | None, config: NodeConfig
         warn_event(log, "kv_over_memory", kv_bytes=kv_bytes, available_bytes=available,
                    advice=f"the KV caches of {config.max_seqs} slots of {config.ctx} positions would take more "
                           f"memory than is free; they take it only as requests fill them, but if they all fill, "
-                          f"the system may kill this node: lower --max-seqs or --ctx, or --kv-cache-dtype float16")
+                          f"the system may kill this node: lower --max-seqs or --ctx"
+                          + (", or use --kv-cache-dtype float16" if config.kv_cache_dtype != "float16" else ""))
 
 
 def flag_split(config: NodeConfig, shard: Shard) -> Split:

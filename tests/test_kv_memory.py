@@ -39,7 +39,7 @@ def test_release_keeps_the_pages_it_shares_with_the_bytes_around_it():
 
 def host_caches(worker) -> list[np.ndarray]:
     model = worker.compute.model
-    return [model._backing_of[id(b.cache)] for b in model.blocks]
+    return [model.lazy_host(b.cache) for b in model.blocks]
 
 
 def test_a_released_request_s_slot_gives_its_kv_back_and_the_next_request_answers_as_alone():

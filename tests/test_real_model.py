@@ -214,8 +214,8 @@ def half_model(tmp_path_factory):
 
 @pytest.mark.parametrize("n", [pytest.param(1, marks=SLOW), pytest.param(2, marks=SLOW), 3, pytest.param(5, marks=SLOW)])
 def test_a_float16_kv_cache_keeps_every_greedy_answer_equal_to_transformers(half_model, tokenizer, n):
-    # its logits differ from float32's by up to ~0.016, more than the smallest top-2 gap along "Say hello"
-    # (0.0076): tokens are what must hold
+    # its logits differ from float32's by up to ~0.016 (bench.kv_dtype), more than the smallest top-2 gap
+    # along "Say hello" (0.0076): tokens are what must hold
     pipeline = Pipeline(half_model, n)
     for prompt in PROMPTS:
         tokens, _ = pipeline.answer(tokenizer.encode_chat(prompt))
