@@ -32,7 +32,7 @@ import attrs
 
 from node.transport.app import ListenError, check_listenable
 from node.config.cores import MAX_THREADS, available_cores, fair_share
-from node.config.model import KV_CACHE_DTYPES
+from node.config.model import KV_CACHE_DTYPES, memory_size
 from node.config.credentials import check_keys, read_key_file, split_keys
 from node.config.network import LOOPBACK
 from node.config.sources import ConfigError
@@ -120,6 +120,8 @@ def _node_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="what every node's KV caches hold: float16 (half the bytes) or float32 (PP_KV_CACHE_DTYPE; "
                         "default auto = float16)")
+    g.add_argument("--kv-cache-memory", default="auto", metavar="BYTES", help="the memory each node's KV may fill, "
+                   "e.g. 2G; past it requests wait or the newest is preempted (default auto: half the free memory)")
     g.add_argument("--precision", choices=PRECISIONS, default="auto",
                    help="which weights stay as the model file holds them, read by the kernels (less memory; faster "
                         "with --beam): auto = Q8_0, and F16/BF16 too with --beam; file = all of them; f32 = none, "
@@ -194,6 +196,10 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
         parse_partition(args.layer_partition, max(args.num_stages, 2))
     except ValueError as exc:
         problems.append(f"--layer-partition {args.layer_partition}: {exc}")
+    try:
+        memory_size(args.kv_cache_memory)
+    except ValueError as exc:
+        problems.append(f"--kv-cache-memory {args.kv_cache_memory}: {exc}")
     if args.beam < 0:
         problems.append("--beam must be 0 (off) or a search width of at least 1")
     if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:
@@ -398,7 +404,7 @@ def serving_env(args) -> dict[str, str]:
     cores, kernel search, precision, the layer partition, the prefix cache."""
     return {**({"PP_THREADS": str(args.threads)} if args.threads else {}),"PP_MAX_SEQS": str(args.max_seqs), "PP_MAX_QUEUE": str(args.max_queue), "PP_CTX": str(args.ctx),
             "PP_BEAM": str(args.beam), "PP_PRECISION": args.precision, "PP_LAYER_PARTITION": args.layer_partition,
-            "PP_KV_CACHE_DTYPE": args.kv_cache_dtype,
+            "PP_KV_CACHE_DTYPE": args.kv_cache_dtype, "PP_KV_CACHE_MEMORY": args.kv_cache_memory,
             **({"PP_NO_PREFIX_CACHE": "1"} if args.no_prefix_cache else {})}
 
 

@@ -11,9 +11,10 @@ import trio
 
 from roles import topology
 from roles.actions import Progress, Refused
-from roles.first import settled_chain
+from roles.first import prompt_tokens, settled_chain
 from roles.messages import CancelRequest, EndRequest, InferenceRequest, InferenceResponse
 
+from node.kv_memory import chain_positions
 from node.membership.gossip import State
 from node.observe.log import as_extra, event
 from node.transport.replies import KEPT_RESPONSES
@@ -106,7 +107,7 @@ class EntryStage:
 
     def admitted(self, message) -> None:
         if isinstance(message, InferenceRequest):
-            self.node.figures.admitted(message.request_id, self.node.actor.prompt_tokens(message.request_id))
+            self.node.figures.admitted(message.request_id, prompt_tokens(self.node.actor, message.request_id))
         # after every message, not every token: fed-back tokens end a replay, a report of lost rows starts one
         self._settled = tell_settled(self.swim, self.node.actor, self._settled)
 
@@ -136,10 +137,13 @@ class EntryStage:
         return {"followed": len(self._local)}  # API requests whose asker is still being answered
 
     async def ready(self, swim) -> None:
-        """Once every stage is ready: admit no more requests at once than the chain's fewest slots."""
+        """Once every stage is ready: admit no more requests at once than the chain's fewest slots, and no more KV
+    than the least any stage can hold (roles/kv_budget.py)."""
         count = self.node.shard.count
         await swim.wait_until(lambda s: all(m is not None and m.meta.ready for m in _holders(s, range(count))))
         self.node.actor.capacity = chain_capacity(swim, count) or self.node.worker.info.max_seqs
+        holders = [m for m in _holders(swim, range(count)) if m is not None]
+        self.node.actor.kv.budget = chain_positions([m.meta.kv_positions for m in holders])
 
     async def watch(self, swim) -> None:
         """Tell the actor who holds the rest of the chain, on every change (it pauses while a stage is missing

@@ -44,7 +44,8 @@ from node.config.settings import NodeConfig
 from node.membership.gossip import TERMINAL, Member, Meta, SwimConfig
 from node.membership.swim import Swim
 from node.observe.log import event, warn_event
-from node.planning import agree, held, measured_by, measurer, stage_machines
+from node.kv_memory import KvPositions, stage_positions
+from node.planning import agree, held, measured_by, measurer, stage_machines, stages_on
 from node.downstream import DownstreamStage
 from node.entry import EntryStage
 from node.stage_node import StageNode
@@ -208,15 +209,24 @@ async def measure_and_agree(config: NodeConfig, swim: Swim, shard: Shard, comput
     return split, model, {"calibrate_s": timed_s}
 
 
-def warn_if_kv_outgrows(kv_bytes: int, available: int | None, config: NodeConfig) -> None:
-    """The KV caches are reserved for every slot's whole context but take memory only as they are written
-    (worker/files.lazy_zeros): say so where filling them all would outgrow the machine's free memory."""
-    if available is not None and kv_bytes > available:
-        warn_event(log, "kv_over_memory", kv_bytes=kv_bytes, available_bytes=available,
-                   advice=f"the KV caches of {config.max_seqs} slots of {config.ctx} positions would take more "
-                          f"memory than is free; they take it only as requests fill them, but if they all fill, "
-                          f"the system may kill this node: lower --max-seqs or --ctx"
+def kv_budget(config: NodeConfig, info, swim) -> KvPositions:
+    """The KV positions this stage may hold (node/kv_memory.py), from --kv-cache-memory or the memory free
+    now that its weights are loaded; logged, with a warning where that is more than is free."""
+    here = stages_on(swim.members().values(), config.num_stages, config.machine_id)
+    available = available_memory()
+    kv = stage_positions(config.kv_cache_memory, kv_bytes=info.kv_bytes, slot_positions=info.max_seqs * info.max_context,
+                         max_context=info.max_context, available=available, stages_here=here)
+    event(log, "kv_budget", positions=kv.positions, memory_bytes=kv.memory_bytes, how=kv.how, stages_here=here,
+          available_bytes=available)
+    if kv.note:
+        warn_event(log, "kv_budget_raised", advice=kv.note)
+    if available is not None and kv.memory_bytes > available:
+        # The caches take memory only as they are written (worker/files.lazy_zeros), up to the budget.
+        warn_event(log, "kv_over_memory", kv_bytes=kv.memory_bytes, available_bytes=available,
+                   advice="the KV budget is more memory than is free; if requests fill it, the system may kill "
+                          "this node: lower --kv-cache-memory"
                           + (", or use --kv-cache-dtype float16" if config.kv_cache_dtype != "float16" else ""))
+    return kv
 
 
 def flag_split(config: NodeConfig, shard: Shard) -> Split:
@@ -305,15 +315,16 @@ async def _serve(config, swim_config, on_listening, compute, task_status, loaded
         event(log, "worker_ready", seconds=round(time.perf_counter() - started, 3), layers=str(worker.info.shard.blocks),
               weight_bytes=worker.info.weight_bytes, kv_bytes=worker.info.kv_bytes, split=list(split.counts),
               how=split.how, reason=split.reason, **phases)
-        warn_if_kv_outgrows(worker.info.kv_bytes, available_memory(), config)
+        kv = kv_budget(config, worker.info, swim)
         node.attach(worker, split=split)
+        node.kv_budget = kv.positions
         # The loaded model is hundreds of thousands of objects that live as long as the process; a full
         # collection scanned them all on the event loop (200-340 ms, /health with it, under a burst of
         # large requests). Frozen, they are never scanned again.
         gc.collect()
         gc.freeze()
         await nursery.start(node.run, compute)
-        swim.update_meta(ready=True, max_seqs=worker.info.max_seqs)
+        swim.update_meta(ready=True, max_seqs=worker.info.max_seqs, kv_positions=kv.positions)
         await swim.wait_until(lambda s: len(s.alive()) >= 2)
         event(log, "joined", members=len(swim.members()))
         await swim.wait_until(_resolved(topology.resolves(shard)))

@@ -57,6 +57,14 @@ def stage_machines(members: Iterable[Member], num_stages: int) -> list[str | Non
     return None if len(found) < num_stages else [found[s].meta.machine for s in range(num_stages)]
 
 
+def stages_on(members: Iterable[Member], num_stages: int, machine: str | None) -> int:
+    """Pure: how many stages' live holders compute on `machine` (Meta.machine), this node's among them: at
+    least 1 (None: its own machine, shared with no one it knows of)."""
+    if machine is None:
+        return 1
+    return max(1, sum(m.meta.machine == machine for m in _holders(members, num_stages).values()))
+
+
 def measurer(machines: list[str | None], stage: int) -> int | None:
     """Pure: the stage that times `stage`'s machine: the lowest stage on it, since nodes that share cores,
     timed at once, would time their contention, not their speed; None where every stage shares it: they are

@@ -6,15 +6,15 @@ import collections
 import resource
 
 
-def memory(worker) -> dict:
+def memory(worker, kv_budget: int | None = None) -> dict:
     """The memory figures of /health and of the metrics' gauges: weights, KV caches (the bytes reserved, and
-    the positions of all slots, those requests hold and those prefix-cache entries hold: on the CPU only
-    positions held take memory), slots held, peak RSS."""
+    the positions this stage may hold (`kv_budget`, else all slots'), those requests hold and those prefix-cache
+    entries hold: on the CPU only positions held take memory), slots held, peak RSS."""
     info = worker.info if worker is not None else None
     used, cached = worker.kv_positions if worker is not None else (None, None)
+    total = None if info is None else kv_budget or info.max_seqs * info.max_context
     return {"weight_bytes": info.weight_bytes if info else None, "kv_bytes": info.kv_bytes if info else None,
-            "kv_positions": None if info is None else {"total": info.max_seqs * info.max_context, "used": used,
-                                                        "cached": cached},
+            "kv_positions": None if info is None else {"total": total, "used": used, "cached": cached},
             "slots_in_use": worker.slots_in_use if worker is not None else None,
             "slots_kept": worker.kept_count if worker is not None else None,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # ru_maxrss is KiB
@@ -28,7 +28,7 @@ def health(node) -> dict:
             "ready": info is not None, "layers": [info.shard.blocks.start, info.shard.blocks.stop] if info else None,
             "max_seqs": info.max_seqs if info else None, "max_batch": info.max_batch if info else None,
             "warming": node.warming,  # step buckets left to capture: steps until then are cut into the captured ones
-            **memory(node.worker),
+            **memory(node.worker, node.kv_budget),
             **node.side.figures(),
             **node.figures.health(),
             **(node.actor.health() if node.actor else {}),
@@ -43,5 +43,6 @@ def metrics_snapshot(node) -> dict:
     health = node.actor.health() if node.actor is not None else {}
     return {"running": node.side.running(health),
             "queued": health.get("queue", {}).get("waiting"), "prefix_cache": health.get("prefix_cache"),
-            **memory(node.worker),
+            "preemptions": health.get("kv", {}).get("preemptions"),
+            **memory(node.worker, node.kv_budget),
             "members": collections.Counter(m.state.value for m in view)}

@@ -86,6 +86,7 @@ class StageNode:
         self.url: str | None = None  # advertised; the entry's own API requests name it as their reply_to
         self.worker = self.actor = self.links = None  # the actor is made with the worker: its size comes from the slice
         self.warming = self._chain_up = False  # warming: step buckets left to capture (/health says so)
+        self.kv_budget: int | None = None  # KV positions this stage may hold (node/kv_memory.py), once loaded
         self._work = trio.Event()
 
     @property

@@ -189,12 +189,15 @@ def from_cache(start: RequestStart | None) -> FromCache | None:
 
 
 def compute(step: Step, worker: Worker, items: list) -> tuple[list, float]:
-    """On the compute thread: tell the worker of replayed requests, free the slots of ended ones, then run
+    """On the compute thread: tell the worker of replayed requests, free the slots of ended ones and the KV of
+    dropped prefix-cache entries, then run
     the step's items as one batch. Returns the results and the step's wall time in ms."""
     for rid in step.restart:
         worker.restart(rid)
     for rid, keep_as in step.release:
         worker.release(rid, keep_as=keep_as)
+    if step.forget:
+        worker.forget(step.forget)
     ms: list[float] = []
     with timed(ms):
         results = worker.run(items) if items else []

@@ -44,6 +44,12 @@ class Admission:
                                f"waiting; retry later", retry_after_s=RETRY_AFTER_S)
         self.waiting[req.request_id] = (req, ids, self.clock())
 
+    def wait_first(self, req: InferenceRequest, ids: list[int]) -> None:
+        """A preempted request (roles/kv_budget.py) waits first in line, whatever the queue's length: it was
+        admitted once, and what it has generated is kept."""
+        self.waiting[req.request_id] = (req, ids, self.clock())
+        self.waiting.move_to_end(req.request_id, last=False)
+
     def start_waiting(self, plan: Callable[[InferenceRequest, list[int]], Start | None],
                       start: Callable[[InferenceRequest, list[int], float, Start], None]) -> list:
         """Start waiting requests, oldest first, while `plan` finds a slot; `start` takes the time each waited

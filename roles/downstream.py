@@ -5,13 +5,29 @@ from __future__ import annotations
 from worker.errors import PrefixMissing, WorkerError
 
 from .actions import Send, is_live, lost, step_failed
+from .messages import EndReason, EndRequest
 from .schedule import Step, Unit
 from .topology import stage_name
 
 
 class DownstreamActor:
     """Base of MiddleActor and LastActor: each sets `queue` (a StageQueue), `expected` (request id -> the
-    Held life it computes), `missed` (an empty set) and `_fail(request_id, error) -> actions`."""
+    Held life it computes), `missed` (an empty set), `_fail(request_id, error) -> actions` and
+    `_forget_life(request_id)` (what it holds of the request's life, but the slot)."""
+
+    def _reclaimed(self, end: EndRequest) -> bool:
+        """Stage 0's KV budget (roles/kv_budget.py): a preempted request's life is over here, its slot freed, or
+        an evicted prefix-cache entry's KV goes. False: not such a message."""
+        if end.reason is EndReason.DROPPED:
+            self.queue.forget(end.request_id)
+            return True
+        if end.reason is not EndReason.PREEMPTED:
+            return False
+        held = self.expected.get(end.request_id)
+        if held is None or held.generation <= end.generation:  # links keep order: no later life can be here yet
+            self.queue.free(end.request_id)
+            self._forget_life(end.request_id)
+        return True
 
     def _refused(self, unit: Unit, error: WorkerError) -> list:
         """The worker refused a request's rows. Where the prefix-cache entry its life was to start from is not

@@ -37,6 +37,7 @@ from worker.partition import Role, Shard
 from .actions import (UNKNOWN_REQUEST, Progress, Refused, Send, compute, error_reply, failure, from_cache, pass_on,
                       step_failed, wrong_role)
 from .admission import Admission, described
+from .kv_budget import KvBook, Room
 from .messages import (Activation, CancelRequest, EndReason, EndRequest, InferenceRequest, NextTokens, RequestStart,
                        Token)
 from .prefix import DEFAULT_BLOCK_SIZE, Start
@@ -57,6 +58,7 @@ class _Live:
     replays: int = 0
     lost: bool = False  # a stage lost its rows: replay once the chain stands
     resuming: bool = False  # replayed, and no token of the new life has come back yet
+    preempted: bool = False  # its KV freed everywhere for lack of room: it waits first in line (roles/kv_budget.py)
 
     @property
     def next_position(self) -> int:
@@ -82,6 +84,7 @@ class FirstActor:
         self.paused = False  # a stage is missing: compute nothing, start nothing
         self._standing = True  # every stage of the chain is alive: a lost request is replayed at once
         self.cache = PrefixCache(prefix_cache, block_size)
+        self.kv = KvBook(self.cache)  # its budget is set once the chain is ready (node/entry.py)
 
     # -- event loop --------------------------------------------------------------------------
     def admit(self, msg) -> list:
@@ -104,10 +107,11 @@ class FirstActor:
         if self.paused:
             return None
         waiting = {u.request_id for u in self.queue.waiting}
-        elsewhere = any(live.generated and not live.lost and rid not in waiting for rid, live in self.live.items())
+        running = _running(self.live)
+        elsewhere = any(self.live[rid].generated and not self.live[rid].lost and rid not in waiting for rid in running)
         replaying = frozenset(rid for rid in waiting if rid in self.live and self.live[rid].generated)
         ride = prompts_ride(elsewhere, self.queue.waiting, replaying)
-        return self.queue.next_step(decode_group(len(self.live), self.shard.count), prompts=not ride)
+        return self.queue.next_step(decode_group(len(running), self.shard.count), prompts=not ride)
 
     def finish(self, step: Step, outcome) -> list:
         return pass_on(step, outcome, dest=self.next, live=self.is_live, refused=self._refused)
@@ -137,15 +141,9 @@ class FirstActor:
             self.cache.forget(self.cache.index.names())
         actions = []
         for rid, live in list(self.live.items()):
-            if replaced or (live.lost and standing):
+            if (replaced or (live.lost and standing)) and not live.preempted:  # a preempted one holds no KV
                 actions += self._replay(rid)
         return actions + self.admission.start_waiting(self._plan, self._start)
-
-    def prompt_tokens(self, request_id: str) -> int | None:
-        """How many prompt tokens an admitted request has (running or waiting); None if unknown here."""
-        if (live := self.live.get(request_id)) is not None:
-            return len(live.prompt)
-        return self.admission.prompt_tokens(request_id)
 
     def is_live(self, request_id: str, generation: int) -> bool:
         """Whether this life of the request is live here (it started, has not ended, no replay since)."""
@@ -160,6 +158,7 @@ class FirstActor:
         if end.reason is EndReason.FINISHED:
             keep = self.cache.keep(self.entry, (*live.prompt, *live.generated), live.request.cache_salt)
         del self.live[end.request_id]
+        self.admission.waiting.pop(end.request_id, None)  # a preempted request, cancelled or failed while it waits
         self.cache.ended(end.request_id)
         self.queue.end(end.request_id, keep)
         actions = [Progress(end.request_id, end=end),
@@ -169,7 +168,10 @@ class FirstActor:
         return actions + self.admission.start_waiting(self._plan, self._start)
 
     def health(self) -> dict:
-        return {"slots": {"capacity": self.capacity, "active": len(self.live)},
+        running = _running(self.live)
+        return {"slots": {"capacity": self.capacity, "active": len(self.live),
+                          "preempted": len(self.live) - len(running)},
+                "kv": self.kv.health(running),
                 "queue": {"waiting": len(self.admission.waiting), "max": self.admission.max_queue},
                 "admitting": not self.paused, "replays": sum(live.replays for live in self.live.values()),
                 "prefix_cache": self.cache.health()}
@@ -196,10 +198,27 @@ class FirstActor:
         return []
 
     def _plan(self, req: InferenceRequest, ids: list[int]) -> Start | None:
-        """How the request would start now (roles/prefix.py), or None: paused, or no slot for it yet."""
-        return None if self.paused else self.cache.plan(req, ids, free=self.capacity - len(self.live))
+        """How the request would start now (roles/prefix.py), the entries its KV evicts in `drop`; or None:
+        paused, or no slot or KV room for it yet. A preempted request (still live) needs room for all it had."""
+        if self.paused:
+            return None
+        if (held := self.live.get(req.request_id)) is not None:
+            room = self.kv.room(_running(self.live), held.next_position)
+            return None if room is None else Start(drop=room.evict)
+        plan = self.cache.plan(req, ids, free=self.capacity - len(self.live))
+        if plan is None:
+            return None
+        entry = plan.match.entry
+        need = len(ids) - (self.cache.positions(entry) if plan.take else 0)
+        room = self.kv.room(_running(self.live), need, drop=plan.drop, keep=(entry,) if entry else ())
+        return None if room is None else attrs.evolve(plan, drop=plan.drop + room.evict)
 
     def _start(self, req: InferenceRequest, ids: list[int], queued_ms: float, plan: Start) -> None:
+        if (held := self.live.get(req.request_id)) is not None:  # preempted: its next life, prefilled as a replay's
+            self.cache.forget(plan.drop)
+            held.preempted, held.resuming = False, True
+            self.queue.add(_prefill(held, Start(), self.entry, self.cache.drops()))
+            return
         live = _Live(req, tuple(ids), round(queued_ms, 3))
         self.cache.start(req, len(ids), plan)
         self.queue.add(_prefill(live, plan, self.entry, self.cache.drops()))
@@ -240,12 +259,33 @@ class FirstActor:
                     actions += self.admission.start_waiting(self._plan, self._start)
                 if t.done:
                     actions += self.end(EndRequest(t.request_id, EndReason.FINISHED))
-                else:
-                    live.generated.append(t.token_id)  # t.position was next_position: it moves on by one
+                    continue
+                live.generated.append(t.token_id)  # t.position was next_position: it moves on by one
+                actions += self._reclaim(self.kv.room(_running(self.live), 0, grower=t.request_id))
+                if not live.preempted:
                     self.queue.add(Unit(t.request_id, t.position, 1, decode=True, tokens=(t.token_id,),
                                         generation=live.generation))
             except Exception as exc:  # noqa: BLE001 - whatever it is, it is this request's; what it did stands
                 actions += self._fail(t.request_id, described(exc)) if t.request_id in self.live else []
+        return actions
+
+    def _reclaim(self, room: Room | None) -> list:
+        """Stage 0's KV decision (roles/kv_budget.py) carried out: entries evicted, and every entry forgotten
+        since the last start dropped on every stage now; requests preempted: their life ends on every stage
+        and they wait first in line. None: nothing frees enough (entries held): the budget is overrun a while."""
+        self.cache.forget(room.evict if room is not None else ())
+        actions: list = []
+        for name in self.cache.drops():
+            self.queue.forget(name)
+            actions.append(Send(self.next, EndRequest(name, EndReason.DROPPED)))
+        for rid in room.preempt if room is not None else ():
+            live = self.live[rid]
+            actions.append(Send(self.next, EndRequest(rid, EndReason.PREEMPTED, generation=live.generation)))
+            live.generation, live.preempted, live.lost, live.resuming = live.generation + 1, True, False, False
+            self.kv.preemptions += 1
+            self.cache.ended(rid)
+            self.queue.free(rid)
+            self.admission.wait_first(live.request, list(live.prompt))
         return actions
 
     def _refused(self, unit: Unit, error: WorkerError) -> list:
@@ -259,6 +299,19 @@ class FirstActor:
     def _fail(self, request_id: str, error: str) -> list:
         """Computing the request failed here: it ends, never replayed."""
         return self.end(failure(request_id, self.shard.index, error, poison=True))
+
+
+def prompt_tokens(actor: FirstActor, request_id: str) -> int | None:
+    """How many prompt tokens an admitted request has (running or waiting); None if unknown here."""
+    if (live := actor.live.get(request_id)) is not None:
+        return len(live.prompt)
+    return actor.admission.prompt_tokens(request_id)
+
+
+def _running(live: dict[str, _Live]) -> dict[str, int]:
+    """The requests holding KV, oldest first, and the positions each holds on every stage (or will, once
+    what is queued for it is computed): its prompt and every token fed back (roles/kv_budget.py)."""
+    return {rid: life.next_position for rid, life in live.items() if not life.preempted}
 
 
 def settled_chain(actor: FirstActor) -> tuple[str, ...]:

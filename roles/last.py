@@ -70,6 +70,8 @@ class LastActor(DownstreamActor):
     # -- event loop --------------------------------------------------------------------------
     def admit(self, msg) -> list:
         if isinstance(msg, EndRequest):
+            if self._reclaimed(msg):
+                return []
             self._end_here(msg.request_id, keep_as=msg.keep_as)
             self.failed_reply_to.pop(msg.request_id, None)
             return []
@@ -226,6 +228,9 @@ class LastActor(DownstreamActor):
     def _end_here(self, request_id: str, *, keep_as: str = "") -> None:
         if not self.queue.ended(request_id):
             self.queue.end(request_id, keep_as)
+        self._forget_life(request_id)
+
+    def _forget_life(self, request_id: str) -> None:
         self._forget_missed(request_id)
         self.expected.pop(request_id, None)
         self.entries.drop(request_id)

@@ -7,6 +7,9 @@ feeds each Token back to stage 0; when the request ends — finished, failed or 
 an EndRequest down the chain so every stage frees its slot. Activations and NextTokens carry the rows of
 several requests at once: one batched step's worth.
 
+Preemption (roles/kv_budget.py): where a running request's next position does not fit the chain's KV budget,
+stage 0 ends the newest request's life everywhere (EndRequest PREEMPTED) and replays it once it fits.
+
 Replay: when a stage is replaced (or rows are lost on the way), stage 0 starts the request's next life,
 its `generation`: the prompt and the tokens generated so far go down the chain again as one prefill
 (RequestStart.replayed), each stage overwrites the request's slot, and rows and tokens of an earlier
@@ -187,6 +190,11 @@ class EndReason(enum.Enum):
     CANCELLED = "cancelled"
     FAILED = "failed"
     LOST = "lost"  # a stage could not pass the request's rows on: stage 0 replays it, nothing ends
+    # Stage 0 -> down the chain only, nothing ends (roles/kv_budget.py): free the request's slot, its life
+    # (`generation`) is over and a later one starts it over once its KV fits; or forget the prefix-cache entry
+    # named `request_id` (an entry evicted while no request starts, whose RequestStart.drop would name it)
+    PREEMPTED = "preempted"
+    DROPPED = "dropped"
 
 
 @attrs.frozen

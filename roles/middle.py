@@ -31,7 +31,9 @@ class MiddleActor(DownstreamActor):
     # -- event loop --------------------------------------------------------------------------
     def admit(self, msg) -> list:
         if isinstance(msg, EndRequest):
-            return self._end_here(msg.request_id, keep_as=msg.keep_as) + [Send(self.next, msg)]
+            if not self._reclaimed(msg):
+                self._end_here(msg.request_id, keep_as=msg.keep_as)
+            return [Send(self.next, msg)]
         if not isinstance(msg, Activation):
             raise wrong_role(self.stage, self.role, msg)
         if (msg := self.entries.admit(msg)) is None:
@@ -84,11 +86,14 @@ class MiddleActor(DownstreamActor):
     def _end_here(self, request_id: str, *, keep_reply_to: bool = False, keep_as: str = "") -> list:
         if not self.queue.ended(request_id):
             self.queue.end(request_id, keep_as)
+        self._forget_life(request_id)
+        if not keep_reply_to:
+            self.reply_to.pop(request_id, None)
+        return []
+
+    def _forget_life(self, request_id: str) -> None:
         self._forget_missed(request_id)
         self.expected.pop(request_id, None)
         self.entries.drop(request_id)
         self.prompt_len.pop(request_id, None)
-        if not keep_reply_to:
-            self.reply_to.pop(request_id, None)
-        return []
 

@@ -23,6 +23,7 @@ class PrefixCache:
         self._made = 0
         self._started: dict[str, str] = {}  # request -> the entry its life started from
         self._held: dict[str, str] = {}  # request -> the entry it copies from, held until its first token
+        self._positions: dict[str, int] = {}  # entry -> the positions of KV every stage keeps for it
 
     def usable(self, req: InferenceRequest) -> bool:
         return self.enabled and req.sampling.prompt_logprobs is None  # those need every prompt row's logits
@@ -43,6 +44,7 @@ class PrefixCache:
             self._started[rid] = entry
             if plan.take:
                 self.index.remove(entry)
+                self._positions.pop(entry, None)
             else:
                 self.index.hold(entry)
                 self._held[rid] = entry
@@ -82,13 +84,24 @@ class PrefixCache:
         self._made += 1
         name = f"{owner}#{self._made}"
         self.index.add(name, tokens, salt)
+        self._positions[name] = len(tokens)
         return name
 
     def forget(self, names: Iterable[str]) -> None:
         """Evict entries here; every stage forgets them with the next request that starts."""
         for name in list(names):
             self.index.remove(name)
+            self._positions.pop(name, None)
             self._dropped.append(name)
+
+    def positions(self, name: str | None = None) -> int:
+        """The KV positions every stage keeps for an entry, or (None) for all of them."""
+        return self._positions.get(name, 0) if name is not None else sum(self._positions.values())
+
+    def evictable(self, other_than: tuple[str, ...] = ()) -> list[tuple[str, int]]:
+        """The entries no request holds (but those named), least recently used first, with their positions."""
+        return [(name, self._positions.get(name, 0)) for name in self.index.names()
+                if name not in other_than and not self.index.held(name)]
 
     def health(self) -> dict:
         return {"enabled": self.enabled, "block_size": self.index.block_size, "entries": len(self.index),

@@ -82,6 +82,7 @@ class Step:
     # requests whose slots the worker frees before computing, each with the name to keep its KV under ("": none)
     release: tuple[tuple[str, str], ...]
     restart: tuple[str, ...] = ()  # requests whose next rows begin a new life in the slot they hold (a replay)
+    forget: tuple[str, ...] = ()  # prefix-cache entries whose KV the worker gives up before computing
 
 
 def decode_group(running: int, num_stages: int) -> int:
@@ -150,6 +151,7 @@ class StageQueue:
         self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._release: list[tuple[str, str]] = []
         self._restart: list[str] = []
+        self._forget: list[str] = []
 
     def add(self, unit: Unit) -> None:
         self.waiting.append(unit)
@@ -165,6 +167,16 @@ class StageQueue:
         while len(self._ended) > ENDED_REMEMBERED:
             self._ended.popitem(last=False)
         self._release.append((request_id, keep_as))
+
+    def free(self, request_id: str) -> None:
+        """The request's life is over here but the request is not (preempted, roles/kv_budget.py): drop its
+        waiting rows and free its slot before the next step; a later life's rows start it over."""
+        self.waiting = [u for u in self.waiting if u.request_id != request_id]
+        self._release.append((request_id, ""))
+
+    def forget(self, entry: str) -> None:
+        """Give up a prefix-cache entry's KV before the next step (EndReason.DROPPED)."""
+        self._forget.append(entry)
 
     def restart(self, request_id: str) -> None:
         """The request begins a new life (a replay): drop its waiting rows; before the next step, which may
@@ -191,8 +203,8 @@ class StageQueue:
             else:
                 rest.append(unit)
         self.waiting = rest
-        if not units and not self._release and not self._restart:
+        if not units and not self._release and not self._restart and not self._forget:
             return None
-        step = Step(tuple(units), tuple(self._release), tuple(self._restart))
-        self._release, self._restart = [], []
+        step = Step(tuple(units), tuple(self._release), tuple(self._restart), tuple(self._forget))
+        self._release, self._restart, self._forget = [], [], []
         return step

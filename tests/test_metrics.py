@@ -47,6 +47,8 @@ async def test_metrics_parse_and_move_by_what_one_request_did(nursery, tmp_path)
     assert moved("pp_time_to_first_token_seconds_count") == 1
     assert moved("pp_time_per_output_token_seconds_count") == 4
     assert value(entry1, "pp_requests_running") == 0 and value(entry1, "pp_requests_queued") == 0
+    assert ("pp_num_preemptions_total", frozenset({("model_name", MODEL_NAME)})) in entry1  # none: room to spare
+    assert value(entry1, "pp_num_preemptions_total") == 0
     for stage, (b, a) in enumerate(zip(before, after)):
         assert value(a, "pp_step_compute_seconds_count") > value(b, "pp_step_compute_seconds_count"), stage
         assert ("pp_weight_bytes", frozenset({("model_name", MODEL_NAME)})) in a  # the stub weighs 0

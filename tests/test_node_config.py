@@ -116,13 +116,17 @@ def test_the_cluster_token_loses_surrounding_whitespace():
     (["--machine-id", "rack2.box-7"], "machine_id", "rack2.box-7"),
     (["--kv-cache-dtype", "FLOAT32"], "kv_cache_dtype", "float32"),
     (["--kv-cache-dtype", "auto"], "kv_cache_dtype", "float16"),  # auto: float16, half float32's bytes
+    (["--kv-cache-memory", "1.5G"], "kv_cache_memory", 3 << 29),  # powers of 1024, as free -h
+    (["--kv-cache-memory", "512MiB"], "kv_cache_memory", 512 << 20),
+    (["--kv-cache-memory", "4096"], "kv_cache_memory", 4096),
+    (["--kv-cache-memory", "AUTO"], "kv_cache_memory", None),  # a share of the free memory (node/kv_memory.py)
 ])
 def test_a_flag_wins_over_its_variable(argv, field, expected):
     env = {"NUM_STAGES": "6", "SEED_ADDR": "s:1", "PEER_DIRECT": "p:1", "MODEL": "tiny", "PP_PORT": "8100",
            "PP_BIND": "10.0.0.1", "PP_ADVERTISE_ADDR": "x:1", "PP_NODE_ID": "alpha", "PP_LOG_LEVEL": "ERROR",
            "PP_PRECISION": "file", "PP_CTX": "1024", "PP_CHUNKED_PREFILL_SIZE": "12", "PP_NO_PREFIX_CACHE": "0",
            "PP_THREADS": "7", "PP_MACHINE_ID": "other",
-           "PP_KV_CACHE_DTYPE": "float16"}
+           "PP_KV_CACHE_DTYPE": "float16", "PP_KV_CACHE_MEMORY": "2G"}
     assert getattr(parse(env, argv), field) == expected
 
 
@@ -171,6 +175,9 @@ def test_the_port_flag_also_selects_the_vast_port_mapping():
     ({"PP_LAYER_PARTITION": "10,20"}, [], (), "PP_LAYER_PARTITION='10,20': the layer partition 10,20 names 2 stages"),
     ({}, ["--layer-partition", "a,b,c"], (), "--layer-partition='a,b,c': give auto, equal, or each stage's block count"),
     ({"PP_THREADS": "0"}, [], (), "PP_THREADS=0 must be at least 1"),
+    ({"PP_KV_CACHE_MEMORY": "lots"}, [], (), "PP_KV_CACHE_MEMORY='lots': expected auto or a size in bytes"),
+    ({}, ["--kv-cache-memory", "0G"], (), "--kv-cache-memory='0G': the KV memory must be more than 0 bytes"),
+    ({}, ["--kv-cache-memory", "-1"], (), "--kv-cache-memory='-1': expected auto or a size in bytes"),
     ({}, ["--threads", "257"], (), "--threads=257: at most 256 threads"),
     ({"PP_THREADS": "all"}, [], (), "PP_THREADS='all' is not a whole number"),
     ({"PP_KV_CACHE_DTYPE": "fp8"}, [], (), "PP_KV_CACHE_DTYPE='fp8': expected auto, float16, float32"),

@@ -174,6 +174,7 @@ def test_sigkill_to_the_runner_still_stops_every_child():
                                                        "20 blocks; the model has 30"),
     (["--serve", "--standby", "-1"], "--standby K is for --seed --serve: K >= 0"),
     (["--threads", "0"], "--threads must be 1..256"),
+    (["--kv-cache-memory", "lots"], "--kv-cache-memory lots: expected auto or a size in bytes such as 2G"),
     (["--port", "{taken}"], "--port {taken}: cannot listen on 127.0.0.1:{taken}: Address already in use"),
     (["--vastai", "--image", "x", "--model", "/tmp/model.gguf"], "a rented node cannot read this machine's files"),
     (["--vastai", "--image", "x", "--model", "no-such-model"], "'no-such-model': a rented node cannot read"),

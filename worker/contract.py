@@ -143,6 +143,9 @@ class Worker(Protocol):
     def restart(self, request_id: str) -> None:
         """The request's next item begins a new life (a replay), in the slot it holds."""
 
+    def forget(self, entries: Sequence[str]) -> None:
+        """Give up the KV of these prefix-cache entries (unknown ones are no-ops)."""
+
     def sample(self, request_id: str, logits: np.ndarray, *, prompt_ids: Sequence[int] = (),
                output_ids: Sequence[int] = (), stop_ids: frozenset[int] | None = None,
                allowed: np.ndarray | None = None) -> int:

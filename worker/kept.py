@@ -86,9 +86,9 @@ class KeptSlots:
         self._kept.pop(name, None)
         self._kept[name] = _Kept(slot, length, rows if rows is not None else KeptRows())
 
-    def forget(self, names: Iterable[str]) -> None:
-        for name in names:
-            self._kept.pop(name, None)
+    def forget(self, names: Iterable[str]) -> list[int]:
+        """Forget these entries (unknown ones are no-ops); returns the slots they held."""
+        return [kept.slot for name in names if (kept := self._kept.pop(name, None)) is not None]
 
     def rows(self, name: str) -> KeptRows:
         return self._kept[name].rows

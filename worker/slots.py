@@ -94,6 +94,11 @@ class Slots:
         elif req is not None:
             self._trim(req.slot)
 
+    def forget(self, entries) -> None:
+        """Forget prefix-cache entries and give their slots' memory back (EndReason.DROPPED)."""
+        for slot in self.kept.forget(entries):
+            self._trim(slot)
+
     def restart(self, request_id: str) -> None:
         """The request's next item begins a new life, which keeps the slot and what it holds; an unknown
         request (never started here, or released) starts afresh."""
@@ -110,7 +115,7 @@ class Slots:
             self.requests.pop(item.request_id)
             return None
         start = item.from_cache or FromCache()
-        self.kept.forget(start.drop)
+        self.forget(start.drop)
         if start.take and start.entry:
             self.kept.forget([start.entry])
         req.held, req.next_position, req.restarting = req.valid, item.position, False
@@ -121,7 +126,7 @@ class Slots:
         """A request's slot: a free one, or its cached prefix's (taken, or copied into a free one)."""
         rng = rng_for(item.sampling)  # a bad seed fails this request alone, before any slot changes
         start = item.from_cache or FromCache()
-        self.kept.forget(start.drop)
+        self.forget(start.drop)
         if not start.entry:
             return Request(self._free_slot(item, starting), 0, item.sampling, rng)
         source = self.kept.source(start.entry, item.position, item.request_id)

@@ -125,6 +125,10 @@ class StageWorker:
         are not computed again (worker/resume.py). An unknown request starts afresh."""
         self._slots.restart(request_id)
 
+    def forget(self, entries: Sequence[str]) -> None:
+        """Give up the KV of these prefix-cache entries, their slots' memory with it; unknown ones are no-ops."""
+        self._slots.forget(entries)
+
     @property
     def kept(self) -> dict[str, int]:
         """The prefix-cache entries held here and the positions each holds (compute thread)."""

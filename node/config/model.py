@@ -2,6 +2,7 @@
 KV caches hold, and how its blocks are split over the stages."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from node.config.sources import ConfigError, Sources
@@ -37,6 +38,34 @@ def kv_cache_dtype(src: Sources) -> str:
     if value not in KV_CACHE_DTYPES:
         raise ConfigError(f"{label}={raw!r}: expected {', '.join(KV_CACHE_DTYPES)}")
     return "float16" if value == "auto" else value
+
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def kv_cache_memory(src: Sources) -> int | None:
+    """The memory a stage's KV may fill, in bytes (K, M, G and T are powers of 1024, as in `free -h`); None:
+    auto, a share of the machine's free memory (node/kv_memory.py)."""
+    raw, label = src.get("--kv-cache-memory")
+    try:
+        return memory_size(raw or "auto")
+    except ValueError as exc:
+        raise ConfigError(f"{label}={raw!r}: {exc}") from None
+
+
+def memory_size(text: str) -> int | None:
+    """`auto` (None) or a size in bytes: 2G, 1.5GiB, 512M, 1073741824; ValueError names what is expected."""
+    value = text.strip()
+    if value.lower() == "auto":
+        return None
+    found = _SIZE.fullmatch(value)
+    if found is None:
+        raise ValueError("expected auto or a size in bytes such as 2G, 512M or 1073741824")
+    size = int(float(found[1]) * _UNITS[found[2].lower()])
+    if size <= 0:
+        raise ValueError("the KV memory must be more than 0 bytes")
+    return size
 
 
 def precision(src: Sources) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 from node.config.cores import MACHINE_ID, MAX_THREADS, available_cores, machine_id
 from node.config.credentials import (API_KEY_ENV, API_KEY_FILE_ENV, TOKEN_ENV, TOKEN_IS_API_KEY_ENV,
                                      client_api_keys, cluster_token)
-from node.config.model import kv_cache_dtype, layer_partition, model_spec, precision
+from node.config.model import kv_cache_dtype, kv_cache_memory, layer_partition, model_spec, precision
 from node.config.network import (DEFAULT_BIND, DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT, link_faults, link_streams,
                                  listen_port, max_body, optional_url, peer_urls, public_port)
 from node.config.settings import DEFAULT_CHUNKED_PREFILL, DEFAULT_LOG_LEVEL, LOG_LEVELS, NodeConfig
@@ -68,6 +68,9 @@ ENV_TABLE = (
     ("PP_PRECISION", "--precision", "auto: Q8_0 weights stay as the file holds them, F16/BF16 too with --beam; file: all of them always; f32: every weight widened at load (auto)"),
     ("PP_KV_CACHE_DTYPE", "--kv-cache-dtype", "what the KV caches hold: float16 (half the bytes) or float32; "
      "auto = float16 (vLLM's --kv-cache-dtype)"),
+    ("PP_KV_CACHE_MEMORY", "--kv-cache-memory", "the memory this stage's KV may fill, e.g. 2G or 512M; stage 0 admits "
+     "requests, and preempts the newest, so that no stage's KV outgrows it. auto: half the memory free at boot, "
+     "shared by the stages on this machine, and no more than every slot's whole context (auto)"),
     ("PP_LINKS", "--links", "stream: messages to the next stage as frames of one long-lived HTTP/2 stream; post: a POST each (stream)"),
     ("PP_FAULTS", "", "chaos testing: drop=P,delay=P,delay_ms=MS,seed=N drops or delays that share of link sends (off)"),
     ("PP_STDIN_LIFELINE", "", "1: exit when stdin closes (set by ppsmoke --seed, so no node outlives it)"),
@@ -134,6 +137,8 @@ def build_parser(prog: str = "python ppnode.py") -> argparse.ArgumentParser:
     p.add_argument("--precision", metavar="P", help="auto, file or f32: which weights stay as the file holds them (PP_PRECISION, default auto)")
     p.add_argument("--kv-cache-dtype", metavar="DTYPE", help="auto, float16 or float32: what the KV caches hold "
                    "(PP_KV_CACHE_DTYPE, default auto = float16)")
+    p.add_argument("--kv-cache-memory", metavar="BYTES", help="the memory this stage's KV may fill, e.g. 2G or "
+                   "512M (PP_KV_CACHE_MEMORY, default auto: half the memory free at boot, shared by this machine's stages)")
     p.add_argument("--links", metavar="KIND", help="stream or post: how messages go to the next stage (PP_LINKS)")
     p.add_argument("--log-level", metavar="LEVEL", help=f"{', '.join(LOG_LEVELS)} (PP_LOG_LEVEL)")
     p.add_argument("--api-key", metavar="KEY", action="append",
@@ -190,6 +195,7 @@ def _config_from(src: Sources, *, home: Path, rng: random.Random | None) -> Node
         ctx=count(src, "--ctx", DEFAULT_CONTEXT, lowest=16),
         threads=threads(src),
         beam=count(src, "--beam", 0, lowest=0), precision=precision(src), kv_cache_dtype=kv_cache_dtype(src),
+        kv_cache_memory=kv_cache_memory(src),
         link_streams=link_streams(src),
         layer_partition=layer_partition(src, num_stages), machine_id=_machine_id(src),
         exit_on_stdin_eof=env_switch(env, "PP_STDIN_LIFELINE"), faults=link_faults(env))

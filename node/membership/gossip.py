@@ -42,6 +42,11 @@ def _machine(instance: object, attribute: attrs.Attribute, value: str | None) ->
         raise ValueError(f"Meta.machine={value!r}: expected 1-64 letters, digits, '.', '_' or '-'")
 
 
+def _positions(instance, attribute, value) -> None:
+    if value is not None and (type(value) is not int or value < 1):
+        raise ValueError(f"Meta.kv_positions={value!r}: expected a whole number of positions, at least 1")
+
+
 @attrs.frozen
 class Meta:
     stage: int | None = None
@@ -56,6 +61,8 @@ class Meta:
     cost: Calibration | None = None  # what this node measured of itself before it was given blocks (issue 37)
     plan: tuple[int, ...] = attrs.field(default=(), validator=lambda i, a, v: _plan_counts(v))  # each stage's blocks
     machine: str | None = attrs.field(default=None, validator=_machine)  # whose cores it computes on (planning)
+    # KV positions a ready stage may hold (--kv-cache-memory): stage 0 admits by the chain's least (roles/kv_budget.py)
+    kv_positions: int | None = attrs.field(default=None, validator=_positions)
 
 
 @attrs.frozen

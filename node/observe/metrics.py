@@ -13,9 +13,11 @@ moved by the node as things happen; the gauges are read from the node when a scr
     pp_prefix_cache_queries_total, _hits_total       stage 0: prompt tokens looked up in the prefix cache / found
     pp_prefix_cache_blocks                           stage 0: whole blocks the prefix cache holds
     pp_weight_bytes, pp_kv_bytes, pp_peak_rss_bytes  memory
-    pp_kv_cache_usage_perc                           KV positions held (requests' and the prefix cache's) over all
-                                                     slots' (vLLM's kv_cache_usage_perc: 1 = full)
-    pp_kv_cache_positions{state}                     KV positions: total, used (by requests), cached (by entries)
+    pp_kv_cache_usage_perc                           KV positions held (requests' and the prefix cache's) over those
+                                                     the stage may hold, --kv-cache-memory's (vLLM's: 1 = full)
+    pp_kv_cache_positions{state}                     KV positions: total (the budget), used (by requests), cached
+                                                     (by prefix-cache entries)
+    pp_num_preemptions_total                         stage 0: requests preempted for KV room (vLLM's num_preemptions)
 
 Every series carries `model_name`, the name the OpenAI API serves the model by, as vLLM's do: a dashboard
 made for vLLM filters on it, and one Prometheus can scrape clusters of several models apart.
@@ -92,6 +94,11 @@ class _Snapshot:
                 gauge.add_metric(name_label, value)
                 yield gauge
         yield from self._kv_positions(s.get("kv_positions"), name_label)
+        if s.get("preemptions") is not None:
+            preemptions = CounterMetricFamily("pp_num_preemptions", "Stage 0: requests preempted for KV room, "
+                                              "replayed once it frees", labels=["model_name"])
+            preemptions.add_metric(name_label, s["preemptions"])
+            yield preemptions
         yield from self._prefix_cache(s.get("prefix_cache"), name_label)
         members = GaugeMetricFamily("pp_gossip_members", "Members of this node's gossip view, by state",
                                     labels=["model_name", "state"])
@@ -105,11 +112,11 @@ class _Snapshot:
         if not figures or figures.get("used") is None:
             return
         usage = GaugeMetricFamily("pp_kv_cache_usage_perc", "KV positions held, by requests and the prefix cache, "
-                                  "over all slots' (1 = full)", labels=["model_name"])
+                                  "over those the stage may hold (1 = full)", labels=["model_name"])
         usage.add_metric(name_label, (figures["used"] + figures["cached"]) / figures["total"])
         yield usage
-        positions = GaugeMetricFamily("pp_kv_cache_positions", "KV positions of this stage: total, used by requests, "
-                                      "cached by prefix-cache entries", labels=["model_name", "state"])
+        positions = GaugeMetricFamily("pp_kv_cache_positions", "KV positions of this stage: total (its budget), used "
+                                      "by requests, cached by prefix-cache entries", labels=["model_name", "state"])
         for state in ("total", "used", "cached"):
             positions.add_metric([*name_label, state], figures[state])
         yield positions
