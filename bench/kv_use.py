@@ -5,6 +5,11 @@ must complete; then each stage's peak RSS (VmHWM, from /proc) is read beside the
 
   DEV=CPU python -m bench.kv_use --json docs/kv-use-smollm2.json
   DEV=CPU python -m bench.kv_use --kv-cache-dtype float32
+  DEV=CPU python -m bench.kv_use --ctx 2048 --long-tokens 1500 --kv-cache-memory 1 --solo   # a burst past the budget
+
+With `--kv-cache-memory` the stages' KV budget (issue 39: stage 0 admits, evicts and preempts by it) is smaller
+than the burst needs; `--solo` then asks every chat again alone, one at a time, and counts the answers that equal
+the burst's (greedy). Stage 0's /health says how many requests were preempted.
 
 The KV caches are reserved for every slot's whole context but take memory only as requests write them, and a
 finished request's slot gives its memory back (worker/files.py, StageModel.trim), so the peak follows what the
@@ -71,9 +76,10 @@ def ready_lines(log_dir: Path, stages: int) -> list[dict]:
 
 
 async def measure(args) -> dict:
-    flags = ("--ctx", str(args.ctx), "--max-seqs", str(args.max_seqs), "--kv-cache-dtype", args.kv_cache_dtype)
+    flags = ("--ctx", str(args.ctx), "--max-seqs", str(args.max_seqs), "--kv-cache-dtype", args.kv_cache_dtype,
+             "--kv-cache-memory", args.kv_cache_memory)
     async with trio.open_nursery() as nursery:
-        run = await start_served_cluster(nursery, args.model, 2, api_key=API_KEY, args=flags)
+        run = await start_served_cluster(nursery, args.model, args.stages, api_key=API_KEY, args=flags)
         log_dir = Path(next(t for _, t in run.lines if "logs in " in t).split("logs in ")[1].split()[0])
         async with httpx.AsyncClient(timeout=TIMEOUT, http2=True) as client:
             api = await served_model(client, run.holders()[0][0])
@@ -92,24 +98,40 @@ async def measure(args) -> dict:
                 for i in range(len(chats)):
                     requests.start_soon(one, i)
             took = time.monotonic() - started
-        stages = [{**stage_figures(pid), **{k: line[k] for k in ("weight_bytes", "kv_bytes")}}
-                  for (_, pid), line in zip([run.holders()[s] for s in range(2)], ready_lines(log_dir, 2))]
+            stages = [{**stage_figures(pid), **{k: line[k] for k in ("weight_bytes", "kv_bytes")},
+                       **(await stage_kv(client, url))}
+                      for (url, pid), line in zip([run.holders()[s] for s in range(args.stages)],
+                                                  ready_lines(log_dir, args.stages))]
+            solo = [await chat(client, api, c, args.max_tokens) for c in chats] if args.solo else []
         nursery.cancel_scope.cancel()
     failed = {i: repr(a) for i, a in answers.items() if isinstance(a, Exception) or not a.text}
+    same = sum(not isinstance(answers[i], Exception) and answers[i].text == alone.text for i, alone in enumerate(solo))
     return {"long_prompt_tokens": long_tokens, "requests": len(chats), "completed": len(chats) - len(failed),
-            "failed": failed, "seconds": round(took, 1), "stages": stages}
+            "failed": failed, "seconds": round(took, 1), "stages": stages,
+            **({"equal_to_solo": same} if args.solo else {})}
+
+
+async def stage_kv(client: httpx.AsyncClient, url: str) -> dict:
+    """A stage's KV figures from /health: the positions it may hold and, at stage 0, the preemptions."""
+    health = (await client.get(url + "/health")).json()
+    return {"kv_positions": health["kv_positions"]["total"], **({"kv": health["kv"]} if "kv" in health else {})}
 
 
 def report(args, result: dict) -> str:
     mb = 2 ** 20
-    rows = "\n".join(f"| {i} | {s['weight_bytes'] / mb:.0f} | {s['kv_bytes'] / mb:.0f} | {s['peak_rss_bytes'] / mb:.0f} "
-                     f"| {s['rss_bytes'] / mb:.0f} |" for i, s in enumerate(result["stages"]))
+    rows = "\n".join(f"| {i} | {s['weight_bytes'] / mb:.0f} | {s['kv_bytes'] / mb:.0f} | {s['kv_positions']} "
+                     f"| {s['peak_rss_bytes'] / mb:.0f} | {s['rss_bytes'] / mb:.0f} |" for i, s in enumerate(result["stages"]))
+    kv = result["stages"][0].get("kv", {})
+    solo = (f"; {result['equal_to_solo']} of {result['requests']} answers equal to the same chat asked alone"
+            if "equal_to_solo" in result else "")
     return (f"Command: `python -m bench.kv_use {' '.join(sys.argv[1:])}`  \n"
             f"Machine: {platform.platform()}, Python {platform.python_version()}; --ctx {args.ctx} --max-seqs "
-            f"{args.max_seqs} --kv-cache-dtype {args.kv_cache_dtype}\n\n"
+            f"{args.max_seqs} --kv-cache-dtype {args.kv_cache_dtype} --kv-cache-memory {args.kv_cache_memory}\n\n"
             f"{result['completed']} of {result['requests']} requests completed in {result['seconds']} s (one after a "
-            f"system prompt of {result['long_prompt_tokens']} tokens, 15 short), {args.max_tokens} tokens each at most\n\n"
-            f"| stage | weights MB | KV reserved MB | peak RSS MB | RSS after MB |\n|---|---|---|---|---|\n{rows}\n")
+            f"system prompt of {result['long_prompt_tokens']} tokens, 15 short), {args.max_tokens} tokens each at most; "
+            f"the chain's KV budget {kv.get('budget_positions')} positions, {kv.get('preemptions')} preemptions{solo}\n\n"
+            f"| stage | weights MB | KV reserved MB | KV positions it may hold | peak RSS MB | RSS after MB |\n"
+            f"|---|---|---|---|---|---|\n{rows}\n")
 
 
 def main() -> None:
@@ -119,6 +141,9 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=8192)
     p.add_argument("--max-seqs", type=int, default=16)
     p.add_argument("--kv-cache-dtype", choices=("auto", "float16", "float32"), default="auto")
+    p.add_argument("--kv-cache-memory", default="auto", help="each stage's KV budget, as ppsmoke's (auto)")
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--solo", action="store_true", help="then ask every chat alone and compare the answers")
     p.add_argument("--long-tokens", type=int, default=6000, help="the long chat's system prompt, in tokens")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--limit-mb", type=float, default=1024, help="each stage's peak RSS at most (1024)")
@@ -129,7 +154,8 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, **result}, indent=1) + "\n")
     over = [s for s in result["stages"] if s["peak_rss_bytes"] > args.limit_mb * 2 ** 20]
-    sys.exit(1 if result["failed"] or over else 0)
+    unequal = args.solo and result["equal_to_solo"] != result["requests"]
+    sys.exit(1 if result["failed"] or over or unequal else 0)
 
 
 if __name__ == "__main__":

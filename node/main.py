@@ -214,7 +214,8 @@ def kv_budget(config: NodeConfig, info, swim) -> KvPositions:
     now that its weights are loaded; logged, with a warning where that is more than is free."""
     here = stages_on(swim.members().values(), config.num_stages, config.machine_id)
     available = available_memory()
-    kv = stage_positions(config.kv_cache_memory, kv_bytes=info.kv_bytes, slot_positions=info.max_seqs * info.max_context,
+    slots_bytes = info.kv_bytes * info.max_seqs // (info.max_seqs + 1)  # kv_bytes counts the scratch slot too
+    kv = stage_positions(config.kv_cache_memory, kv_bytes=slots_bytes, slot_positions=info.max_seqs * info.max_context,
                          max_context=info.max_context, available=available, stages_here=here)
     event(log, "kv_budget", positions=kv.positions, memory_bytes=kv.memory_bytes, how=kv.how, stages_here=here,
           available_bytes=available)
