@@ -42,7 +42,7 @@ from runner.report import as_json, stats_line
 from runner.common import RunFailed, Stopped
 from runner.seed import SeedOptions, run_seed
 from runner.vastai import VastOptions, destroy_leftovers, run_vastai
-from worker.batching import DEFAULT_MAX_SEQS
+from node.config.settings import DEFAULT_MAX_SEQS
 from worker.config import DEFAULT_CONTEXT
 from worker.contract import Sampling
 from worker.weights.contract import PRECISIONS

@@ -18,10 +18,9 @@ from node.config.credentials import (API_KEY_ENV, API_KEY_FILE_ENV, TOKEN_ENV, T
 from node.config.model import kv_cache_dtype, kv_cache_memory, layer_partition, model_spec, precision
 from node.config.network import (DEFAULT_BIND, DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT, link_faults, link_streams,
                                  listen_port, max_body, optional_url, peer_urls, public_port)
-from node.config.settings import DEFAULT_CHUNKED_PREFILL, DEFAULT_LOG_LEVEL, LOG_LEVELS, NodeConfig
+from node.config.settings import DEFAULT_CHUNKED_PREFILL, DEFAULT_LOG_LEVEL, DEFAULT_MAX_SEQS, LOG_LEVELS, NodeConfig
 from node.config.sources import ConfigError, Sources, count, env_switch, required_int, switch, text
 from roles import DEFAULT_MAX_QUEUE
-from worker.batching import DEFAULT_MAX_SEQS
 from worker.config import DEFAULT_CONTEXT
 from worker.partition import check_stage
 from worker.weights.fetch import DEFAULT_MODEL, default_cache_dir, default_ollama_dir

@@ -9,11 +9,14 @@ import attrs
 from node.config.network import DEFAULT_BIND, DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT
 from node.transport.faults import NONE as NO_FAULTS, Faults
 from roles import DEFAULT_MAX_QUEUE
-from worker.batching import DEFAULT_MAX_SEQS
 from worker.config import DEFAULT_CONTEXT
 from worker.weights.fetch import DEFAULT_MODEL
 
 DEFAULT_CHUNKED_PREFILL = 4  # bench.stall at N = 3 on SmolLM2: a stall 25x -> 9x for +35 % TTFT (docs/benchmarks.md, issue 25)
+# A node's sequence slots: twice the library's (worker.batching), since a slot's KV takes memory only as it is
+# written and --kv-cache-memory bounds what all of them hold: 15 questions after a shared prompt, sent at once,
+# wait for slots 2.6-3.1x less than at 8 (docs/benchmarks.md, "The burst of 15 after a shared prompt")
+DEFAULT_MAX_SEQS = 16
 DEFAULT_LOG_LEVEL = "INFO"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
