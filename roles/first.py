@@ -34,8 +34,8 @@ from worker.contract import StepItem, Worker
 from worker.errors import PrefixMissing, WorkerError
 from worker.partition import Role, Shard
 
-from .actions import (UNKNOWN_REQUEST, Progress, Refused, Send, compute, error_reply, failure, from_cache, pass_on,
-                      step_failed, wrong_role)
+from .actions import (PROMPT_TOO_LONG, UNKNOWN_REQUEST, Progress, Refused, Send, compute, error_reply, failure,
+                      from_cache, pass_on, step_failed, wrong_role)
 from .admission import Admission, described
 from .kv_budget import KvBook, Room
 from .messages import (Activation, CancelRequest, EndReason, EndRequest, InferenceRequest, NextTokens, RequestStart,
@@ -187,6 +187,9 @@ class FirstActor:
         if rid in self.live or rid in self.admission.waiting:
             raise Refused(409, f"request {rid!r} is already in flight")
         ids = self.admission.prompt_ids(req)
+        if self.kv.budget is not None and len(ids) >= self.kv.budget:  # the budget is one context or more: rare
+            raise Refused(400, f"prompt: {len(ids)} tokens leave no room in the KV budget of {self.kv.budget} "
+                               f"positions", code=PROMPT_TOO_LONG)
         try:
             plan = None if self.admission.waiting else self._plan(req, ids)
         except Exception as exc:  # noqa: BLE001 - nothing changed yet: refused alone, as a fault here
@@ -208,9 +211,14 @@ class FirstActor:
         plan = self.cache.plan(req, ids, free=self.capacity - len(self.live))
         if plan is None:
             return None
-        entry = plan.match.entry
+        entry, running = plan.match.entry, _running(self.live)
         need = len(ids) - (self.cache.positions(entry) if plan.take else 0)
-        room = self.kv.room(_running(self.live), need, drop=plan.drop, keep=(entry,) if entry else ())
+        room = self.kv.room(running, need, drop=plan.drop, keep=(entry,) if entry else ())
+        if room is None and entry is not None and not plan.take:
+            # the entry it would copy from takes the room its copy needs: start afresh, the entry evictable,
+            # or a request alone with it would wait for ever
+            plan = Start(drop=plan.drop)
+            room = self.kv.room(running, len(ids), drop=plan.drop)
         return None if room is None else attrs.evolve(plan, drop=plan.drop + room.evict)
 
     def _start(self, req: InferenceRequest, ids: list[int], queued_ms: float, plan: Start) -> None:

@@ -11,7 +11,7 @@ from chain import Chain
 from cluster import PATIENT_SWIM, start_cluster
 from node.kv_memory import KvPositions, chain_positions, stage_positions
 from roles import make_actor
-from roles.actions import Send
+from roles.actions import Refused, Send
 from roles.kv_budget import Room, make_room
 from roles.messages import (Activation, CancelRequest, EndReason, EndRequest, InferenceRequest, RequestStart,
                             SegmentMeta)
@@ -109,6 +109,25 @@ def test_entries_are_evicted_for_a_growing_request_and_every_stage_forgets_them(
     kept = set(chain.actors[0].cache.index.names())
     assert all(set(w.kept) == kept for w in chain.workers)  # the evicted entries are gone everywhere
     assert chain.actors[0].health()["kv"]["preemptions"] == 0
+
+
+def test_a_request_that_would_copy_an_entry_too_big_to_keep_beside_it_starts_afresh_rather_than_wait():
+    chain = budget_chain(2, budget=10 ** 6, max_seqs=4)
+    first = chain.tokens(SYSTEM * 3 + "Tell me about rivers.")
+    chain.ask({"first": first})  # its KV stays: an entry of len(first) + 5 positions
+    second = chain.tokens(SYSTEM * 3 + "Name every colour you know of, please.")  # shares 144 of them
+    chain.actors[0].kv.budget = len(second) + 10  # the entry and a copy of its rows cannot both fit
+    got = chain.ask({"second": second})
+    assert got["second"] == chain.reference(second) and chain.starts["second"] == 0
+    assert len(chain.actors[0].cache.index) == 1  # the first's entry went, the second's is kept
+    chain.assert_clean()
+
+
+def test_a_prompt_the_budget_can_never_hold_is_refused_rather_than_left_waiting():
+    actor, _ = entry(budget=20)
+    with pytest.raises(Refused) as refused:
+        actor.admit(request("big", range(1, 21)))
+    assert refused.value.status == 400 and "KV budget of 20 positions" in str(refused.value)
 
 
 def entry(max_seqs=4, budget=None):
