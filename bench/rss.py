@@ -1,10 +1,11 @@
 """Peak RSS per stage against what it must hold (issue 39): its weights and its KV pool (the positions its
-`--kv-cache-memory` budget holds, at the defaults `auto`), at N = 1, 2 and 5, under a load that fills every slot.
+`--kv-cache-memory` budget holds, at the defaults `auto`), at N = 1, 2 and 5, under a load that holds every slot.
 
   DEV=CPU python -m bench.rss --stages 1 2 5 --json docs/rss-smollm2.json
 
 - N = 1: one process opens the whole model as one slice, as a node does at the defaults (--max-seqs, --ctx,
-  --kv-cache-dtype), and computes `--prompt` rows then `--decode` tokens in every slot (batched steps).
+  --kv-cache-dtype), and computes `--prompt` rows then `--decode` tokens in every slot (batched steps). Its pool
+  is what a node's auto budget would be (node/kv_memory.py).
 - N >= 2: `ppsmoke.py --seed -n N --serve` at the defaults serves --max-seqs chats at once, each after a
   system prompt of about `--prompt` tokens of its own, `--decode` tokens each.
 - The baseline: a process that imports what a node imports and runs one tinygrad kernel on the CPU, no model:
@@ -51,7 +52,8 @@ def baseline() -> dict:
 def one_process(model_spec: str, prompt: int, decode: int) -> dict:
     """In this process: the whole model in one slice at a node's defaults, every slot filled by real steps."""
     from node.kv_memory import stage_positions
-    from worker.batching import DEFAULT_MAX_SEQS, Segment
+    from node.config.settings import DEFAULT_MAX_SEQS  # a node's, not the library's
+    from worker.batching import Segment
     from worker.calibrate import available_memory
     from worker.config import DEFAULT_CONTEXT
     from worker.models import open_model
@@ -99,10 +101,11 @@ async def cluster(args, n: int) -> list[dict]:
                 for c in chats:
                     requests.start_soon(chat, client, api, c, args.decode, lambda count: None,
                                         {"ignore_eos": True})
-            health = [(await client.get(url + "/health")).json() for url, _ in run.holders()]
+            holders = [run.holders()[s] for s in range(n)]  # (url, pid) by stage
+            health = [(await client.get(url + "/health")).json() for url, _ in holders]
             stages = [{**stage_figures(pid), "weight_bytes": h["weight_bytes"], "kv_bytes": h["kv_bytes"],
                        "pool_bytes": budget["memory_bytes"]}
-                      for (url, pid), h, budget in zip(run.holders(), health, budget_lines(log_dir, n))]
+                      for (_, pid), h, budget in zip(holders, health, budget_lines(log_dir, n))]
         nursery.cancel_scope.cancel()
     return stages
 
