@@ -66,12 +66,12 @@ def stage_figures(pid: int) -> dict[str, int]:
     return {"peak_rss_bytes": fields["VmHWM"], "rss_bytes": fields["VmRSS"]}
 
 
-def ready_lines(log_dir: Path, stages: int) -> list[dict]:
-    """Each stage's `worker_ready` event (weight_bytes, kv_bytes), from its log."""
+def ready_lines(log_dir: Path, stages: int, event: str = "worker_ready") -> list[dict]:
+    """Each stage's first `event` line (worker_ready: weight_bytes, kv_bytes), from its log."""
     found = []
     for stage in range(stages):
         lines = (log_dir / f"stage{stage}.log").read_text().splitlines()
-        found.append(next(json.loads(x) for x in lines if '"event": "worker_ready"' in x))
+        found.append(next(json.loads(x) for x in lines if f'"event": "{event}"' in x))
     return found
 
 

@@ -28,7 +28,7 @@ import trio
 from worker.weights.fetch import DEFAULT_MODEL
 
 from .cluster import start_served_cluster
-from .kv_use import long_system, rules_for, stage_figures
+from .kv_use import long_system, ready_lines, rules_for, stage_figures
 from .prefix import API_KEY, TIMEOUT, chat, served_model
 
 MB = 2 ** 20
@@ -105,18 +105,9 @@ async def cluster(args, n: int) -> list[dict]:
             health = [(await client.get(url + "/health")).json() for url, _ in holders]
             stages = [{**stage_figures(pid), "weight_bytes": h["weight_bytes"], "kv_bytes": h["kv_bytes"],
                        "pool_bytes": budget["memory_bytes"]}
-                      for (_, pid), h, budget in zip(holders, health, budget_lines(log_dir, n))]
+                      for (_, pid), h, budget in zip(holders, health, ready_lines(log_dir, n, "kv_budget"))]
         nursery.cancel_scope.cancel()
     return stages
-
-
-def budget_lines(log_dir: Path, stages: int) -> list[dict]:
-    """Each stage's `kv_budget` event (positions, memory_bytes), from its log."""
-    found = []
-    for stage in range(stages):
-        lines = (log_dir / f"stage{stage}.log").read_text().splitlines()
-        found.append(next(json.loads(x) for x in lines if '"event": "kv_budget"' in x))
-    return found
 
 
 def report(rows: list[dict], base: int) -> str:
