@@ -71,6 +71,8 @@ class KvBook:
         """What frees `need` positions (make_room): evicting entries but `keep` (those in `drop` go anyway),
         and, for a running request's next token (`grower`), preempting the newest requests."""
         used = self.used(running) - sum(self.cache.positions(name) for name in drop)
+        if self.budget is None or used + need <= self.budget:
+            return Room()  # the usual case, at every token: nothing to list
         newest = [(rid, running[rid]) for rid in reversed(running)] if grower else []
         return make_room(need, budget=self.budget, used=used, entries=self.cache.evictable((*drop, *keep)),
                          running=newest, grower=grower)

@@ -117,7 +117,7 @@ class Slots:
         start = item.from_cache or FromCache()
         self.forget(start.drop)
         if start.take and start.entry:
-            self.kept.forget([start.entry])
+            self.forget([start.entry])
         req.held, req.next_position, req.restarting = req.valid, item.position, False
         req.sampling, req.rng = item.sampling, rng
         return req
