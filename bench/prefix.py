@@ -237,6 +237,8 @@ async def on_fresh_cluster(model: str, n: int, mode: str, work: Callable[[httpx.
             before = await prefix_counters(client, api)
             result = await work(client, api)
             result["counters"] = counted(before, await prefix_counters(client, api))
+            # prefix-cache rows each stage's starts mapped (shared pages) or copied, over the whole run
+            result["prefix_rows"] = [(await client.get(u + "/health")).json().get("prefix_rows") for u in urls]
         nursery.cancel_scope.cancel()
     return result
 
@@ -318,7 +320,7 @@ def chat_table(runs: dict[str, dict]) -> list[str]:
 
 def shared_table(runs: dict[str, dict]) -> list[str]:
     out = ["| | prompt tokens | request 1 TTFT s | 2.. median / max s | max / first | target ≤ 0.25 | "
-           "burst median / max s | hits / queries (tokens) |", "|" + "---|" * 8]
+           "burst median / max s | hits / queries (tokens) | rows shared / copied, all stages |", "|" + "---|" * 9]
     for m, run in runs.items():
         first, rest = run["answers"][0], [a.ttft_s for a in run["answers"][1:]]
         ratio = max(rest) / first.ttft_s if rest else None
@@ -327,8 +329,13 @@ def shared_table(runs: dict[str, dict]) -> list[str]:
                    f"{fmt(statistics.median(rest) if rest else None)} / {fmt(max(rest, default=None))} | "
                    f"{fmt(ratio)} | {'met' if ratio is not None and ratio <= 0.25 else 'not met'} | "
                    f"{fmt(statistics.median(burst) if burst else None)} / {fmt(max(burst, default=None))} | "
-                   f"{hits(run['counters'])} |")
+                   f"{hits(run['counters'])} | {moved(run.get('prefix_rows') or [])} |")
     return out
+
+
+def moved(stages: list[dict | None]) -> str:
+    known = [s for s in stages if s]
+    return f"{sum(s['shared'] for s in known)} / {sum(s['copied'] for s in known)}" if known else "n/a"
 
 
 def kill_table(rows: list[dict]) -> list[str]:

@@ -15,6 +15,7 @@ def memory(worker, kv_budget: int | None = None) -> dict:
     total = None if info is None else kv_budget or info.max_seqs * info.max_context
     return {"weight_bytes": info.weight_bytes if info else None, "kv_bytes": info.kv_bytes if info else None,
             "kv_positions": None if info is None else {"total": total, "used": used, "cached": cached},
+            "prefix_rows": worker.prefix_rows if worker is not None else None,  # shared or copied at a hit
             "slots_in_use": worker.slots_in_use if worker is not None else None,
             "slots_kept": worker.kept_count if worker is not None else None,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # ru_maxrss is KiB

@@ -172,6 +172,10 @@ class Worker(Protocol):
         """The requests holding a slot."""
 
     @property
+    def prefix_rows(self) -> dict[str, int]:
+        """Positions of prefix-cache entries that starts shared (mapped, not copied) or copied; any thread."""
+
+    @property
     def kv_positions(self) -> tuple[int, int]:
         """KV positions held by requests and by prefix-cache entries; any thread."""
 

@@ -5,9 +5,11 @@ No other module of the worker is imported here but its errors.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import os
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +40,58 @@ def release(array: np.ndarray, start: int, stop: int) -> None:
     lo, hi = -(-start // page) * page, stop // page * page
     if hi > lo:
         mapping.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.mmap.restype = ctypes.c_void_p
+_LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_LIBC.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_MAP_FIXED = 0x10
+_PUNCH_HOLE = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+
+
+def shared_zeros(shape: tuple[int, ...], dtype, *, file_factor: int) -> tuple[np.ndarray, int]:
+    """Zeros in a shared mapping of a memory file `file_factor` times the array's size (sparse: a page takes
+    memory only once touched), and the file's descriptor: worker/kv_pages.py maps parts of the array onto
+    other parts of the file (map_file) and gives pages back (punch). Unmapped and closed with the array."""
+    count = int(np.prod(shape))
+    nbytes = -(-max(1, count * np.dtype(dtype).itemsize) // mmap.PAGESIZE) * mmap.PAGESIZE
+    fd = os.memfd_create("pp-kv", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes * file_factor)
+        addr = _LIBC.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), "mmap of the KV memory file")
+    except BaseException:
+        os.close(fd)
+        raise
+    buffer = (ctypes.c_char * nbytes).from_address(addr)
+    weakref.finalize(buffer, _unmap, addr, nbytes, fd)  # the array holds the buffer: both go together
+    return np.frombuffer(buffer, dtype=dtype, count=count).reshape(shape), fd
+
+
+def _unmap(addr: int, nbytes: int, fd: int) -> None:
+    _LIBC.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes))
+    os.close(fd)
+
+
+def map_file(array: np.ndarray, offset: int, length: int, fd: int, file_offset: int) -> None:
+    """Map bytes [offset, offset + length) of `array` (a shared_zeros array) onto the file's bytes from
+    `file_offset`: both page-aligned. The bytes read and written there are the file's from then on."""
+    addr = array.ctypes.data + offset
+    if addr % mmap.PAGESIZE or length % mmap.PAGESIZE or file_offset % mmap.PAGESIZE:
+        raise ValueError(f"map_file: {offset}+{length} -> {file_offset} is not page-aligned")
+    if length and _LIBC.mmap(addr, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED, fd,
+                             file_offset) != addr:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of a KV region: {os.strerror(err)}")
+
+
+def punch(fd: int, offset: int, length: int) -> None:
+    """The file's pages in [offset, offset + length) go back to the system and read as zeros, in every mapping."""
+    if length > 0 and _LIBC.fallocate(fd, _PUNCH_HOLE, offset, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"fallocate(PUNCH_HOLE) of a KV region: {os.strerror(err)}")
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:

@@ -30,8 +30,9 @@ class Slice(Protocol):
 
     def forward(self, hidden: np.ndarray, position: int) -> np.ndarray: ...  # one sequence in slot 0
 
-    # the KV of positions 0 .. rows - 1 of slot src, in every block, into slot dst (the prefix cache)
-    def copy_rows(self, src: int, dst: int, rows: int) -> None: ...
+    # the KV of positions 0 .. rows - 1 of slot src, in every block, into slot dst (the prefix cache); True: dst
+    # maps src's very pages (worker/kv_pages.py), nothing copied
+    def copy_rows(self, src: int, dst: int, rows: int) -> bool: ...
 
     # a slot's KV no one will read again: its memory may go back (it reads as zeros after)
     def trim(self, slot: int) -> None: ...

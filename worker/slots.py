@@ -39,16 +39,18 @@ class Request:
 
 
 class Slots:
-    """`copy_rows(source, slot, n)` copies a slot's first n KV rows into another (the slice's); `trim(slot)`
+    """`copy_rows(source, slot, n)` gives a slot another's first n KV rows (the slice's: True where it maps their
+    very pages, worker/kv_pages.py, False where it copies them); `trim(slot)`
     gives back the memory of a slot's KV that no one will read: a released request's, and a slot's before a
     new request takes it (an entry evicted or forgotten), so a stage's KV memory follows what its slots hold."""
 
-    def __init__(self, *, stage: int, max_seqs: int, max_context: int, copy_rows: Callable[[int, int, int], None],
+    def __init__(self, *, stage: int, max_seqs: int, max_context: int, copy_rows: Callable[[int, int, int], bool],
                  trim: Callable[[int], None] = lambda slot: None):
         self.stage, self.max_seqs, self.max_context, self._copy_rows = stage, max_seqs, max_context, copy_rows
         self._trim = trim
         self.requests: dict[str, Request] = {}
         self.kept = KeptSlots(stage)
+        self.rows_moved = {"shared": 0, "copied": 0}  # prefix-cache rows a start mapped, or copied
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -134,7 +136,7 @@ class Slots:
         if start.take:
             return Request(self.kept.take(start.entry), item.position, item.sampling, rng, rows)
         slot = self._free_slot(item, starting, keep=start.entry)
-        self._copy_rows(source, slot, item.position)
+        self.rows_moved["shared" if self._copy_rows(source, slot, item.position) else "copied"] += item.position
         return Request(slot, item.position, item.sampling, rng, rows)
 
     def _free_slot(self, item: StepItem, starting: dict[str, Request], keep: str = "") -> int:

@@ -150,6 +150,11 @@ class StageWorker:
         return len(self._slots)
 
     @property
+    def prefix_rows(self) -> dict[str, int]:
+        """Positions of prefix-cache entries that starts mapped (shared, nothing copied) or copied; any thread."""
+        return dict(self._slots.rows_moved)
+
+    @property
     def kv_positions(self) -> tuple[int, int]:
         """KV positions held by requests and by prefix-cache entries; safe to read from any thread."""
         return self._slots.positions()

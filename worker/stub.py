@@ -91,9 +91,10 @@ class StubSlice:
             return np.zeros((0, STUB_VOCAB), dtype=np.float32)
         return np.stack([self._logits(out[r]) for r in rows])
 
-    def copy_rows(self, src: int, dst: int, rows: int) -> None:
+    def copy_rows(self, src: int, dst: int, rows: int) -> bool:
         for i in self.layers:
             self._cache[(dst, i)][:rows] = self._cache[(src, i)][:rows]
+        return False
 
     def trim(self, slot: int) -> None:
         for i in self.layers:

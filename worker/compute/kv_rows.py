@@ -8,12 +8,14 @@ from ..files import release
 from .host_io import zero_copy
 
 
-def copy_rows(model, src: int, dst: int, rows: int) -> None:
+def copy_rows(model, src: int, dst: int, rows: int) -> bool:
     """The KV of slot src's first `rows` positions into slot dst, every block of `model` (a StageModel). On the
     CPU a copy in host memory; elsewhere a slice assign, which tinygrad compiles once per row count."""
     for s in (src, dst):
         if not 0 <= s < model.max_seqs:
             raise ValueError(f"slot {s}: need 0..{model.max_seqs - 1}")
+    if model.pages is not None and model.pages.share(src, dst, rows):
+        return True  # the CPU: dst's first rows map src's very pages (worker/kv_pages.py)
     ctx = model.config.max_context
     for block in model.blocks:
         buffer = block.cache.uop.buffer
@@ -23,12 +25,16 @@ def copy_rows(model, src: int, dst: int, rows: int) -> None:
             view[dst * ctx:dst * ctx + rows] = view[src * ctx:src * ctx + rows]
         else:
             block.cache[dst * ctx:dst * ctx + rows].assign(block.cache[src * ctx:src * ctx + rows]).realize()
+    return False
 
 
 def trim(model, slot: int) -> None:
     """Give back the memory of a slot's KV, which no one will read (its request ended, and no prefix-cache entry
     holds it): on the CPU its pages return to the system (files.release), so a stage holds the KV of what its
     slots use, not of `max_context` each. Elsewhere (no lazy host array) nothing changes."""
+    if model.pages is not None:
+        model.pages.reset(slot)
+        return
     for block in model.blocks:
         host = model.lazy_host(block.cache)
         if host is not None:

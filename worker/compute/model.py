@@ -34,6 +34,8 @@ takes a hidden state in and all slices compile the same kernels whatever their r
 """
 from __future__ import annotations
 
+import mmap
+
 from typing import Callable
 
 import attrs
@@ -48,7 +50,8 @@ from ..batching import DEFAULT_MAX_SEQS, Segment, bucket_sizes, default_max_batc
 from ..config import ModelConfig
 from .linear import DeviceWeight, linear, to_device
 from ..weights.packed import Packed
-from ..files import ALIGN, lazy_zeros
+from ..files import ALIGN, lazy_zeros, shared_zeros
+from ..kv_pages import SPARE, KvPages
 from ..weights.contract import EMBEDDING, OUTPUT_NORM
 
 # What a KV cache may hold (--kv-cache-dtype), by name: float16 halves its bytes; keys and values are rounded to
@@ -161,9 +164,13 @@ class StageModel:
         # The embedding table is left to the caller, which looks rows up on the host.
         self._backing: list[np.ndarray] = []  # host arrays the CPU device uses in place (see _put)
         self._backing_of: dict[int, np.ndarray] = {}  # id(KV cache tensor) -> its lazy host array (trim)
+        self._files: list[tuple[np.ndarray, int]] = []  # the KV caches' shared host arrays and memory files
         dev = {name: self._on_device(tensors.pop(name)) for name in [n for n in tensors if n != EMBEDDING]}
         self.blocks = [Block(config, {k.split(".")[2]: v for k, v in dev.items() if k.startswith(f"blk.{i}.")},
                              max_seqs + 1, self._zeros, self.threads, KV_DTYPES[kv_dtype]) for i in layers]
+        row_bytes = [b.cache.nbytes() // ((max_seqs + 1) * config.max_context) for b in self.blocks]
+        self.pages = KvPages(self._files, max_seqs + 1, config.max_context, row_bytes) \
+            if self._files and len(self._files) == len(self.blocks) else None  # the CPU: rows shared by pages
         self.head, self._head_host = None, None
         if head_weight is not None:
             host = tensors[head_weight] if head_weight not in dev else None  # a tied head: the embedding
@@ -200,7 +207,12 @@ class StageModel:
         shape, and those made most of a slice's weights phase (bench.boot at N = 5: 12.4-16.9 s → 2.7-3.2 s).
         `lazy` (the KV caches): on the CPU, pages that take memory only once written (files.lazy_zeros)."""
         if lazy and Device.DEFAULT.startswith("CPU"):
-            host = lazy_zeros(shape, dtype)
+            region = shape[0] // (self.max_seqs + 1) * int(np.prod(shape[1:])) * np.dtype(dtype).itemsize
+            if region % mmap.PAGESIZE == 0:  # slots may share pages (worker/kv_pages.py)
+                host, fd = shared_zeros(shape, dtype, file_factor=SPARE)
+                self._files.append((host, fd))
+            else:
+                host = lazy_zeros(shape, dtype)
             tensor = self._put(host)
             self._backing_of[id(tensor)] = host  # trim releases its pages
             return tensor

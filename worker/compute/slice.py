@@ -83,8 +83,8 @@ class TinygradSlice:
     def forward(self, hidden: np.ndarray, position: int) -> np.ndarray:
         return self.model.forward(hidden, position)
 
-    def copy_rows(self, src: int, dst: int, rows: int) -> None:
-        kv_rows.copy_rows(self.model, src, dst, rows)
+    def copy_rows(self, src: int, dst: int, rows: int) -> bool:
+        return kv_rows.copy_rows(self.model, src, dst, rows)
 
     def trim(self, slot: int) -> None:
         kv_rows.trim(self.model, slot)

@@ -1,0 +1,84 @@
+"""Slots that share KV rows by mapping the same pages (worker/kv_pages.py): a prefix-cache hit reads the entry's
+very bytes, writes stay each slot's own, and pages go back to the system once no slot maps them."""
+import os
+
+import numpy as np
+import pytest
+
+from chain import Chain
+from worker.files import shared_zeros
+from worker.kv_pages import SPARE, KvPages
+from worker.models import tinygrad_model
+from worker.weights.tiny import TinySource
+
+ROWS, WIDTH = 64, 64  # float32: 256 bytes a position, 16 positions a page
+
+
+@pytest.fixture
+def pages():
+    host, fd = shared_zeros((3 * ROWS, WIDTH), np.float32, file_factor=SPARE)
+    return host, fd, KvPages([(host, fd)], 3, ROWS, [WIDTH * 4])  # the file closes with the array
+
+
+def slot(host, s):
+    return host[s * ROWS:(s + 1) * ROWS]
+
+
+def held_bytes(fd) -> int:
+    return os.fstat(fd).st_blocks * 512
+
+
+def test_a_shared_prefix_reads_the_source_s_bytes_and_writes_stay_each_slot_s_own(pages):
+    host, fd, kv = pages
+    slot(host, 0)[:] = np.arange(ROWS * WIDTH, dtype=np.float32).reshape(ROWS, WIDTH)
+    before = held_bytes(fd)
+    assert kv.share(0, 1, 32)
+    assert held_bytes(fd) == before  # nothing copied, nothing new held
+    assert (slot(host, 1)[:32] == slot(host, 0)[:32]).all() and not slot(host, 1)[32:].any()
+    slot(host, 1)[32:40] = -1  # the new request's own positions
+    slot(host, 0)[40] = 7  # the entry's own, past the shared prefix
+    assert (slot(host, 0)[32:40] == np.arange(32 * WIDTH, 40 * WIDTH).reshape(8, WIDTH)).all()
+    assert slot(host, 1)[40].sum() == 0 and (slot(host, 1)[32:40] == -1).all()
+
+
+def test_a_source_reset_keeps_the_rows_others_share_and_gives_back_the_rest(pages):
+    host, fd, kv = pages
+    slot(host, 0)[:] = 1
+    assert kv.share(0, 1, 32)
+    kv.reset(0)  # the entry evicted: its slot takes a fresh region; the shared rows stay for slot 1
+    assert held_bytes(fd) == 32 * WIDTH * 4  # only the 32 shared positions are held
+    # (before any read of the fresh region: a read fault in a shared mapping takes a page, as a write does)
+    assert not slot(host, 0).any() and (slot(host, 1)[:32] == 1).all()
+    slot(host, 0)[:] = 5  # the slot's new request writes its own region
+    assert (slot(host, 1)[:32] == 1).all()
+    kv.reset(1)
+    kv.reset(0)
+    assert held_bytes(fd) == 0 and len(kv.free) == 3 * SPARE - 3  # every region back, each slot its own
+
+
+def test_a_share_of_a_shared_prefix_maps_the_first_source_s_pages(pages):
+    host, fd, kv = pages
+    slot(host, 0)[:] = 2
+    assert kv.share(0, 1, 48)
+    slot(host, 1)[48:] = 3
+    kv.reset(0)
+    assert kv.share(1, 2, 64 - 16)  # slot 2 starts from slot 1's first 48: slot 0's old pages
+    assert (slot(host, 2)[:48] == 2).all() and not slot(host, 2)[48:].any()
+
+
+def test_a_boundary_off_a_page_is_refused_and_the_caller_copies(pages):
+    _, _, kv = pages
+    assert not kv.share(0, 1, 20)  # 20 positions of 256 bytes end mid-page
+    assert kv.runs[1] == [(0, ROWS, 1)]
+
+
+def test_requests_that_share_a_cached_prefix_on_tinygrad_map_its_rows_and_answer_as_without_it():
+    chain = Chain(2, max_seqs=4, model=tinygrad_model(TinySource()))
+    system = "You are a terse assistant who answers in one line, always, whatever is asked of you. "
+    chain.ask({"warm": chain.tokens(system + "Tell me a story about the rivers and the mountains of Europe.")})
+    prompts = {f"q{i}": chain.tokens(system + q) for i, q in enumerate(["Say hello.", "Name a colour.", "Why?"])}
+    assert chain.ask(prompts) == {rid: chain.reference(ids) for rid, ids in prompts.items()}
+    assert all(chain.starts[rid] >= 16 for rid in prompts)  # each started after the cached blocks
+    moved = [w.prefix_rows for w in chain.workers]
+    assert all(m["shared"] == sum(chain.starts.values()) and m["copied"] == 0 for m in moved), moved
+    chain.assert_clean()
