@@ -66,6 +66,18 @@ def test_a_share_of_a_shared_prefix_maps_the_first_source_s_pages(pages):
     assert (slot(host, 2)[:48] == 2).all() and not slot(host, 2)[48:].any()
 
 
+@pytest.mark.parametrize("position", [16, 20])  # on a page's edge, and inside one: its rows below are copied
+def test_a_taken_slot_written_again_inside_its_shared_prefix_writes_its_own_pages(pages, position):
+    host, fd, kv = pages
+    slot(host, 0)[:] = np.arange(ROWS, dtype=np.float32)[:, None]
+    assert kv.share(0, 1, 48)
+    kv.own_from(1, position)  # an entry taken by a request that matched only its first `position` rows
+    assert (slot(host, 1)[:position] == slot(host, 0)[:position]).all()
+    slot(host, 1)[position:] = -1
+    assert (slot(host, 0)[:, 0] == np.arange(ROWS)).all()  # the source's rows are untouched
+    assert kv.runs[1] == [(0, 16, 0), (16, ROWS, 1)]
+
+
 def test_a_boundary_off_a_page_is_refused_and_the_caller_copies(pages):
     _, _, kv = pages
     assert not kv.share(0, 1, 20)  # 20 positions of 256 bytes end mid-page

@@ -49,6 +49,24 @@ class KvPages:
         self.runs[dst] = [*shared, (positions, self.rows, own)]
         return True
 
+    def own_from(self, slot: int, position: int) -> None:
+        """The slot's positions from `position` on are to be written again (a taken entry continued by a new
+        request): any of them mapped onto another slot's pages map the slot's own region instead, the rows of
+        a page split at `position` copied over, so no write reaches rows that others read."""
+        own = self.runs[slot][-1][2]  # the last run is always the slot's own region
+        if all(g == own or b <= position for a, b, g in self.runs[slot]):
+            return
+        lo = next(p for p in range(position, -1, -1) if self.aligned(p))
+        kept = [host[slot * self.rows + lo:slot * self.rows + position].copy() for host, _ in self.maps]
+        dropped = {g for a, b, g in self.runs[slot] if g != own and b > lo}
+        self.runs[slot] = [(a, min(b, lo), g) for a, b, g in self.runs[slot] if g != own and a < lo]
+        self.runs[slot].append((lo, self.rows, own))
+        self._map(slot, lo, self.rows, own)
+        for (host, _), rows in zip(self.maps, kept):
+            host[slot * self.rows + lo:slot * self.rows + position] = rows
+        for g in dropped:
+            self._trim_region(g)
+
     def reset(self, slot: int) -> None:
         """No one reads the slot's rows any more: its runs go, each region no run maps gives its pages back,
         and the slot maps a region of its own, all of it."""
