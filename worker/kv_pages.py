@@ -14,8 +14,8 @@ run, onto file regions at the same positions:
 
 A run boundary must fall on a page: position p's bytes start on one where p * row_bytes is a multiple of the
 page size (16 positions of a float16 row of 384 values are 3 pages). `share` says False where it cannot map
-(the caller copies instead). The bookkeeping is pure; the mapping calls are `files.map_file` and
-`files.punch`. Compute thread only.
+(the caller copies instead). `runs` and `free` are the bookkeeping; every change to the mappings goes through
+`files.map_file` and `files.punch`. Compute thread only.
 """
 from __future__ import annotations
 

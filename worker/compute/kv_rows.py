@@ -37,8 +37,9 @@ def own_from(model, slot: int, position: int) -> None:
 
 def trim(model, slot: int) -> None:
     """Give back the memory of a slot's KV, which no one will read (its request ended, and no prefix-cache entry
-    holds it): on the CPU its pages return to the system (files.release), so a stage holds the KV of what its
-    slots use, not of `max_context` each. Elsewhere (no lazy host array) nothing changes."""
+    holds it): on the CPU its pages return to the system (KvPages.reset, or files.release where the caches are
+    not shared pages), so a stage holds the KV of what its slots use, not of `max_context` each. Elsewhere (no
+    lazy host array) nothing changes."""
     if model.pages is not None:
         model.pages.reset(slot)
         return

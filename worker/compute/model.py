@@ -35,7 +35,6 @@ takes a hidden state in and all slices compile the same kernels whatever their r
 from __future__ import annotations
 
 import mmap
-
 from typing import Callable
 
 import attrs
@@ -205,7 +204,8 @@ class StageModel:
     def _zeros(self, shape: tuple[int, ...], dtype=np.float32, *, lazy: bool = False) -> Tensor:
         """A buffer of zeros on the device, from host memory: a zeros kernel is scheduled and lowered per
         shape, and those made most of a slice's weights phase (bench.boot at N = 5: 12.4-16.9 s → 2.7-3.2 s).
-        `lazy` (the KV caches): on the CPU, pages that take memory only once written (files.lazy_zeros)."""
+        `lazy` (the KV caches): on the CPU, pages that take memory only once written: a memory file slots may
+        share pages of (files.shared_zeros, worker/kv_pages.py) where a slot is whole pages, else files.lazy_zeros."""
         if lazy and Device.DEFAULT.startswith("CPU"):
             region = shape[0] // (self.max_seqs + 1) * int(np.prod(shape[1:])) * np.dtype(dtype).itemsize
             if region % mmap.PAGESIZE == 0:  # slots may share pages (worker/kv_pages.py)
@@ -214,7 +214,7 @@ class StageModel:
             else:
                 host = lazy_zeros(shape, dtype)
             tensor = self._put(host)
-            self._backing_of[id(tensor)] = host  # trim releases its pages
+            self._backing_of[id(tensor)] = host  # lazy_host: what tests and trim read
             return tensor
         return self._put(np.zeros(shape, dtype))
 
