@@ -28,23 +28,22 @@ from pathlib import Path
 
 import trio
 
-import attrs
-
 from node.transport.app import ListenError, check_listenable
 from node.config.cores import MAX_THREADS, available_cores, fair_share
 from node.config.model import KV_CACHE_DTYPES, memory_size
-from node.config.credentials import check_keys, read_key_file, split_keys
 from node.config.network import LOOPBACK
 from node.config.sources import ConfigError
 from roles import DEFAULT_MAX_QUEUE
 from roles.messages import MAX_TOKENS_LIMIT, is_http_url
 from runner.report import as_json, stats_line
+from runner.secrets import secrets_of
 from runner.common import RunFailed, Stopped
 from runner.seed import SeedOptions, run_seed
 from runner.vastai import VastOptions, destroy_leftovers, run_vastai
 from node.config.settings import DEFAULT_MAX_SEQS
 from worker.config import DEFAULT_CONTEXT
 from worker.contract import Sampling
+from worker.tool_formats import FAMILIES
 from worker.weights.contract import PRECISIONS
 from worker.weights.fetch import DEFAULT_MODEL, REGISTRY, default_cache_dir, default_ollama_dir
 from worker.partition import AUTO, Shard, parse_partition
@@ -110,9 +109,8 @@ def _node_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", "-t", type=int, metavar="T",
                    help="cores each node computes on (PP_THREADS); default: with --seed, this machine's cores shared "
                         "out among the nodes (at least 1 each); rented, every core of its machine")
-    g.add_argument("--beam", type=int, default=0,
-                   help="kernel search at each node's boot (tinygrad's BEAM width, e.g. 2): minutes the first time, "
-                        "cached on disk after; faster steps on larger models (default 0 = off)")
+    g.add_argument("--beam", type=int, default=0, help="kernel search at each node's boot (tinygrad's BEAM width, "
+                   "e.g. 2): minutes the first time, cached on disk after (default 0 = off)")
     g.add_argument("--layer-partition", default="auto", metavar="SPLIT",
                    help="how the model's blocks are split over the stages: auto (each node measures a block's step "
                         "and the head's, and stage 0 plans), equal, or each stage's block count, comma-separated, "
@@ -139,6 +137,8 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                         "cluster is up; a lost stage is handed to one instead of a new process (default 0)")
     g.add_argument("--port", type=int, help="--seed: the port stage 0 (the API) listens on, so the API's URL stays "
                    "the same (default: any free port)")
+    g.add_argument("--tool-call-parser", choices=("auto", *FAMILIES), default="auto", help="the format tool calls "
+                   "are read in (vLLM's flag; default auto: the chat template's, or generic where it takes no tools)")
 
 
 def _secret_arguments(p: argparse.ArgumentParser) -> None:
@@ -262,56 +262,6 @@ def partition_fits(text: str, num_stages: int, blocks: int | None) -> None:
         Shard.of(0, num_stages, None if partition == AUTO else partition).sized(blocks)
 
 
-@attrs.frozen
-class Secrets:
-    token: str | None = attrs.field(repr=False)  # the cluster token; None: a random one per run
-    api_keys: tuple[str, ...] = attrs.field(repr=False)  # the clients' keys; none: a random one, printed
-    vast_api_key: str | None = attrs.field(repr=False)  # --vastai only
-
-
-def secrets_of(args: argparse.Namespace, env: dict[str, str]) -> Secrets:
-    """The run's secrets from flags, files and the environment (a flag wins over its variable). Raises
-    ConfigError naming the flag or variable at fault, never a secret's value."""
-    token = _token(args, env)
-    keys = [key for text in (args.api_key or [env.get("PP_API_KEY") or ""])
-            for key in split_keys(text, "--api-key" if args.api_key else "PP_API_KEY")]
-    key_file, label = (args.api_key_file, "--api-key-file") if args.api_key_file else (
-        (env.get("PP_API_KEY_FILE") or "").strip(), "PP_API_KEY_FILE")
-    if key_file:
-        keys += read_key_file(key_file, label)
-    api_keys = check_keys(keys, token, label="--api-key")
-    return Secrets(token, api_keys, _vast_api_key(args, env) if args.vastai else None)
-
-
-def _token(args, env) -> str | None:
-    if args.token_file is not None:
-        try:
-            token = args.token_file.read_text().strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"--token-file {str(args.token_file)!r}: cannot read it: "
-                              f"{getattr(exc, 'strerror', None) or exc}") from None
-        if not token or "\n" in token:
-            raise ConfigError(f"--token-file {str(args.token_file)!r}: expected one line, the token")
-        return token
-    if args.token is not None:
-        if not args.token.strip():
-            raise ConfigError("--token is empty")
-        return args.token.strip()
-    return (env.get("PP_CLUSTER_TOKEN") or "").strip() or None
-
-
-def _vast_api_key(args, env) -> str:
-    """--api-key was vast.ai's key before it was the clients' (as vLLM's --api-key is): a run that gives one but
-    no vast.ai key is refused rather than guessed at."""
-    key = (args.vast_api_key or env.get("VAST_API_KEY") or "").strip()
-    if key:
-        return key
-    if args.api_key:
-        raise ConfigError("--api-key is the clients' API key now; give the vast.ai key as --vast-api-key "
-                          "or VAST_API_KEY")
-    raise ConfigError("--vastai needs your vast.ai API key: --vast-api-key or VAST_API_KEY")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     env = dict(os.environ)
@@ -400,12 +350,13 @@ def seed_threads(args, cores: int) -> int:
 
 
 def serving_env(args) -> dict[str, str]:
-    """The settings every node gets the same: how many requests it serves at once and with what context,
-    cores, kernel search, precision, the layer partition, the prefix cache."""
-    return {**({"PP_THREADS": str(args.threads)} if args.threads else {}),"PP_MAX_SEQS": str(args.max_seqs), "PP_MAX_QUEUE": str(args.max_queue), "PP_CTX": str(args.ctx),
-            "PP_BEAM": str(args.beam), "PP_PRECISION": args.precision, "PP_LAYER_PARTITION": args.layer_partition,
+    """The settings every node gets the same: requests at once and their context, cores, kernel search,
+    precision, the layer partition, KV, the prefix cache, the tool-call format."""
+    return {**({"PP_THREADS": str(args.threads)} if args.threads else {}), "PP_MAX_SEQS": str(args.max_seqs),
+            "PP_MAX_QUEUE": str(args.max_queue), "PP_CTX": str(args.ctx), "PP_BEAM": str(args.beam),
+            "PP_PRECISION": args.precision, "PP_LAYER_PARTITION": args.layer_partition,
             "PP_KV_CACHE_DTYPE": args.kv_cache_dtype, "PP_KV_CACHE_MEMORY": args.kv_cache_memory,
-            **({"PP_NO_PREFIX_CACHE": "1"} if args.no_prefix_cache else {})}
+            "PP_TOOL_CALL_PARSER": args.tool_call_parser, **({"PP_NO_PREFIX_CACHE": "1"} if args.no_prefix_cache else {})}
 
 
 def _vast_url(args, env) -> str:

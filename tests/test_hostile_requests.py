@@ -31,6 +31,7 @@ import trio
 from cluster import API_KEY, slow_stub, start_cluster, stub_tokens
 from node.api import openai_read
 from node.api.openai_read import prompts as _prompts
+from node.api.openai_tools import tool_setup
 from node.api.openai_fields import ApiError, body_limit
 from node.api.openai_wire import MAX_STOP_CHARS, parse_request
 from node.api.text_stream import TextStream, _StopMatcher
@@ -290,7 +291,7 @@ class _Untokenizable:
 def test_a_prompt_longer_than_the_context_could_hold_is_refused_before_tokenizing(body, chat):
     api = parse_request(body, chat=chat, seed_if_unset=0)
     with pytest.raises(ApiError) as info:
-        _prompts(_Untokenizable(), api)
+        _prompts(_Untokenizable(), api, tool_setup(None, None))
     assert (info.value.status, info.value.code) == (400, "context_length_exceeded")
 
 

@@ -61,8 +61,8 @@ def test_a_completion_prompt_is_text_or_token_ids_or_an_array_of_either(prompt, 
     ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
     ({**CHAT, "logprobs": 1}, "logprobs", "invalid_type"),
     ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
-    ({**CHAT, "tool_choice": "auto"}, "tool_choice", "unsupported_parameter"),
-    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter"),
+    ({**CHAT, "tool_choice": "auto"}, "tool_choice", "invalid_value"),  # no tools to choose from
+    ({**CHAT, "functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),  # deprecated: tools instead
     ({**CHAT, "suffix": "x"}, "suffix", "unsupported_parameter"),
     ({**CHAT, "frequency_penalty": 2.5}, "frequency_penalty", "invalid_value"),
     ({**CHAT, "presence_penalty": -3}, "presence_penalty", "invalid_value"),

@@ -13,6 +13,7 @@ import openai
 import pytest
 
 import ppsmoke
+from runner.secrets import Secrets
 from runner.seed import node_env
 from served import serving
 from test_smoke_seed import ROOT, processes_marked
@@ -234,7 +235,7 @@ def test_ppsmoke_refuses_host_with_vastai_naming_why():
 
 def test_host_and_port_reach_stage_0_alone():
     args = ppsmoke.parse_args(["--seed", "--serve", "--host", " 0.0.0.0 ", "--port", "8123", "--model", "tiny"])
-    args.model_path, args.secrets = "tiny", ppsmoke.Secrets(None, ("k",), None)
+    args.model_path, args.secrets = "tiny", Secrets(None, ("k",), None)
     opts = ppsmoke._seed_options(args, {})
     envs = [node_env(opts, "t", "http://127.0.0.1:1", stage, None) for stage in range(3)]
     assert [(e["PP_BIND"], e["PP_PORT"]) for e in envs] == [("0.0.0.0", "8123"), ("127.0.0.1", "0"), ("127.0.0.1", "0")]

@@ -11,7 +11,8 @@ The whole interface:
       {"schema": ..., "type": "json_schema"}. A bad shape or schema is a GrammarError (a ValueError) whose
       message starts with the dotted name of the bad part (`response_format.json_schema.schema: ...`).
       No vocabulary is needed; about 1 ms for a schema like bench/grammar.py's (14 properties, nested). Call it
-      in a worker thread: a schema at the bounds takes longer.
+      in a worker thread: a schema at the bounds takes longer. A forced tool call's text, {"type": "tool_calls",
+      ...}, is worker/tool_grammar.py's canonical_tool_calls.
   GrammarCompiler(token_bytes, stop_ids, vocab_size, *, control_ids=(), encode=None, max_cached=64)
       Once per worker (the last stage), from its vocabulary: token_bytes[i] is token i's bytes (control
       tokens as their text), stop_ids end a request, vocab_size is the logits' width (ids past
@@ -58,7 +59,9 @@ from collections.abc import Callable, Iterable, Sequence
 import llguidance
 import numpy as np
 
-TEXT, JSON_OBJECT, JSON_SCHEMA = "text", "json_object", "json_schema"
+from worker.tool_formats import forced_lark
+
+TEXT, JSON_OBJECT, JSON_SCHEMA, TOOL_CALLS = "text", "json_object", "json_schema", "tool_calls"
 DEFAULT_MAX_CACHED = 64  # compiled grammars kept per worker
 MAX_SCHEMA_CHARS = 64 * 1024  # a schema's JSON text: compiling one at the cap costs about a second of CPU
 MAX_SCHEMA_DEPTH = 64  # objects and arrays in a schema's JSON, nested (OpenAI: 10 levels of schemas)
@@ -84,7 +87,12 @@ def canonical_format(response_format) -> str:
     _field(spec, "description", str, "response_format.json_schema")
     _field(spec, "strict", bool, "response_format.json_schema")
     schema = _field(spec, "schema", dict, "response_format.json_schema", required=True)
-    where = "response_format.json_schema.schema"
+    return '{"schema":' + checked_schema(schema, "response_format.json_schema.schema") + ',"type":"json_schema"}'
+
+
+def checked_schema(schema: dict, where: str) -> str:
+    """A JSON Schema checked within the bounds and compiled, as its JSON text in its own key order; a
+    GrammarError naming `where` otherwise."""
     if _depth(schema) > MAX_SCHEMA_DEPTH:  # first: json.dumps recurses through it
         raise GrammarError(f"{where}: nested deeper than {MAX_SCHEMA_DEPTH} levels")
     try:
@@ -99,7 +107,7 @@ def canonical_format(response_format) -> str:
     problem = _library_problem(text)
     if problem:
         raise GrammarError(f"{where}: {problem}")
-    return '{"schema":' + text + ',"type":"json_schema"}'  # sorted envelope, the schema's own order kept
+    return text  # the schema's own order kept: it is the order the model must write the properties in
 
 
 @functools.lru_cache(maxsize=DEFAULT_MAX_CACHED)  # a client sends its schema again with each request
@@ -112,8 +120,7 @@ def _library_problem(schema_text: str) -> str:
     raises rather than answering: that is the schema's problem too, and so is a panic of its Rust code (pyo3's
     PanicException, a BaseException). The library releases the GIL while it compiles."""
     try:
-        matcher = llguidance.LLMatcher(_byte_tokenizer(), _library_grammar(json.loads(schema_text)), log_level=0,
-                                       limits=_LIMITS)
+        matcher = byte_matcher(_library_grammar(json.loads(schema_text)))
         if matcher.is_error():
             return matcher.get_error()
         for byte in np.flatnonzero(Matcher(matcher, _BYTE_EOS + 1).allowed()[:_BYTE_EOS]):
@@ -128,6 +135,11 @@ def _library_problem(schema_text: str) -> str:
 
 
 _BYTE_EOS = 256  # the byte vocabulary's stop token: bytes 0..255 are ids 0..255
+
+
+def byte_matcher(grammar: str) -> llguidance.LLMatcher:
+    """A grammar compiled against a vocabulary of single bytes: its errors, before any model's vocabulary."""
+    return llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0, limits=_LIMITS)
 
 
 @functools.cache
@@ -260,7 +272,7 @@ def _library_grammar(schema: dict) -> str:
     return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
 
 
-def _grammar_of(grammar_text: str) -> str:
+def _grammar_of(grammar_text: str, specials: dict[str, int]) -> str:
     """A Sampling.grammar text as llguidance's grammar; what canonical_format cannot have made is refused."""
     try:
         spec = json.loads(grammar_text)
@@ -271,7 +283,10 @@ def _grammar_of(grammar_text: str) -> str:
         return _library_grammar({"type": "object"})
     if kind == JSON_SCHEMA:
         return _library_grammar(_field(spec, "schema", dict, "grammar", required=True))
-    raise GrammarError(f"grammar.type: {kind!r} is not 'json_object' or 'json_schema'")
+    if kind == TOOL_CALLS:  # worker/tool_grammar.py's canonical_tool_calls made it
+        tools = [(t["name"], json.dumps(t["schema"], ensure_ascii=False)) for t in spec["tools"]]
+        return llguidance.LLMatcher.grammar_from_lark(forced_lark(spec["family"], tools, spec["parallel"], specials))
+    raise GrammarError(f"grammar.type: {kind!r} is not 'json_object', 'json_schema' or 'tool_calls'")
 
 
 class _Vocabulary:
@@ -332,8 +347,10 @@ class GrammarCompiler:
         if len(token_bytes) > vocab_size:
             raise ValueError(f"{len(token_bytes)} tokens do not fit a vocabulary of size {vocab_size}")
         tokens = list(token_bytes) + [b""] * (vocab_size - len(token_bytes))  # padding ids: never allowed
-        vocab = _Vocabulary(tokens, frozenset(control_ids) | frozenset(stops), stops[0], encode)
+        controls = frozenset(control_ids)
+        vocab = _Vocabulary(tokens, controls | frozenset(stops), stops[0], encode)
         self.vocab_size, self.stop_ids = vocab_size, frozenset(stops)
+        self._specials = {tokens[i].decode("utf-8", "replace"): i for i in controls if i < vocab_size}
         self._tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocab), n_vocab=vocab_size,
                                                  eos_token=stops)
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
@@ -344,7 +361,7 @@ class GrammarCompiler:
             if (hit := self._cache.get(grammar_text)) is not None:
                 self._cache.move_to_end(grammar_text)
                 return hit
-        template = llguidance.LLMatcher(self._tokenizer, _grammar_of(grammar_text), log_level=0, limits=_LIMITS)
+        template = llguidance.LLMatcher(self._tokenizer, _grammar_of(grammar_text, self._specials), log_level=0, limits=_LIMITS)
         if template.is_error():
             raise GrammarError(f"grammar: {template.get_error()}")
         with self._lock:  # another thread may have compiled the same text meanwhile: keep the first

@@ -35,9 +35,10 @@ class StubTokenizer:
     def encode_chat(self, prompt: str) -> list[int]:
         return [*self.encode(prompt, bos=True), self.eot_id]
 
-    def encode_messages(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
-        """Each turn's role and text, then the end-of-turn id; no template engine for the stand-in, and no
-        generation prompt to leave out."""
+    def encode_messages(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                        tools: list[dict] | None = None) -> list[int]:
+        """Each turn's role and text, then the end-of-turn id; no template engine for the stand-in (nor tools to
+        show), and no generation prompt to leave out."""
         ids = [self.bos_id]
         for m in messages:
             ids += [*self.encode(f"{m['role']}:{m['content']}"), self.eot_id]

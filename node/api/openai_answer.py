@@ -4,11 +4,16 @@ OpenAI's two shapes: completions' parallel lists (tokens, token_logprobs, top_lo
 `echo` the prompt's tokens first (the first has no logprob: nothing comes before it), and chat's list of
 {token, logprob, bytes, top_logprobs}.
 
+Tool calls take OpenAI's shape: `message.tool_calls` whole, and streamed as `delta.tool_calls` by `index`,
+each call's id, type and name first, then its arguments. A choice whose text is read for calls has a
+ToolParser (node/api/tool_parse.py); its content is what the parser leaves as text.
+
 Extension, as vLLM spells it: `return_token_ids` adds each choice's prompt and answer token ids (and the
 stages' timings, pp's own).
 """
 from __future__ import annotations
 
+import secrets
 import time
 from typing import Callable
 
@@ -17,6 +22,7 @@ import attrs
 from worker.contract import TokenLogprob
 
 from node.api.openai_wire import ApiRequest
+from node.api.tool_parse import Call, Content, ToolParser
 
 Entries = list[tuple[int, "TokenLogprob | None"]]  # (token id, its logprob where known) per position
 
@@ -36,6 +42,22 @@ class Choice:
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # echo with logprobs: the prompt's tokens from the second
     text_offset: int = 0  # completions' logprobs: characters of the choice's text their offsets have covered
     timings: dict | None = None
+    parser: ToolParser | None = None  # where the request has tools the model may call
+    tool_calls: list[dict] = attrs.field(factory=list)  # as OpenAI writes them: {"id", "type", "function"}
+
+    def read(self, text: str, *, over: bool) -> list[Content | Call]:
+        """New answer text, as content and tool calls (`over`: the answer ends here); both are kept."""
+        if self.parser is None:
+            self.text += text
+            return [Content(text)] if text else []
+        events = self.parser.push(text) + (self.parser.finish() if over else [])
+        for event in events:
+            if isinstance(event, Call):
+                self.tool_calls.append({"id": f"call_{secrets.token_hex(12)}", "type": "function",
+                                        "function": {"name": event.name, "arguments": event.arguments}})
+            else:
+                self.text += event.text
+        return events
 
     def prompt_entries(self) -> Entries:
         first = [(self.prompt_token_ids[0], None)] if self.prompt_token_ids else []
@@ -74,7 +96,10 @@ class Completion:
             choice = {"index": c.index, "logprobs": self._logprobs(entries, c, 0),
                       "finish_reason": c.finish_reason}
             if self.request.chat:
-                choice["message"] = {"role": "assistant", "content": c.text, "refusal": None}
+                choice["message"] = {"role": "assistant", "content": c.text or None if c.tool_calls else c.text,
+                                     "refusal": None}
+                if c.tool_calls:
+                    choice["message"]["tool_calls"] = c.tool_calls
             else:
                 choice["text"] = (c.prompt_text if self.request.echo else "") + c.text
             choices.append(self._extended(choice, c, c.token_ids))
@@ -98,6 +123,35 @@ class Completion:
             body["usage"] = None
         self._extended(choice, c, token_ids, prompt=first)
         return self._body_extended(body, c, prompt=first)
+
+    def chunks(self, c: Choice, events: list[Content | Call], token_ids: list[int], entries: Entries) -> list[dict]:
+        """A piece's stream events: its content and calls in order, its tokens' logprobs (and ids) on the first
+        content chunk, or on a chunk of their own where it begins with a call or holds no text."""
+        out = []
+        if (entries or self.request.return_token_ids) and not (events and isinstance(events[0], Content)):
+            out.append(self.chunk(c, "", token_ids, entries))
+            token_ids, entries = [], []
+        for event in events:
+            if isinstance(event, Call):
+                out += self._call_chunks(c, event)
+            elif event.text or entries or token_ids:
+                out.append(self.chunk(c, event.text, token_ids, entries))
+                token_ids, entries = [], []
+        return out
+
+    def _call_chunks(self, c: Choice, call: Call) -> list[dict]:
+        """A call streamed as OpenAI streams one: its id, type and name, then its arguments."""
+        head = {"index": call.index, "id": c.tool_calls[call.index]["id"], "type": "function",
+                "function": {"name": call.name, "arguments": ""}}
+        return [self._delta(c, {"tool_calls": [head]}),
+                self._delta(c, {"tool_calls": [{"index": call.index, "function": {"arguments": call.arguments}}]})]
+
+    def _delta(self, c: Choice, delta: dict) -> dict:
+        body = {**self._head("chat.completion.chunk"),
+                "choices": [{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}]}
+        if self.request.include_usage:
+            body["usage"] = None
+        return body
 
     def usage_chunk(self) -> dict:
         head = self._head("chat.completion.chunk" if self.request.chat else "text_completion")

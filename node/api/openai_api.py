@@ -42,6 +42,8 @@ from worker.sampling import MAX_SEED, stop_set
 from node.api.entry import Entry, Vocabulary
 from node.api.openai_answer import Choice, Completion, Entries
 from node.api.openai_fields import ApiError
+from node.api.openai_tools import tool_setup
+from node.api.tool_parse import Call, Content, ToolParser
 from node.api.openai_read import check_model, prepared, prompts, read_json, ready, too_long
 from node.api.openai_wire import ApiRequest, limits_for, parse_request
 from node.api.text_stream import TextStream
@@ -54,16 +56,19 @@ FINAL_WAIT_S = 5.0  # after the last token, how long a return_token_ids request 
 _FOLLOWS = "pp.follows"  # the ASGI scope's list of what an exchange follows (_close_when_over)
 
 
-def add_openai_routes(app: QuartTrio, node: Entry, *, model_name: str) -> None:
+def add_openai_routes(app: QuartTrio, node: Entry, *, model_name: str, tool_parser: str | None = None) -> None:
+    """`tool_parser`: --tool-call-parser, the family calls are read in (None: the chat template's)."""
     started = int(time.time())
+    tools_of = functools.cache(lambda template: tool_setup(template, tool_parser))
     app.asgi_app = _close_when_over(app.asgi_app)
     # every refusal under /v1 an OpenAI client may meet is in OpenAI's shape: a route's, and the 404 of a path no
     # route serves or the 405 of a method one does not take (the cluster's own /v1 routes keep theirs otherwise)
     shape_refusals(app, API_PATHS, openai_shape, prefixes=(MODEL_PATH,), unrouted=("/v1/",))
 
     def model_card() -> dict:
+        vocab = ready(node)
         return {"id": model_name, "object": "model", "created": started, "owned_by": "pp",
-                "max_model_len": ready(node).max_context}
+                "max_model_len": vocab.max_context, **tools_of(vocab.chat_template).card()}
 
     @app.get("/v1/models")
     async def models():
@@ -79,11 +84,11 @@ def add_openai_routes(app: QuartTrio, node: Entry, *, model_name: str) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions():
-        return await _complete(app, node, model_name, chat=True)
+        return await _complete(app, node, model_name, tools_of, chat=True)
 
     @app.post("/v1/completions")
     async def completions():
-        return await _complete(app, node, model_name, chat=False)
+        return await _complete(app, node, model_name, tools_of, chat=False)
 
     @app.errorhandler(ApiError)
     async def api_error(exc: ApiError):
@@ -120,19 +125,20 @@ def _close_when_over(asgi_app):
     return app
 
 
-async def _complete(app: QuartTrio, node: Entry, model_name: str, *, chat: bool):
+async def _complete(app: QuartTrio, node: Entry, model_name: str, tools_of, *, chat: bool):
     vocab, body = await read_json(node)
+    setup = tools_of(vocab.chat_template)
     limits = limits_for(vocab_size=vocab.vocab_size, max_seqs=node.max_seqs, max_context=vocab.max_context,
-                        longest_token_bytes=vocab.longest_token_bytes)
+                        longest_token_bytes=vocab.longest_token_bytes, tool_family=setup.family)
     api = await prepared(functools.partial(parse_request, body, chat=chat, seed_if_unset=secrets.randbits(31),
                                            limits=limits))
     check_model(api.model, model_name)
-    texts = await prepared(functools.partial(prompts, vocab, api))
+    texts = await prepared(functools.partial(prompts, vocab, api, setup))
     request_id = uuid.uuid4().hex
     choices = [Choice(i * api.n + j, f"{request_id}-{i * api.n + j}", tuple(ids), text)
                for i, (ids, text) in enumerate(texts) for j in range(api.n)]
     completion = Completion(api, request_id, choices, lambda t: vocab.token_bytes([t], specials=True))
-    follow = _Follow(node, vocab, completion, _admit(node, vocab, api, choices))
+    follow = _Follow(node, vocab, completion, _admit(node, vocab, api, choices), setup.family)
     request.scope[_FOLLOWS].append(follow)  # no checkpoint since the admission: nothing can be lost between
     if not api.stream:
         try:
@@ -199,17 +205,21 @@ def _refused(exc: Refused, api: ApiRequest, context: int, prompt_len: int) -> Ap
 class _Follow:
     """A request's choices followed from the entry: their tokens become text pieces, in order per choice."""
 
-    def __init__(self, node: Entry, vocab: Vocabulary, completion: Completion, events: trio.MemoryReceiveChannel):
+    def __init__(self, node: Entry, vocab: Vocabulary, completion: Completion, events: trio.MemoryReceiveChannel,
+                 tool_family: str):
         self.node, self.vocab, self.completion, self.events = node, vocab, completion, events
         api = completion.request
+        if api.tools is not None and api.tools.parsed:  # each choice's text is read for calls as it comes
+            for c in completion.choices:
+                c.parser = ToolParser(tool_family, api.tools.names(), parallel=api.tools.parallel)
         self.choices = {c.request_id: c for c in completion.choices}
         self.texts = {rid: TextStream(api.stop, include_stop=api.include_stop_str_in_output) for rid in self.choices}
         self.stops = stop_set(vocab.stop_ids, api.sampling)  # what ends a choice, as the last stage says
         self.over: set[str] = set()  # choices ended (or ended by us): nothing to cancel on the way out
 
     async def pieces(self):
-        """(choice, text, token ids, logprob entries) as tokens come back, until every choice is over; each
-        choice's text and finish reason are kept."""
+        """(choice, its new content and tool calls, token ids, logprob entries) as tokens come back, until every
+        choice is over; each choice's text, calls and finish reason are kept."""
         going = set(self.choices)
         async for event in self.events:
             c = self.choices.get(event.request_id)
@@ -229,7 +239,7 @@ class _Follow:
             await self._final()
         self.over.update(self.choices)
 
-    def _piece(self, c: Choice, event: Progress) -> tuple[Choice, str, list[int], Entries]:
+    def _piece(self, c: Choice, event: Progress) -> tuple[Choice, list[Content | Call], list[int], Entries]:
         api, token = self.completion.request, event.token_id
         text, entries = "", []
         if not c.token_ids and api.echo:  # the first token: the prompt comes first
@@ -237,20 +247,23 @@ class _Follow:
             text, entries = c.prompt_text, c.prompt_entries()
         if api.max_tokens == 0:  # echo alone: the token sampled to get there is no part of the answer
             c.finish_reason = "length"
-            return c, text, [], entries
+            return c, [Content(text)], [], entries
         stream = self.texts[c.request_id]
         c.token_ids.append(token)
         if event.logprob is not None:
             c.logprobs.append(event.logprob)
             entries.append((token, event.logprob))
-        new = "" if token in self.stops else stream.push(self.vocab.token_bytes(
-            [token], specials=not api.skip_special_tokens))
+        specials = not api.skip_special_tokens or c.parser is not None  # a family's marker may be a control token
+        new = "" if token in self.stops else stream.push(self.vocab.token_bytes([token], specials=specials))
         if event.done:
             new += stream.flush()
-        c.text += new
+        events = [Content(text)] if text else []
+        events += c.read(new, over=stream.stopped or event.done)
         if stream.stopped or event.done:
             c.finish_reason = "stop" if stream.stopped or token in self.stops else "length"
-        return c, text + new, [token], entries
+            if c.tool_calls and c.finish_reason == "stop":
+                c.finish_reason = "tool_calls"
+        return c, events, [token], entries
 
     def _ended(self, event: Progress) -> None:
         self.over.add(event.request_id)
@@ -290,9 +303,9 @@ class _Follow:
             for choice in c.choices:
                 yield _event(c.chunk(choice, "", [], [], first=True))
             async with aclosing(self.pieces()) as pieces:
-                async for choice, text, ids, entries in pieces:
-                    if text or entries or api.return_token_ids:
-                        yield _event(c.chunk(choice, text, ids, entries))
+                async for choice, events, ids, entries in pieces:
+                    for chunk in c.chunks(choice, events, ids, entries):
+                        yield _event(chunk)
                     if choice.finish_reason is not None and not api.return_token_ids:
                         yield _event(c.chunk(choice, "", [], [], finish=True))
             if api.return_token_ids:  # after _final: the finish chunks carry the stages' figures

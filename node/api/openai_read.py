@@ -19,9 +19,12 @@ import trio
 from quart import request
 
 from worker.errors import WorkerError
+from worker.tokens.tool_prompt import with_tools
+from worker.tool_formats import GENERIC_PROMPT
 
 from node.api.entry import Entry, Vocabulary
 from node.api.openai_fields import ApiError, body_limit, parse_body, shown
+from node.api.openai_tools import ToolSetup
 from node.api.openai_wire import ApiRequest
 from node.transport.app import still_loading
 
@@ -87,10 +90,17 @@ def too_large(limit: int) -> ApiError:
                     code="request_too_large")
 
 
-def prompts(vocab: Vocabulary, api: ApiRequest) -> list[tuple[list[int], str]]:
-    """In a worker thread: each prompt's ids and text (what `echo` shows), or the ApiError refusing one."""
+def prompts(vocab: Vocabulary, api: ApiRequest, setup: ToolSetup) -> list[tuple[list[int], str]]:
+    """In a worker thread: each prompt's ids and text (what `echo` shows), or the ApiError refusing one. A
+    chat's tools are shown as `setup` says: through the template, or in our generic system prompt (which also
+    writes out tool-call history for a template that cannot)."""
     if api.chat:
-        return [(tokenized(vocab, "messages", messages=api.messages), "")]
+        tools = [t.as_template_takes() for t in api.tools.tools] if api.tools and api.tools.parsed else None
+        if setup.rendering == GENERIC_PROMPT:
+            shown = with_tools(list(api.messages), tools, setup.family,
+                               parallel=api.tools is None or api.tools.parallel)
+            return [(tokenized(vocab, "messages", messages=tuple(shown)), "")]
+        return [(tokenized(vocab, "messages", messages=api.messages, tools=tools), "")]
     out = []
     for n, prompt in enumerate(api.prompts):
         param = "prompt" if len(api.prompts) == 1 else f"prompt[{n}]"
@@ -106,7 +116,8 @@ def prompts(vocab: Vocabulary, api: ApiRequest) -> list[tuple[list[int], str]]:
 
 
 def tokenized(vocab: Vocabulary, param: str, *, text: str | None = None, messages: tuple[dict, ...] = (),
-              add_special_tokens: bool = True, add_generation_prompt: bool = True) -> list[int]:
+              add_special_tokens: bool = True, add_generation_prompt: bool = True,
+              tools: list[dict] | None = None) -> list[int]:
     """In a worker thread: a raw `text`'s ids, or (text None) the conversation's through the chat template,
     or the ApiError refusing it. A text of more characters than the context's tokens could spell (each at
     most the longest token's bytes) is refused untokenized. Whether the ids leave room in the context is the
@@ -118,7 +129,7 @@ def tokenized(vocab: Vocabulary, param: str, *, text: str | None = None, message
                                         f"characters each can hold")
     try:
         if text is None:
-            return vocab.tokenize_messages(list(messages), add_generation_prompt=add_generation_prompt)
+            return vocab.tokenize_messages(list(messages), add_generation_prompt=add_generation_prompt, tools=tools)
         return vocab.tokenize(text, chat=False, add_special_tokens=add_special_tokens)
     except WorkerError as exc:
         raise ApiError(400, f"{param}: {exc}", param=param.split("[")[0], code="invalid_value") from None

@@ -2,13 +2,13 @@
 into an ApiRequest. The answers' shapes are node/api/openai_answer.py's.
 
 Unknown parameters are ignored, as OpenAI's server does; a known parameter of the wrong type or out of
-range is refused with 400 naming it, and so is one we cannot honour (`suffix`, `best_of` > 1, tools):
+range is refused with 400 naming it, and so is one we cannot honour (`suffix`, `best_of` > 1):
 nothing known is silently dropped. vLLM's extensions are read as vLLM spells them (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens,
 include_stop_str_in_output, return_token_ids, cache_salt); README's table lists them all.
 
 Errors are node/api/openai_fields.py's ApiError; chat messages, tool-call history included, are
-node/api/openai_messages.py's to parse.
+node/api/openai_messages.py's to parse, and tools node/api/openai_tools.py's.
 
 Work per request is bounded before it reaches the event loop's hot paths: at most MAX_STOPS stop strings of
 at most MAX_STOP_CHARS characters each, at most MAX_PROMPTS prompts and MAX_PROMPTS choices (n × prompts), `n`
@@ -25,9 +25,11 @@ import attrs
 from worker.contract import MAX_LOGPROBS, Sampling
 from worker.grammar import GrammarError, canonical_format
 from worker.sampling import MAX_SEED
+from worker.tool_formats import GENERIC
 
 from node.api.openai_fields import ApiError, checked_text, field, shown
 from node.api.openai_messages import MAX_MESSAGES, MessageBudget, messages
+from node.api.openai_tools import ToolRequest, tool_request
 
 MAX_STOPS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 1024  # per stop string; a longer one is refused (OpenAI states no limit; vLLM has none)
@@ -44,13 +46,15 @@ class Limits:
     vocab_size: int | None = None  # None: token ids are left to the actor's check
     max_n: int = 8  # the slots of a stage: every choice of a request decodes at once
     messages: MessageBudget = MessageBudget()  # a conversation's turns and template characters
+    tool_family: str = GENERIC  # the format a forced call is written in (worker/tool_formats.py)
 
 
-def limits_for(*, vocab_size: int, max_seqs: int, max_context: int, longest_token_bytes: int) -> Limits:
+def limits_for(*, vocab_size: int, max_seqs: int, max_context: int, longest_token_bytes: int,
+               tool_family: str = GENERIC) -> Limits:
     """A model's limits: every turn of a conversation is at least a token of the context (its role's header, in
     any template we know), and its text at most the context's tokens of the longest token's characters each."""
     budget = MessageBudget(max_messages=min(MAX_MESSAGES, max_context), max_chars=max_context * longest_token_bytes)
-    return Limits(vocab_size=vocab_size, max_n=max_seqs, messages=budget)
+    return Limits(vocab_size=vocab_size, max_n=max_seqs, messages=budget, tool_family=tool_family)
 
 
 @attrs.frozen
@@ -73,6 +77,7 @@ class ApiRequest:
     skip_special_tokens: bool = True  # control tokens are left out of the text
     include_stop_str_in_output: bool = False
     cache_salt: str = ""  # vLLM's: the prefix cache is shared only among requests with the same salt
+    tools: ToolRequest | None = None  # chat: the functions the model may call, and how it may
 
 
 def parse_request(body, *, chat: bool, seed_if_unset: int, limits: Limits = Limits()) -> ApiRequest:
@@ -95,15 +100,16 @@ def parse_request(body, *, chat: bool, seed_if_unset: int, limits: Limits = Limi
     if max_tokens is not None and sampling.min_tokens > max_tokens:
         raise ApiError(400, f"min_tokens: {sampling.min_tokens} is more than max_tokens {max_tokens}",
                        param="min_tokens", code="invalid_value")
+    tools = tool_request(body, chat=chat)
     sampling = attrs.evolve(sampling, logprobs=logprobs, prompt_logprobs=logprobs if echo else None,
-                            grammar=_response_format(body))
+                            grammar=_grammar(body, tools, limits.tool_family))
     request = ApiRequest(chat=chat, model=model, n=n, max_tokens=max_tokens, sampling=sampling, stop=_stop(body),
                          stream=stream, include_usage=include_usage, echo=echo, logprobs=logprobs,
                          return_token_ids=bool(field(body, "return_token_ids", bool, default=False)),
                          skip_special_tokens=bool(field(body, "skip_special_tokens", bool, default=True)),
                          include_stop_str_in_output=bool(field(body, "include_stop_str_in_output", bool,
                                                               default=False)),
-                         cache_salt=_cache_salt(body))
+                         cache_salt=_cache_salt(body), tools=tools)
     if chat:
         return attrs.evolve(request, messages=messages(body, limits.messages))
     prompts = _prompts(body, limits.vocab_size)
@@ -122,14 +128,10 @@ def _cache_salt(body: dict) -> str:
 
 
 def _refuse_unsupported(body: dict) -> None:
-    unsupported = {"suffix": (None, ""), "best_of": (None, 1), "functions": (None, []), "function_call": (None,),
-                   "tools": (None, []), "prompt_logprobs": (None,)}
+    unsupported = {"suffix": (None, ""), "best_of": (None, 1), "prompt_logprobs": (None,)}
     for key, harmless in unsupported.items():
         if key in body and body[key] not in harmless:
             raise ApiError(400, f"{key}: not supported by this server", param=key, code="unsupported_parameter")
-    if body.get("tool_choice") not in (None, "none"):  # with no tools there is nothing to choose (vLLM: 400)
-        raise ApiError(400, "tool_choice: not supported by this server (it serves no tools)", param="tool_choice",
-                       code="unsupported_parameter")
 
 
 def _include_usage(body: dict, stream: bool) -> bool:
@@ -237,6 +239,16 @@ def _stop_token_ids(body: dict, vocab_size: int | None) -> tuple[int, ...]:
         raise ApiError(400, f"stop_token_ids: {len(ids)} ids, more than {MAX_STOP_TOKEN_IDS}",
                        param="stop_token_ids", code="invalid_value")
     return tuple(_token_id(t, f"stop_token_ids[{i}]", vocab_size) for i, t in enumerate(ids))
+
+
+def _grammar(body: dict, tools: ToolRequest | None, family: str) -> str:
+    """What constrains the answer: a forced tool call, or the response_format (not both: a call is not the
+    response_format's document, and under auto the model must be free to write either)."""
+    response_format = _response_format(body)
+    if tools is not None and tools.parsed and response_format:
+        raise ApiError(400, "response_format: with tools, only tool_choice none leaves the answer to the "
+                            "response_format", param="response_format", code="invalid_value")
+    return tools.grammar(family) if tools is not None and tools.forced else response_format
 
 
 def _response_format(body: dict) -> str:

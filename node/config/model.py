@@ -10,6 +10,7 @@ from roles.messages import is_http_url
 from worker.partition import AUTO, parse_partition
 from worker.weights.contract import PRECISIONS
 from worker.weights.fetch import DEFAULT_MODEL, REGISTRY
+from worker.tool_formats import FAMILIES
 from worker.weights.tiny import BUILT_IN
 
 
@@ -85,3 +86,12 @@ def layer_partition(src: Sources, num_stages: int) -> tuple[int, ...] | str | No
         return parse_partition(raw or AUTO, num_stages)
     except ValueError as exc:
         raise ConfigError(f"{label}={raw!r}: {exc}") from None
+
+
+def tool_call_parser(src: Sources) -> str | None:
+    """--tool-call-parser: a family of worker/tool_formats.py, or None for auto (the chat template's)."""
+    raw, label = src.get("--tool-call-parser")
+    value = (raw or "auto").strip()
+    if value != "auto" and value not in FAMILIES:
+        raise ConfigError(f"{label}={raw!r}: want auto, {', '.join(FAMILIES)}")
+    return None if value == "auto" else value

@@ -15,7 +15,8 @@ from pathlib import Path
 from node.config.cores import MACHINE_ID, MAX_THREADS, available_cores, machine_id
 from node.config.credentials import (API_KEY_ENV, API_KEY_FILE_ENV, TOKEN_ENV, TOKEN_IS_API_KEY_ENV,
                                      client_api_keys, cluster_token)
-from node.config.model import kv_cache_dtype, kv_cache_memory, layer_partition, model_spec, precision
+from node.config.model import (kv_cache_dtype, kv_cache_memory, layer_partition, model_spec, precision,
+                               tool_call_parser)
 from node.config.network import (DEFAULT_BIND, DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT, link_faults, link_streams,
                                  listen_port, max_body, optional_url, peer_urls, public_port)
 from node.config.settings import DEFAULT_CHUNKED_PREFILL, DEFAULT_LOG_LEVEL, DEFAULT_MAX_SEQS, LOG_LEVELS, NodeConfig
@@ -67,6 +68,9 @@ ENV_TABLE = (
     ("PP_PRECISION", "--precision", "auto: Q8_0 weights stay as the file holds them, F16/BF16 too with --beam; file: all of them always; f32: every weight widened at load (auto)"),
     ("PP_KV_CACHE_DTYPE", "--kv-cache-dtype", "what the KV caches hold: float16 (half the bytes) or float32; "
      "auto = float16 (vLLM's --kv-cache-dtype)"),
+    ("PP_TOOL_CALL_PARSER", "--tool-call-parser", "the format tool calls are read in (vLLM's flag): auto = the chat "
+     "template's family, or the generic format where the template takes no tools; or hermes, llama3_json, mistral, "
+     "generic (auto)"),
     ("PP_KV_CACHE_MEMORY", "--kv-cache-memory", "the memory this stage's KV may fill, e.g. 2G or 512M; stage 0 admits "
      "requests, and preempts the newest, so that no stage's KV outgrows it. auto: half the memory free at boot, "
      "shared by the stages on this machine, and no more than every slot's whole context (auto)"),
@@ -136,6 +140,8 @@ def build_parser(prog: str = "python ppnode.py") -> argparse.ArgumentParser:
     p.add_argument("--precision", metavar="P", help="auto, file or f32: which weights stay as the file holds them (PP_PRECISION, default auto)")
     p.add_argument("--kv-cache-dtype", metavar="DTYPE", help="auto, float16 or float32: what the KV caches hold "
                    "(PP_KV_CACHE_DTYPE, default auto = float16)")
+    p.add_argument("--tool-call-parser", metavar="NAME", help="the format tool calls are read in: auto, hermes, "
+                   "llama3_json, mistral or generic (PP_TOOL_CALL_PARSER, default auto: from the chat template)")
     p.add_argument("--kv-cache-memory", metavar="BYTES", help="the memory this stage's KV may fill, e.g. 2G or "
                    "512M (PP_KV_CACHE_MEMORY, default auto: half the memory free at boot, shared by this machine's stages)")
     p.add_argument("--links", metavar="KIND", help="stream or post: how messages go to the next stage (PP_LINKS)")
@@ -194,7 +200,7 @@ def _config_from(src: Sources, *, home: Path, rng: random.Random | None) -> Node
         ctx=count(src, "--ctx", DEFAULT_CONTEXT, lowest=16),
         threads=threads(src),
         beam=count(src, "--beam", 0, lowest=0), precision=precision(src), kv_cache_dtype=kv_cache_dtype(src),
-        kv_cache_memory=kv_cache_memory(src),
+        kv_cache_memory=kv_cache_memory(src), tool_call_parser=tool_call_parser(src),
         link_streams=link_streams(src),
         layer_partition=layer_partition(src, num_stages), machine_id=_machine_id(src),
         exit_on_stdin_eof=env_switch(env, "PP_STDIN_LIFELINE"), faults=link_faults(env))

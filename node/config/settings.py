@@ -53,6 +53,7 @@ class NodeConfig:
     layer_partition: tuple[int, ...] | str | None = "auto"  # PP_LAYER_PARTITION: "auto" (planned), None (even) or counts
     kv_cache_dtype: str = "float16"     # PP_KV_CACHE_DTYPE: what the KV caches hold (float16 or float32)
     kv_cache_memory: int | None = None  # PP_KV_CACHE_MEMORY: bytes this stage's KV may fill (None: auto)
+    tool_call_parser: str | None = None  # PP_TOOL_CALL_PARSER: the family tool calls are read in (None: the template's)
     machine_id: str | None = None       # PP_MACHINE_ID: the cores this node shares with others (None: its own)
     precision: str = "auto"             # PP_PRECISION: which matrices keep the file's precision (worker.weights.contract.narrow_kinds)
     link_streams: bool = True           # PP_LINKS=stream: one long-lived HTTP/2 stream to the next stage; post: a POST each

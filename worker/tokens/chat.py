@@ -104,7 +104,7 @@ def render(source: str, messages: list[dict], *, bos_token: str, eos_token: str,
     try:
         text = _bounded(template.generate(messages=messages, bos_token=bos_token, eos_token=eos_token,
                                           add_generation_prompt=add_generation_prompt, **extra),
-                        render_limit(messages))
+                        render_limit(messages) + RENDER_INPUT_FACTOR * len(json.dumps(extra, default=str)))
     except jinja2.TemplateError as exc:
         raise WorkerError(f"the model's chat template refused the conversation: {exc}") from None
     for n, what, _, shown in tool_turns:

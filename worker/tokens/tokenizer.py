@@ -79,10 +79,13 @@ class Tokenizer:
             self._tok.encode_special_tokens = not specials
             return self._tok.encode(text, add_special_tokens=False).ids
 
-    def encode_messages(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
-        """A conversation through the model's chat template, ending where the assistant's reply starts."""
+    def encode_messages(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                        tools: list[dict] | None = None) -> list[int]:
+        """A conversation through the model's chat template, ending where the assistant's reply starts; `tools`
+        (function definitions, as transformers passes them) go to the template where given."""
+        extra = {} if tools is None else {"tools": tools}
         text = chat.render(self.chat_template, messages, bos_token=self.bos_token, eos_token=self.eos_token,
-                           add_generation_prompt=add_generation_prompt)
+                           add_generation_prompt=add_generation_prompt, **extra)
         ids = self.encode_special(text)
         if self._add_bos and ids[:1] != [self.bos_id]:  # as llama.cpp: BOS unless the template wrote it
             ids = [self.bos_id, *ids]

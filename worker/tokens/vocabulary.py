@@ -50,10 +50,16 @@ class Vocabulary:
             return self.tokenizer.encode_chat(prompt)
         return self.tokenizer.encode_prompt(prompt) if add_special_tokens else self.tokenizer.encode(prompt)
 
-    def tokenize_messages(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+    def tokenize_messages(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                          tools: list[dict] | None = None) -> list[int]:
         """A conversation (system, user and assistant turns) through the model's chat template, ending where the
-        assistant's reply starts unless not `add_generation_prompt`."""
-        return self.tokenizer.encode_messages(messages, add_generation_prompt=add_generation_prompt)
+        assistant's reply starts unless not `add_generation_prompt`; `tools` go to a template that takes them."""
+        return self.tokenizer.encode_messages(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The template conversations are rendered through (None: the stand-in's own turns)."""
+        return getattr(self.tokenizer, "chat_template", None)
 
     @functools.cached_property
     def longest_token_bytes(self) -> int:
