@@ -29,11 +29,11 @@ ITEM_SEPARATOR, KEY_SEPARATOR = ", ", ": "
 TEMPLATE, GENERIC_PROMPT = "template", "generic"  # how tools reach the prompt
 
 
-def family_of(template: str | None, spelled: frozenset[str]) -> tuple[str, str]:
+def family_of(template: str | None, takes: frozenset[str]) -> tuple[str, str]:
     """(the family a chat template's model writes calls in, how tools are rendered): TEMPLATE where the
-    template takes `tools` (its syntax spells the name: `spelled`, worker/tokens/chat.spelled_names) and
-    writes a family we know; otherwise the generic format through our own system prompt."""
-    if template is None or "tools" not in spelled:
+    template takes `tools` (among the variables it reads: `takes`, worker/tokens/chat.variables) and writes a
+    family we know; otherwise the generic format through our own system prompt."""
+    if template is None or "tools" not in takes:
         return GENERIC, GENERIC_PROMPT
     if TOOL_CALL_OPEN in template:
         return HERMES, TEMPLATE

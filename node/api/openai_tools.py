@@ -18,7 +18,7 @@ import re
 import attrs
 
 from worker.grammar import GrammarError, checked_schema
-from worker.tokens.chat import spelled_names
+from worker.tokens.chat import variables
 from worker.tool_formats import FAMILIES, GENERIC_PROMPT, TEMPLATE, family_of
 from worker.tool_grammar import canonical_tool_calls
 
@@ -45,13 +45,13 @@ class ToolSetup:
 
 def tool_setup(template: str | None, parser: str | None) -> ToolSetup:
     """The setup a chat template gives, its family overridden by `--tool-call-parser` where set."""
-    spelled = spelled_names(template) if template else frozenset()
-    family, rendering = family_of(template, spelled)
+    takes = variables(template) if template else frozenset()
+    family, rendering = family_of(template, takes)
     if parser is not None:
         if parser not in FAMILIES:
             raise ValueError(f"--tool-call-parser: {parser!r} is not one of auto, {', '.join(FAMILIES)}")
         family = parser
-        rendering = TEMPLATE if "tools" in spelled and rendering == TEMPLATE else GENERIC_PROMPT
+        rendering = TEMPLATE if "tools" in takes else GENERIC_PROMPT  # the template tells them, where it can
     return ToolSetup(family, rendering)
 
 

@@ -31,6 +31,7 @@ import json
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.sandbox
 
@@ -88,6 +89,12 @@ def spelled_names(source: str) -> frozenset[str]:
     tree = _environment().parse(source)
     return frozenset({node.attr for node in tree.find_all(jinja2.nodes.Getattr)}
                      | {node.value for node in tree.find_all(jinja2.nodes.Const) if isinstance(node.value, str)})
+
+
+@functools.lru_cache(maxsize=16)
+def variables(source: str) -> frozenset[str]:
+    """The variables a template (which parses) reads from its caller: `tools` where it takes tools."""
+    return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(source)))
 
 
 def render(source: str, messages: list[dict], *, bos_token: str, eos_token: str,
