@@ -233,3 +233,24 @@ def test_a_named_function_is_the_only_one_a_forced_call_may_make(smollm2):
         text = smollm2.token_bytes(_random_walk(smollm2, tools.grammar(GENERIC), rng), specials=True).decode()
         calls = parse_whole(GENERIC, text, tools.names())[1]
         assert calls and {c.name for c in calls} == {"get_time"}
+
+
+class _Recorder:
+    """A vocabulary that records what the API asks of its template."""
+
+    max_context, longest_token_bytes, asked = 4096, 8, None
+
+    def tokenize_messages(self, messages, *, add_generation_prompt=True, tools=None):
+        self.asked = (messages, tools)
+        return [1]
+
+
+@pytest.mark.parametrize("choice,shown", [("auto", True), ("required", True), ("none", False)])
+def test_a_template_that_takes_tools_is_given_them_and_the_conversation_as_it_is(choice, shown):
+    vocab = _Recorder()
+    api = parse({**CHAT, "messages": OPENAI_TOOL_CONVERSATION, "tools": [WEATHER, TIME], "tool_choice": choice},
+                family=HERMES)
+    prompts(vocab, api, tool_setup(HERMES_TEMPLATE, None))
+    messages, tools = vocab.asked
+    assert tools == ([WEATHER, TIME] if shown else None)
+    assert list(messages) == list(TOOL_CONVERSATION)  # the template renders the history itself

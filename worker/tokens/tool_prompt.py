@@ -29,10 +29,8 @@ def instructions(tools: list[dict], family: str, *, parallel: bool) -> str:
     listed = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
     example = call_text(family, [("function_name", {"argument": "value"})])
     how_many = "one or more functions" if parallel else "one function"
-    return (f"You may call functions to help answer. These are the functions, with their parameters' JSON "
-            f"Schema:\n<tools>\n{listed}\n</tools>\n\nTo call {how_many}, answer only with the call, written "
-            f"exactly like this:\n{example}\nwith each function's name and its arguments as a JSON object. "
-            f"The results will come back to you. If no function is needed, answer the user directly.")
+    return (f"You may call these functions:\n<tools>\n{listed}\n</tools>\nTo call {how_many}, answer only "
+            f"with:\n{example}\nIf none is needed, answer directly.")
 
 
 def history(messages: list[dict], family: str) -> list[dict]:
