@@ -24,6 +24,7 @@ TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"  # hermes and ge
 PYTHON_TAG = "<|python_tag|>"  # llama3_json, optional before the calls
 MISTRAL_TOOL_CALLS = "[TOOL_CALLS]"  # mistral: a control token in its vocabulary
 LLAMA3_SEPARATOR = "; "  # llama3_json: between calls
+CONTROL_MARKED = frozenset({LLAMA3_JSON, MISTRAL})  # whose marker is a control token in their vocabularies
 # JSON as the families' templates write it (jinja's tojson: ", " and ": ")
 ITEM_SEPARATOR, KEY_SEPARATOR = ", ", ": "
 TEMPLATE, GENERIC_PROMPT = "template", "generic"  # how tools reach the prompt

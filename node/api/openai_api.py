@@ -38,6 +38,7 @@ import attrs
 from roles.actions import PROMPT_INVALID, PROMPT_TOO_LONG, Progress, Refused
 from roles.messages import MAX_TOKENS_LIMIT, EndReason, InferenceRequest, InferenceResponse
 from worker.sampling import MAX_SEED, stop_set
+from worker.tool_formats import CONTROL_MARKED
 
 from node.api.entry import Entry, Vocabulary
 from node.api.openai_answer import Choice, Completion, Entries
@@ -253,7 +254,8 @@ class _Follow:
         if event.logprob is not None:
             c.logprobs.append(event.logprob)
             entries.append((token, event.logprob))
-        specials = not api.skip_special_tokens or c.parser is not None  # a family's marker may be a control token
+        # the parser must see a family's marker where it is a control token (vLLM: skip_special_tokens off)
+        specials = not api.skip_special_tokens or (c.parser is not None and c.parser.family in CONTROL_MARKED)
         new = "" if token in self.stops else stream.push(self.vocab.token_bytes([token], specials=specials))
         if event.done:
             new += stream.flush()
