@@ -1,6 +1,7 @@
 """Model output read back into tool calls (node/api/tool_parse.py), on outputs written as each family's models
-write them (Qwen2.5 and Hermes 3 for hermes, Llama 3.2 for llama3_json, Mistral 7B Instruct v0.3 for mistral,
-SmolLM2 through our prompt for generic): every case gives the same answer whole, one character at a time,
+write them (Qwen2.5 and Hermes 3 for hermes, Llama 3.2 for llama3_json, Mistral 7B Instruct v0.3 for mistral:
+written after their templates and vLLM's parsers, as none of those models is here; SmolLM2 through our prompt
+for generic, some of them its own answers recorded): every case gives the same answer whole, one character at a time,
 and cut at random; content is released at once but for what may begin a call."""
 import json
 import random
@@ -15,6 +16,8 @@ PARIS = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius
 LONDON = '{"name": "get_weather", "arguments": {"city": "London"}}'
 QWEN_PARIS = f"<tool_call>\n{PARIS}\n</tool_call>"
 QWEN_LONDON = f"<tool_call>\n{LONDON}\n</tool_call>"
+SMOL_CALL = ('<tool_call>\n[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius", "sky": '
+             '"cloudy"}}]\n</tool_call>')
 LLAMA_PARIS = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
 LLAMA_TIME = '{"name": "get_time", "parameters": {"timezone": "Europe/Paris"}}'
 
@@ -82,7 +85,15 @@ CASES = [
      [PARIS_CALL], False),
     ("hermes-whitespace-alone-is-content", HERMES, *verbatim("\n \n"), True),
     ("hermes-too-deep-is-content", HERMES, *verbatim("<tool_call>" + "[" * 100_000 + "</tool_call>"), True),
-    # generic: SmolLM2 told our format in the system prompt
+    # generic: SmolLM2 told our format in the system prompt; the first three are its own answers, recorded
+    # (greedy, ppsmoke.py --seed -n 2 --serve): under auto after a tool's result it called again, adding a key
+    # the schema did not have (auto parses, only forced calls are schema-checked), once with text after
+    ("generic-recorded-smollm2-call", GENERIC, SMOL_CALL, "",
+     [call(0, city="Paris", unit="celsius", sky="cloudy")], True),
+    ("generic-recorded-smollm2-call-then-text", GENERIC, SMOL_CALL + "\n\nThe weather", "\n\nThe weather",
+     [call(0, city="Paris", unit="celsius", sky="cloudy")], True),
+    ("generic-recorded-smollm2-echoes-a-result", GENERIC,
+     *verbatim('<tool_response>\n{"temp": 18, "unit": "celsius", "sky": "cloudy"}'), True),
     ("generic-single-call-in-an-array", GENERIC, f"<tool_call>\n[{PARIS}]\n</tool_call>", "", [PARIS_CALL], True),
     ("generic-single-object", GENERIC, QWEN_PARIS, "", [PARIS_CALL], True),
     ("generic-two-calls-in-an-array", GENERIC, f"<tool_call>\n[{PARIS}, {LONDON}]\n</tool_call>", "",
