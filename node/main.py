@@ -274,7 +274,7 @@ def open_stage(shard: Shard, client: PeerClient, config: NodeConfig) -> StageNod
 def serve_api(app, entry: EntryStage, config: NodeConfig, view: httpx.AsyncClient) -> None:
     """pp-entry serves the OpenAI API too (and vLLM's /tokenize), and a chat page that uses it."""
     add_openai_routes(app, entry, model_name=config.model_name, tool_parser=config.tool_call_parser)
-    add_tokenize_routes(app, entry, config.model_name)
+    add_tokenize_routes(app, entry, config.model_name, tool_parser=config.tool_call_parser)
     add_chat_page(app, entry, http=view, token=config.cluster_token, model_name=config.model_name)
 
 

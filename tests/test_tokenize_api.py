@@ -18,7 +18,9 @@ from node.transport.app import make_app, serve_app
 from worker.partition import Shard
 from worker.stage import StageWorker
 from worker.tokens.tokenizer import byte_tokenizer
+from worker.tokens.tool_prompt import with_tools
 from worker.tokens.vocabulary import Vocabulary
+from worker.tool_formats import GENERIC
 
 KEY = {"Authorization": f"Bearer {API_KEY}"}
 CONTEXT = 64
@@ -239,3 +241,13 @@ async def test_a_served_prompt_is_counted_as_its_completion_uses_it(nursery, tmp
         counted = await client.post(urls[0] + "/tokenize", json={"model": "stub", "messages": CHAT})
     assert done.json()["usage"]["prompt_tokens"] == counted.json()["count"]
     nursery.cancel_scope.cancel()
+
+
+async def test_a_conversation_with_tools_is_counted_as_the_chat_endpoint_shows_them(entry):
+    node, client = entry
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+    status, body = await post(client, "/tokenize", {"messages": CHAT, "tools": [tool]})
+    told = with_tools(CHAT, [tool], GENERIC)  # the byte vocabulary's template takes no tools: the generic prompt
+    assert status == 200 and body["tokens"] == node.vocabulary.tokenize_messages(told)
+    status, plain = await post(client, "/tokenize", {"messages": CHAT, "tools": [tool], "tool_choice": "none"})
+    assert plain["tokens"] == node.vocabulary.tokenize_messages(CHAT)  # none: the tools are not shown

@@ -24,7 +24,7 @@ from worker.tool_formats import GENERIC_PROMPT
 
 from node.api.entry import Entry, Vocabulary
 from node.api.openai_fields import ApiError, body_limit, parse_body, shown
-from node.api.openai_tools import ToolSetup
+from node.api.openai_tools import ToolRequest, ToolSetup
 from node.api.openai_wire import ApiRequest
 from node.transport.app import still_loading
 
@@ -95,12 +95,7 @@ def prompts(vocab: Vocabulary, api: ApiRequest, setup: ToolSetup) -> list[tuple[
     chat's tools are shown as `setup` says: through the template, or in our generic system prompt (which also
     writes out tool-call history for a template that cannot)."""
     if api.chat:
-        tools = [t.as_template_takes() for t in api.tools.tools] if api.tools and api.tools.parsed else None
-        if setup.rendering == GENERIC_PROMPT:
-            shown = with_tools(list(api.messages), tools, setup.family,
-                               parallel=api.tools is None or api.tools.parallel)
-            return [(tokenized(vocab, "messages", messages=tuple(shown)), "")]
-        return [(tokenized(vocab, "messages", messages=api.messages, tools=tools), "")]
+        return [(chat_ids(vocab, api.messages, api.tools, setup), "")]
     out = []
     for n, prompt in enumerate(api.prompts):
         param = "prompt" if len(api.prompts) == 1 else f"prompt[{n}]"
@@ -113,6 +108,16 @@ def prompts(vocab: Vocabulary, api: ApiRequest, setup: ToolSetup) -> list[tuple[
             ids, text = tokenized(vocab, param, text=prompt), prompt
         out.append((ids, text))
     return out
+
+
+def chat_ids(vocab: Vocabulary, messages: tuple[dict, ...], tools: ToolRequest | None, setup: ToolSetup, *,
+             add_generation_prompt: bool = True) -> list[int]:
+    """In a worker thread: a conversation's ids, its tools (unless tool_choice is none) shown as `setup` says."""
+    shown = [t.as_template_takes() for t in tools.tools] if tools is not None and tools.parsed else None
+    if setup.rendering == GENERIC_PROMPT:
+        told = with_tools(list(messages), shown, setup.family, parallel=tools is None or tools.parallel)
+        return tokenized(vocab, "messages", messages=tuple(told), add_generation_prompt=add_generation_prompt)
+    return tokenized(vocab, "messages", messages=messages, tools=shown, add_generation_prompt=add_generation_prompt)
 
 
 def tokenized(vocab: Vocabulary, param: str, *, text: str | None = None, messages: tuple[dict, ...] = (),

@@ -9,7 +9,8 @@ serving_tokenization.py).
   against the context before sending it; as there, special-token text in a raw prompt is text. For a
   conversation the chat template and the vocabulary decide the special tokens, as for /v1/chat/completions:
   vLLM's `add_special_tokens: true` on top of them (a second BOS, for most templates) and its other chat
-  options (`continue_final_message`, `chat_template`, `tools`) are refused, not silently dropped.
+  options (`continue_final_message`, `chat_template`) are refused, not silently dropped. `tools` and
+  `tool_choice` are shown to the model as the chat endpoint shows them, so the count is the one it computes.
 - /detokenize takes `tokens` and answers `prompt`, their text with control tokens included: detokenizing what
   /tokenize gave is the text the template wrote.
 - GET /tokenizer_info answers the special tokens and the chat template (vLLM's, which lm-eval's remote
@@ -35,16 +36,17 @@ from worker.errors import WorkerError
 
 from node.api.entry import Entry
 from node.api.openai_api import openai_shape
-from node.api.openai_read import check_model, prepared, read_json, too_long, tokenized
+from node.api.openai_read import chat_ids, check_model, prepared, read_json, too_long, tokenized
 from node.api.openai_fields import ApiError, checked_text, field
 from node.api.openai_messages import MessageBudget, messages
+from node.api.openai_tools import ToolRequest, tool_request, tool_setup
 from node.api.openai_wire import limits_for
 from node.transport.app import shape_refusals, still_loading
 
 TOKENIZE_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 # vLLM's chat options this server does not take, each with the values that ask for nothing
 UNSUPPORTED_CHAT = {"continue_final_message": (None, False), "chat_template": (None,),
-                    "chat_template_kwargs": (None, {}), "tools": (None, [])}
+                    "chat_template_kwargs": (None, {})}
 
 
 @attrs.frozen
@@ -57,14 +59,16 @@ class TokenizeRequest:
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    tools: ToolRequest | None = None  # shown to the model as /v1/chat/completions shows them
 
 
-def add_tokenize_routes(app: QuartTrio, node: Entry, model_name: str) -> None:
+def add_tokenize_routes(app: QuartTrio, node: Entry, model_name: str, tool_parser: str | None = None) -> None:
     shape_refusals(app, TOKENIZE_PATHS, openai_shape)
+    tools_of = functools.cache(lambda template: tool_setup(template, tool_parser))
 
     @app.post("/tokenize")
     async def tokenize():
-        return await _answered(lambda: _tokenize(node, model_name))
+        return await _answered(lambda: _tokenize(node, model_name, tools_of))
 
     @app.post("/detokenize")
     async def detokenize():
@@ -87,16 +91,19 @@ async def _answered(work: Callable[[], Awaitable[dict]]):
         return exc.body(), exc.status
 
 
-async def _tokenize(node: Entry, model_name: str) -> dict:
+async def _tokenize(node: Entry, model_name: str, tools_of) -> dict:
     vocab, body = await read_json(node)
     budget = limits_for(vocab_size=vocab.vocab_size, max_seqs=node.max_seqs, max_context=vocab.max_context,
                         longest_token_bytes=vocab.longest_token_bytes).messages
     req = await prepared(functools.partial(parse_tokenize, body, budget))
     check_model(req.model, model_name)
-    param = "prompt" if req.prompt is not None else "messages"
-    ids = await prepared(functools.partial(
-        tokenized, vocab, param, text=req.prompt, messages=req.messages, add_special_tokens=req.add_special_tokens,
-        add_generation_prompt=req.add_generation_prompt))
+    if req.prompt is not None:
+        ids = await prepared(functools.partial(tokenized, vocab, "prompt", text=req.prompt,
+                                               add_special_tokens=req.add_special_tokens))
+    else:
+        ids = await prepared(functools.partial(chat_ids, vocab, req.messages, req.tools,
+                                               tools_of(vocab.chat_template),
+                                               add_generation_prompt=req.add_generation_prompt))
     answer = {"count": len(ids), "max_model_len": vocab.max_context, "tokens": ids}
     if req.return_token_strs:
         answer["token_strs"] = await prepared(functools.partial(vocab.token_strs, ids))
@@ -138,7 +145,8 @@ def parse_tokenize(body, budget: MessageBudget | None = None) -> TokenizeRequest
                             "special tokens, as for /v1/chat/completions", param="add_special_tokens",
                        code="unsupported_parameter")
     return TokenizeRequest(model, messages=messages(body, budget), return_token_strs=strs,
-                           add_generation_prompt=bool(field(body, "add_generation_prompt", bool, default=True)))
+                           add_generation_prompt=bool(field(body, "add_generation_prompt", bool, default=True)),
+                           tools=tool_request(body, chat=True))
 
 
 def parse_detokenize(body) -> tuple[str | None, tuple[int, ...]]:
