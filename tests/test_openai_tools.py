@@ -15,7 +15,7 @@ from node.api.openai_tools import ToolRequest, tool_setup
 from node.api.openai_wire import Limits, parse_request
 from node.api.tool_parse import parse_whole
 from worker.tokens.chat import render
-from worker.tokens.tokenizer import tokenizer_from_gguf_metadata
+from worker.tokens.tokenizer import byte_tokenizer, tokenizer_from_gguf_metadata
 from worker.tokens.tool_prompt import history, with_tools
 from worker.tokens.vocabulary import Vocabulary
 from worker.tool_formats import FAMILIES, GENERIC, HERMES, LLAMA3_JSON, MISTRAL, call_text
@@ -254,3 +254,11 @@ def test_a_template_that_takes_tools_is_given_them_and_the_conversation_as_it_is
     messages, tools = vocab.asked
     assert tools == ([WEATHER, TIME] if shown else None)
     assert list(messages) == list(TOOL_CONVERSATION)  # the template renders the history itself
+
+
+def test_a_template_reading_tools_gets_none_where_there_are_none_as_transformers_passes_it():
+    tok = byte_tokenizer()
+    tok.chat_template = LLAMA_TEMPLATE  # `tools is not none`: undefined would pass that test, None does not
+    plain = tok.decode(tok.encode_messages([{"role": "user", "content": "hi"}]))
+    told = tok.decode(tok.encode_messages([{"role": "user", "content": "hi"}], tools=[WEATHER]))
+    assert "ipython" not in plain and "Environment: ipython" in told and '"get_weather"' in told

@@ -82,10 +82,9 @@ class Tokenizer:
     def encode_messages(self, messages: list[dict], *, add_generation_prompt: bool = True,
                         tools: list[dict] | None = None) -> list[int]:
         """A conversation through the model's chat template, ending where the assistant's reply starts; `tools`
-        (function definitions, as transformers passes them) go to the template where given."""
-        extra = {} if tools is None else {"tools": tools}
+        (function definitions) go to the template as transformers passes them: None where there are none."""
         text = chat.render(self.chat_template, messages, bos_token=self.bos_token, eos_token=self.eos_token,
-                           add_generation_prompt=add_generation_prompt, **extra)
+                           add_generation_prompt=add_generation_prompt, tools=tools)
         ids = self.encode_special(text)
         if self._add_bos and ids[:1] != [self.bos_id]:  # as llama.cpp: BOS unless the template wrote it
             ids = [self.bos_id, *ids]
