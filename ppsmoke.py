@@ -51,11 +51,17 @@ from worker.sources import check_source, open_source
 from worker.weights.tiny import BUILT_IN
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """ppsmoke's flags, without parsing: parse_args's, and the README's table (tools/reference_tables.py)."""
     p = argparse.ArgumentParser(prog="ppsmoke.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for add_group in (_cluster_arguments, _prompt_arguments, _timeout_arguments, _node_arguments, _serve_arguments,
                       _secret_arguments, _vast_arguments):
         add_group(p)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     problems = [*flag_problems(args), *argument_problems(args)]
     if args.vastai and not args.destroy_leftovers and not args.image:
@@ -79,10 +85,11 @@ def _cluster_arguments(p: argparse.ArgumentParser) -> None:
 
 def _prompt_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("the prompt (without --serve)")
-    g.add_argument("--prompt", default="Say hello")
-    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--prompt", default="Say hello", help="sent as one user turn, through the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=32, help="most tokens to generate")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: draw from the fewest most likely "
+                   "tokens whose probabilities reach this (1 = every token)")
     g.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of text")
 
 
@@ -96,10 +103,10 @@ def _timeout_arguments(p: argparse.ArgumentParser) -> None:
 def _node_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("each node (memory, kernels, caching)")
     g.add_argument("--max-seqs", type=int, default=DEFAULT_MAX_SEQS,
-                   help=f"requests each node serves at once, one KV cache each (default {DEFAULT_MAX_SEQS})")
+                   help=f"requests each node serves at once, each with its own KV (default {DEFAULT_MAX_SEQS})")
     g.add_argument("--ctx", "--max-model-len", dest="ctx", type=int, default=DEFAULT_CONTEXT,
-                   help=f"context per request in tokens, prompt and answer; each node allocates KV for it per slot "
-                        f"at boot, so it sets their memory; at most the model's own (default {DEFAULT_CONTEXT})")
+                   help=f"context per request in tokens, prompt and answer; a request's KV is taken as it is "
+                        f"written, within --kv-cache-memory; at most the model's own (default {DEFAULT_CONTEXT})")
     g.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help=f"requests waiting at the entry for a free slot before it answers 429 "
                         f"(default {DEFAULT_MAX_QUEUE})")
@@ -121,9 +128,9 @@ def _node_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", default="auto", metavar="BYTES", help="the memory each node's KV may fill, "
                    "e.g. 2G; past it requests wait or the newest is preempted (default auto: half the free memory)")
     g.add_argument("--precision", choices=PRECISIONS, default="auto",
-                   help="which weights stay as the model file holds them, read by the kernels (less memory; faster "
-                        "with --beam): auto = Q8_0, and F16/BF16 too with --beam; file = all of them; f32 = none, "
-                        "every weight widened at load (default auto)")
+                   help="which weights stay as the model file holds them, read so by the kernels (less memory): "
+                        "auto = Q8_0 and Q4_1, F16 and BF16 too with --beam; file = those four always; f32 = none; "
+                        "every other weight is widened to f32 at load (default auto)")
 
 
 def _serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -147,9 +154,9 @@ def _secret_arguments(p: argparse.ArgumentParser) -> None:
     token.add_argument("--token", help="the cluster token: the nodes' own secret, never a client's "
                        "(default: $PP_CLUSTER_TOKEN, else random per run)")
     token.add_argument("--token-file", metavar="PATH", type=Path, help="a file holding the cluster token")
-    s.add_argument("--api-key", metavar="KEY", action="append", help="a client API key for the OpenAI API, "
-                   "/v1/pipeline and /metrics; repeat for several (default: $PP_API_KEY, comma-separated, else a "
-                   "random one, printed)")
+    s.add_argument("--api-key", metavar="KEY", action="append", help="a client API key: it opens the OpenAI API, "
+                   "/tokenize, /detokenize, /tokenizer_info, /v1/pipeline and /metrics, nothing else; repeat for "
+                   "several (default: $PP_API_KEY, comma-separated, else a random one, printed)")
     s.add_argument("--api-key-file", metavar="PATH", help="a file of client API keys, one a line, taken with "
                    "--api-key's (default: $PP_API_KEY_FILE)")
 

@@ -33,7 +33,8 @@ ENV_TABLE = (
     ("NUM_STAGES", "--num-stages", "how many stages the pipeline has, at least 2 (required)"),
     (TOKEN_ENV, "", "secret shared by the cluster's nodes, for them only (required; no flag: it would show in ps)"),
     (API_KEY_ENV, "--api-key", "the clients' API key; several comma-separated, or the flag repeated: opens the "
-                               "OpenAI API, /v1/pipeline and /metrics, nothing else (none: those answer 401)"),
+                               "OpenAI API, /tokenize, /detokenize, /tokenizer_info, /v1/pipeline and /metrics, "
+                               "nothing else (none: those answer 401); /health and the chat page (/) need no key"),
     (API_KEY_FILE_ENV, "--api-key-file", "a file of client API keys, one a line (taken with PP_API_KEY's)"),
     (TOKEN_IS_API_KEY_ENV, "--token-is-api-key", "1: the cluster token opens the client surface too (0)"),
     ("SEED_ADDR", "--seed-addr", "a node to join through, e.g. http://10.0.0.5:8000 or 10.0.0.5:8000"),
@@ -49,8 +50,8 @@ ENV_TABLE = (
     ("PP_NODE_ID", "--node-id", "unique name of this node (stage<STAGE>-<8 random hex digits>)"),
     ("PP_MAX_BODY", "", f"largest request body accepted, in bytes ({DEFAULT_MAX_BODY_BYTES >> 20} MiB)"),
     ("PP_MAX_SEQS", "--max-seqs", f"requests in flight at once: each holds a KV cache on every stage ({DEFAULT_MAX_SEQS})"),
-    ("PP_CTX", "--ctx", f"context of each request, prompt and answer, in tokens; KV for it is allocated per slot "
-                        f"at boot, so it sets the node's memory; at most the model's own ({DEFAULT_CONTEXT})"),
+    ("PP_CTX", "--ctx", f"context of each request, prompt and answer, in tokens; its KV is taken as it is written, "
+                        f"within PP_KV_CACHE_MEMORY; at most the model's own ({DEFAULT_CONTEXT})"),
     ("PP_CHUNKED_PREFILL_SIZE", "--chunked-prefill-size", "prompt rows one step takes at most, beside the decode "
      f"rows: smaller keeps streams decoding while a long prompt is read, larger reads it sooner ({DEFAULT_CHUNKED_PREFILL})"),
     ("PP_NO_PREFIX_CACHE", "--no-prefix-cache", "1: stage 0 keeps no finished request's KV, so every request computes "
@@ -65,7 +66,9 @@ ENV_TABLE = (
     ("PP_MACHINE_ID", "--machine-id", "which machine's cores this node computes on. With auto, the nodes of one "
      "machine are timed once, by the lowest stage among them, and where every stage shares one machine none is "
      "timed (they count as one speed). Default: from the kernel's boot id and the process's CPU cgroup and affinity"),
-    ("PP_PRECISION", "--precision", "auto: Q8_0 weights stay as the file holds them, F16/BF16 too with --beam; file: all of them always; f32: every weight widened at load (auto)"),
+    ("PP_PRECISION", "--precision", "which weights stay as the file holds them, read so by the kernels. auto: Q8_0 "
+     "and Q4_1, F16 and BF16 too with --beam; file: those four always; f32: none. Every other weight is widened to "
+     "f32 at load (auto)"),
     ("PP_KV_CACHE_DTYPE", "--kv-cache-dtype", "what the KV caches hold: float16 (half the bytes) or float32; "
      "auto = float16 (vLLM's --kv-cache-dtype)"),
     ("PP_TOOL_CALL_PARSER", "--tool-call-parser", "the format tool calls are read in (vLLM's flag): auto = the chat "
@@ -94,8 +97,10 @@ other by gossip.
 
 Every setting can be given as an environment variable (below); a flag wins over its variable. The cluster
 token is read only from the environment, so that it never shows in the process list; it authenticates the
-nodes to each other. Clients (the OpenAI API on stage 0, /metrics on every node) use a client API key: a
-key is visible ASCII without spaces or commas, and differs from the cluster token."""
+nodes to each other. Clients use a client API key: it opens the OpenAI API with /tokenize, /detokenize and
+/tokenizer_info and the chat page's /v1/pipeline on stage 0, and /metrics on every node, nothing else; /health
+and the chat page (/) need no key. A key is visible ASCII without spaces or commas, and differs from the
+cluster token."""
 
 EXAMPLE = """example, a two-stage pipeline on one machine (two shells):
   PP_CLUSTER_TOKEN=s3cret PP_API_KEY=client-key STAGE=0 NUM_STAGES=2 PP_PORT=8000 {prog}
