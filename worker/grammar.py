@@ -361,7 +361,8 @@ class GrammarCompiler:
             if (hit := self._cache.get(grammar_text)) is not None:
                 self._cache.move_to_end(grammar_text)
                 return hit
-        template = llguidance.LLMatcher(self._tokenizer, _grammar_of(grammar_text, self._specials), log_level=0, limits=_LIMITS)
+        template = llguidance.LLMatcher(self._tokenizer, _grammar_of(grammar_text, self._specials), log_level=0,
+                                        limits=_LIMITS)
         if template.is_error():
             raise GrammarError(f"grammar: {template.get_error()}")
         with self._lock:  # another thread may have compiled the same text meanwhile: keep the first

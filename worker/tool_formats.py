@@ -86,7 +86,7 @@ def forced_lark(family: str, tools: list[tuple[str, str]], parallel: bool, speci
             marker = f"<[{specials[MISTRAL_TOOL_CALLS]}]>" if MISTRAL_TOOL_CALLS in specials else _lit(MISTRAL_TOOL_CALLS)
             start = f"{marker} {array}"
         else:
-            start = f'{_lit(TOOL_CALL_OPEN + chr(10))} {array} {_lit(chr(10) + TOOL_CALL_CLOSE)}'
+            start = " ".join((_lit(TOOL_CALL_OPEN + "\n"), array, _lit("\n" + TOOL_CALL_CLOSE)))
     return "\n".join(["start: " + start, call, *rules])
 
 

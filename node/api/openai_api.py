@@ -60,7 +60,6 @@ _FOLLOWS = "pp.follows"  # the ASGI scope's list of what an exchange follows (_c
 def add_openai_routes(app: QuartTrio, node: Entry, *, model_name: str, tool_parser: str | None = None) -> None:
     """`tool_parser`: --tool-call-parser, the family calls are read in (None: the chat template's)."""
     started = int(time.time())
-    tools_of = functools.cache(lambda template: tool_setup(template, tool_parser))
     app.asgi_app = _close_when_over(app.asgi_app)
     # every refusal under /v1 an OpenAI client may meet is in OpenAI's shape: a route's, and the 404 of a path no
     # route serves or the 405 of a method one does not take (the cluster's own /v1 routes keep theirs otherwise)
@@ -69,7 +68,7 @@ def add_openai_routes(app: QuartTrio, node: Entry, *, model_name: str, tool_pars
     def model_card() -> dict:
         vocab = ready(node)
         return {"id": model_name, "object": "model", "created": started, "owned_by": "pp",
-                "max_model_len": vocab.max_context, **tools_of(vocab.chat_template).card()}
+                "max_model_len": vocab.max_context, **tool_setup(vocab.chat_template, tool_parser).card()}
 
     @app.get("/v1/models")
     async def models():
@@ -85,11 +84,11 @@ def add_openai_routes(app: QuartTrio, node: Entry, *, model_name: str, tool_pars
 
     @app.post("/v1/chat/completions")
     async def chat_completions():
-        return await _complete(app, node, model_name, tools_of, chat=True)
+        return await _complete(app, node, model_name, tool_parser, chat=True)
 
     @app.post("/v1/completions")
     async def completions():
-        return await _complete(app, node, model_name, tools_of, chat=False)
+        return await _complete(app, node, model_name, tool_parser, chat=False)
 
     @app.errorhandler(ApiError)
     async def api_error(exc: ApiError):
@@ -126,9 +125,9 @@ def _close_when_over(asgi_app):
     return app
 
 
-async def _complete(app: QuartTrio, node: Entry, model_name: str, tools_of, *, chat: bool):
+async def _complete(app: QuartTrio, node: Entry, model_name: str, tool_parser: str | None, *, chat: bool):
     vocab, body = await read_json(node)
-    setup = tools_of(vocab.chat_template)
+    setup = tool_setup(vocab.chat_template, tool_parser)
     limits = limits_for(vocab_size=vocab.vocab_size, max_seqs=node.max_seqs, max_context=vocab.max_context,
                         longest_token_bytes=vocab.longest_token_bytes, tool_family=setup.family)
     api = await prepared(functools.partial(parse_request, body, chat=chat, seed_if_unset=secrets.randbits(31),

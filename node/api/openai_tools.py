@@ -12,6 +12,7 @@ template or our generic prompt tells it of the tools).
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -43,6 +44,7 @@ class ToolSetup:
         return {"tool_call_parser": self.family, "tool_rendering": self.rendering}
 
 
+@functools.lru_cache(maxsize=16)  # one template and one parser a node: asked for on every chat request
 def tool_setup(template: str | None, parser: str | None) -> ToolSetup:
     """The setup a chat template gives, its family overridden by `--tool-call-parser` where set."""
     takes = variables(template) if template else frozenset()

@@ -64,11 +64,10 @@ class TokenizeRequest:
 
 def add_tokenize_routes(app: QuartTrio, node: Entry, model_name: str, tool_parser: str | None = None) -> None:
     shape_refusals(app, TOKENIZE_PATHS, openai_shape)
-    tools_of = functools.cache(lambda template: tool_setup(template, tool_parser))
 
     @app.post("/tokenize")
     async def tokenize():
-        return await _answered(lambda: _tokenize(node, model_name, tools_of))
+        return await _answered(lambda: _tokenize(node, model_name, tool_parser))
 
     @app.post("/detokenize")
     async def detokenize():
@@ -91,7 +90,7 @@ async def _answered(work: Callable[[], Awaitable[dict]]):
         return exc.body(), exc.status
 
 
-async def _tokenize(node: Entry, model_name: str, tools_of) -> dict:
+async def _tokenize(node: Entry, model_name: str, tool_parser: str | None) -> dict:
     vocab, body = await read_json(node)
     budget = limits_for(vocab_size=vocab.vocab_size, max_seqs=node.max_seqs, max_context=vocab.max_context,
                         longest_token_bytes=vocab.longest_token_bytes).messages
@@ -102,7 +101,7 @@ async def _tokenize(node: Entry, model_name: str, tools_of) -> dict:
                                                add_special_tokens=req.add_special_tokens))
     else:
         ids = await prepared(functools.partial(chat_ids, vocab, req.messages, req.tools,
-                                               tools_of(vocab.chat_template),
+                                               tool_setup(vocab.chat_template, tool_parser),
                                                add_generation_prompt=req.add_generation_prompt))
     answer = {"count": len(ids), "max_model_len": vocab.max_context, "tokens": ids}
     if req.return_token_strs:

@@ -37,6 +37,7 @@ def history(messages: list[dict], family: str) -> list[dict]:
     """Assistant turns with `tool_calls` as text, and each run of `tool` turns as one user turn."""
     out: list[dict] = []
     names: dict[str, str] = {}  # tool call id -> the function it called
+    after_result = False  # the last turn written is tool results: the next result joins it
     for m in messages:
         if m.get("tool_calls"):
             calls = [(c["function"]["name"], _arguments(c["function"]["arguments"])) for c in m["tool_calls"]]
@@ -47,13 +48,14 @@ def history(messages: list[dict], family: str) -> list[dict]:
             result = json.dumps({"name": names.get(m.get("tool_call_id"), ""), "content": m["content"]},
                                 ensure_ascii=False)
             block = f"{RESPONSE_OPEN}\n{result}\n{RESPONSE_CLOSE}"
-            if out and out[-1].get("tool_results"):
+            if after_result:
                 out[-1] = {**out[-1], "content": f"{out[-1]['content']}\n{block}"}
             else:
-                out.append({"role": "user", "content": block, "tool_results": True})
+                out.append({"role": "user", "content": block})
         else:
             out.append(m)
-    return [{k: v for k, v in m.items() if k != "tool_results"} for m in out]
+        after_result = m["role"] == "tool"
+    return out
 
 
 def _arguments(arguments) -> dict | str:
