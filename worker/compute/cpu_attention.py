@@ -14,7 +14,12 @@ The (row, head) pairs are split over the stage's threads (cpu_threads.py); each 
 same on any of them.
 
 A float16 cache (--kv-cache-dtype float16) is read by the same code, each 8 keys or values widened to float32
-as they are loaded (F16C's vcvtph2ps under -march=native), so only the stored values differ from float32's.
+as they are loaded, so only the stored values differ from float32's. The cache is read as 16-bit integers, not
+as a C half type: clang before 15 accepts `_Float16` on x86 only with AVX512-FP16 (Sapphire Rapids and later),
+and `__fp16` arithmetic on x86 calls a compiler-rt routine the library may not link (issue 53). The widening
+is F16C's vcvtph2ps where the target has it (every x86-64-v3 CPU, Haswell and Zen on), the Arm half type's
+fcvtl on aarch64, and integer bit moves elsewhere (x86-64-v2): each gives every float16's exact float32 value,
+so every target computes the same bits (tests/test_cpu_targets.py).
 """
 from __future__ import annotations
 
@@ -23,16 +28,36 @@ from tinygrad import Tensor
 from .cpu_jobs import c_kernel, trampoline
 
 HEAD_DIMS = (32, 64, 96, 128, 256)  # specialised (constant loop bounds); any other multiple of 8 is generic
-CACHE_TYPES = {"float": ("", "float"), "half": ("h", "_Float16")}  # a cache's tinygrad dtype: name suffix, C type
+# a cache's tinygrad dtype: name suffix, C type (a float16 is read as its bits)
+CACHE_TYPES = {"float": ("", "float"), "half": ("h", "unsigned short")}
 WORK = tuple(f"pp_attention{suffix}_{hd}" for suffix, _ in CACHE_TYPES.values() for hd in HEAD_DIMS) + \
     tuple(f"pp_attention{suffix}" for suffix, _ in CACHE_TYPES.values())
-_LOAD = {"float": "__builtin_memcpy(&{dst}, {src}, 32);",
-         "_Float16": "{{ v8h t; __builtin_memcpy(&t, {src}, 16); {dst} = __builtin_convertvector(t, v8f); }}"}
+_LOAD = {"float": "__builtin_memcpy(&{dst}, {src}, 32);", "unsigned short": "pp_half8(&{dst}, {src});"}
+
+# 8 float16s (their bits) widened to float32, exactly, by whatever the target has.
+HALF8_C = r"""typedef unsigned short v8u16 __attribute__((ext_vector_type(8)));
+typedef unsigned int v8u32 __attribute__((ext_vector_type(8)));
+static inline void pp_half8(v8f* dst, const unsigned short* src) {
+  v8u16 t; __builtin_memcpy(&t, src, 16);
+#if defined(__F16C__)
+  typedef short v8s __attribute__((__vector_size__(16)));
+  *dst = (v8f)__builtin_ia32_vcvtph2ps256((v8s)t);
+#elif defined(__aarch64__)
+  typedef __fp16 v8h __attribute__((ext_vector_type(8)));
+  v8h h; __builtin_memcpy(&h, &t, 16); *dst = __builtin_convertvector(h, v8f);
+#else  /* the bits: exponent rebased (15 -> 127), subnormals normalised by one exact subtraction, inf/NaN kept */
+  v8u32 h = __builtin_convertvector(t, v8u32), em = h & 0x7fffu, e = em & 0x7c00u, sub = (v8u32)(e == 0u);
+  v8u32 bits = (em << 13) + (112u << 23) + ((v8u32)(e == 0x7c00u) & (112u << 23)) + (sub & (1u << 23));
+  v8u32 magic = sub & (113u << 23);  /* 2^-14 where subnormal, +0 elsewhere */
+  v8f f, m; __builtin_memcpy(&f, &bits, 32); __builtin_memcpy(&m, &magic, 32);
+  f -= m; __builtin_memcpy(&bits, &f, 32); bits |= (h & 0x8000u) << 16; __builtin_memcpy(dst, &bits, 32);
+#endif
+}"""
 
 
 def _work(name: str, head_dim: str, elem: str = "float") -> str:
     """C: items lo..hi-1 of the (row, head) pairs; job p = y, q, cache, ints; n = rows, heads, kv_heads,
-    head_dim, max_context; f = scale. `elem`: the cache's C type (float or _Float16)."""
+    head_dim, max_context; f = scale. `elem`: the cache's C type (float, or unsigned short: float16 bits)."""
     load_k, load_v = _LOAD[elem].format(dst="kv", src="k + 8*i"), _LOAD[elem].format(dst="vv", src="v + 8*i")
     return f"""void {name}(const struct pp_job* j, long lo, long hi) {{
   float* y = j->p[0]; const float* q = j->p[1]; const {elem}* cache = j->p[2]; const int* ints = j->p[3];
@@ -77,7 +102,7 @@ def _work(name: str, head_dim: str, elem: str = "float") -> str:
 def work_source() -> str:
     """The library's attention kernels (cpu_threads.py): for each cache dtype, one per common head size and a
     generic one."""
-    out = ["typedef _Float16 v8h __attribute__((ext_vector_type(8)));"]
+    out = [HALF8_C]
     for suffix, elem in CACHE_TYPES.values():
         out += [_work(f"pp_attention{suffix}_{hd}", str(hd), elem) for hd in HEAD_DIMS]
         out.append(_work(f"pp_attention{suffix}", "j->n[3]", elem))

@@ -50,13 +50,7 @@ SPIN_NS = 200_000
 # compare-and-swap per chunk; at most 65535 chunks a job).
 CHUNKS = 8
 
-POOL_C = r"""#include <limits.h>
-#include <linux/futex.h>
-#include <pthread.h>
-#include <stdlib.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
+POOL_C = r"""%(libc)s
 
 static inline void relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -240,9 +234,35 @@ void pp_pool_free(struct pp_pool* p) {
 """
 
 
+# What the pool takes from Linux and its C library, declared here rather than included: the source then needs no
+# system headers, so one clang builds it for any target, aarch64 included, with nothing else installed
+# (tests/test_cpu_targets.py). These are the Linux ABI's values on both 64-bit targets (glibc's and musl's
+# pthread_t is one word there); only the futex syscall's number differs.
+LIBC_C = r"""typedef unsigned long pthread_t;
+int pthread_create(pthread_t*, const void*, void* (*)(void*), void*);
+int pthread_join(pthread_t, void**);
+void* calloc(unsigned long, unsigned long);
+void free(void*);
+long syscall(long, ...);
+struct timespec { long tv_sec, tv_nsec; };
+int clock_gettime(int, struct timespec*);
+#define CLOCK_MONOTONIC 1
+#define FUTEX_WAIT_PRIVATE 128
+#define FUTEX_WAKE_PRIVATE 129
+#define INT_MAX 2147483647
+#define NULL ((void*)0)
+#if defined(__x86_64__)
+#define SYS_futex 202
+#elif defined(__aarch64__)
+#define SYS_futex 98
+#else
+#error "pp's CPU kernels are built for x86-64 and aarch64 Linux only"
+#endif"""
+
+
 def library_source() -> str:
     from tinygrad.runtime.ops_cpu import CMD_SIZE, RING_SLOTS
-    pool = POOL_C % {"max": MAX_THREADS, "chunks": CHUNKS, "slots": RING_SLOTS, "cmd": CMD_SIZE,
+    pool = POOL_C % {"libc": LIBC_C, "max": MAX_THREADS, "chunks": CHUNKS, "slots": RING_SLOTS, "cmd": CMD_SIZE,
                      "params": ", ".join(["unsigned long"] * (CMD_SIZE - 1)),
                      "args": ", ".join(f"e[{i}]" for i in range(1, CMD_SIZE))}
     return "\n".join((JOB_C, pool, cpu_matvec.work_source(), cpu_attention.work_source()))
