@@ -41,6 +41,7 @@ from runner.common import RunFailed, Stopped
 from runner.seed import SeedOptions, run_seed
 from runner.vastai import VastOptions, destroy_leftovers, run_vastai
 from node.config.settings import DEFAULT_MAX_SEQS
+from worker.compute.cpu_target import check_name
 from worker.config import DEFAULT_CONTEXT
 from worker.contract import Sampling
 from worker.tool_formats import FAMILIES
@@ -116,6 +117,9 @@ def _node_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", "-t", type=int, metavar="T",
                    help="cores each node computes on (PP_THREADS); default: with --seed, this machine's cores shared "
                         "out among the nodes (at least 1 each); rented, every core of its machine")
+    g.add_argument("--cpu-target", default="native", metavar="CPU",
+                   help="the CPU every node's kernels are built for: native, or a clang CPU name such as x86-64-v2 "
+                        "or x86-64-v3 for portable code (PP_CPU_TARGET; default native)")
     g.add_argument("--beam", type=int, default=0, help="kernel search at each node's boot (tinygrad's BEAM width, "
                    "e.g. 2): minutes the first time, cached on disk after (default 0 = off)")
     g.add_argument("--layer-partition", default="auto", metavar="SPLIT",
@@ -211,6 +215,10 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
         problems.append("--beam must be 0 (off) or a search width of at least 1")
     if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:
         problems.append(f"--threads must be 1..{MAX_THREADS}")
+    try:
+        check_name(args.cpu_target)
+    except ValueError as exc:
+        problems.append(f"--cpu-target: {exc}")
     return problems
 
 
@@ -357,10 +365,11 @@ def seed_threads(args, cores: int) -> int:
 
 
 def serving_env(args) -> dict[str, str]:
-    """The settings every node gets the same: requests at once and their context, cores, kernel search,
+    """The settings every node gets the same: requests at once and their context, cores, the kernels' CPU, kernel search,
     precision, the layer partition, KV, the prefix cache, the tool-call format."""
     return {**({"PP_THREADS": str(args.threads)} if args.threads else {}), "PP_MAX_SEQS": str(args.max_seqs),
             "PP_MAX_QUEUE": str(args.max_queue), "PP_CTX": str(args.ctx), "PP_BEAM": str(args.beam),
+            "PP_CPU_TARGET": args.cpu_target,
             "PP_PRECISION": args.precision, "PP_LAYER_PARTITION": args.layer_partition,
             "PP_KV_CACHE_DTYPE": args.kv_cache_dtype, "PP_KV_CACHE_MEMORY": args.kv_cache_memory,
             "PP_TOOL_CALL_PARSER": args.tool_call_parser, **({"PP_NO_PREFIX_CACHE": "1"} if args.no_prefix_cache else {})}

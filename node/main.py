@@ -26,6 +26,8 @@ import httpx
 import trio
 
 from roles import topology
+from worker.compute.cpu_build import CompilerMissing
+from worker.contract import Kernels
 from worker.errors import ModelFileError
 from worker.weights.fetch import REGISTRY, installed_model
 from worker.models import Model, open_model, open_worker
@@ -96,6 +98,8 @@ def size_stage(config: NodeConfig, model_spec: str) -> tuple[Model, Sizing]:
         return model, sizing(model, config.max_seqs, available_memory())
     except (ModelFileError, ValueError) as exc:
         raise ModelRefused(f"stage {config.stage} cannot measure model {config.model!r}: {exc}") from exc
+    except CompilerMissing as exc:
+        raise ModelLoadError(f"stage {config.stage} cannot compute on this machine: {exc}") from exc
 
 
 def open_stage_model(config: NodeConfig, model_spec: str) -> Model:
@@ -103,7 +107,7 @@ def open_stage_model(config: NodeConfig, model_spec: str) -> Model:
     try:
         return open_model(model_spec, cache_dir=config.cache_dir, ollama_models_dir=config.ollama_models_dir,
                           progress=False, precision=config.precision, tuned=config.beam > 0, max_context=config.ctx,
-                          threads=config.threads, kv_dtype=config.kv_cache_dtype)
+                          threads=config.threads, kv_dtype=config.kv_cache_dtype, cpu_target=config.cpu_target)
     except (ModelFileError, ValueError) as exc:  # a bad path, file or name: the user's to fix, not a crash
         raise ModelRefused(f"stage {config.stage} cannot load model {config.model!r}: {exc}") from exc
 
@@ -115,6 +119,8 @@ def build_worker(config: NodeConfig, model: Model, shard: Shard, prompt_rows: in
         worker = open_worker(model, shard, max_seqs=config.max_seqs)
     except (ModelFileError, ValueError) as exc:
         raise ModelRefused(f"stage {shard.index} cannot load model {config.model!r}: {exc}") from exc
+    except CompilerMissing as exc:
+        raise ModelLoadError(f"stage {shard.index} cannot compute on this machine: {exc}") from exc
     loaded = time.perf_counter()
     # the other buckets are captured while serving
     captured = worker.warm_up(config.beam, lazy=True, prompt_rows=prompt_rows)
@@ -230,6 +236,11 @@ def kv_budget(config: NodeConfig, info, swim) -> KvPositions:
     return kv
 
 
+def fallback_line(kernels: Kernels) -> str:
+    """The one line a node whose CPU kernels could not be built logs: what it computes with, the cause, the fix."""
+    return f"computing on tinygrad's own kernels (one core, slower): pp's CPU kernels could not be built: {kernels.fallback}"
+
+
 def flag_split(config: NodeConfig, shard: Shard) -> Split:
     """The split `--layer-partition equal` or an explicit list gave a loaded stage."""
     counts = tuple(len(shard.range_of(i, shard.total_blocks)) for i in range(shard.count))
@@ -315,7 +326,9 @@ async def _serve(config, swim_config, on_listening, compute, task_status, loaded
         swim.update_meta(plan=split.counts)
         event(log, "worker_ready", seconds=round(time.perf_counter() - started, 3), layers=str(worker.info.shard.blocks),
               weight_bytes=worker.info.weight_bytes, kv_bytes=worker.info.kv_bytes, split=list(split.counts),
-              how=split.how, reason=split.reason, **phases)
+              how=split.how, reason=split.reason, kernels=worker.info.kernels.label, **phases)
+        if worker.info.kernels.fallback:
+            warn_event(log, "cpu_kernels_fallback", message=fallback_line(worker.info.kernels))
         kv = kv_budget(config, worker.info, swim)
         node.attach(worker, split=split)
         node.kv_budget = kv.positions
@@ -325,7 +338,8 @@ async def _serve(config, swim_config, on_listening, compute, task_status, loaded
         gc.collect()
         gc.freeze()
         await nursery.start(node.run, compute)
-        swim.update_meta(ready=True, max_seqs=worker.info.max_seqs, kv_positions=kv.positions)
+        swim.update_meta(ready=True, max_seqs=worker.info.max_seqs, kv_positions=kv.positions,
+                         kernels=worker.info.kernels.label)
         await swim.wait_until(lambda s: len(s.alive()) >= 2)
         event(log, "joined", members=len(swim.members()))
         await swim.wait_until(_resolved(topology.resolves(shard)))

@@ -29,6 +29,12 @@ def gossiped_plan(members: Iterable[Member], me: str, num_stages: int) -> tuple[
     return None
 
 
+def gossiped_kernels(members: Iterable[Member], num_stages: int) -> tuple[str | None, ...]:
+    """Pure: what each stage's live holder computes with, as it gossips it (None: not said yet)."""
+    holders = _holders(members, num_stages)
+    return tuple(holders[i].meta.kernels if i in holders else None for i in range(num_stages))
+
+
 def _holders(members: Iterable[Member], num_stages: int) -> dict[int, Member]:
     """Pure: each stage's live holder (the latest incarnation where several hold it); the runner holds none."""
     found: dict[int, Member] = {}

@@ -5,6 +5,8 @@ from __future__ import annotations
 import collections
 import resource
 
+import attrs
+
 
 def memory(worker, kv_budget: int | None = None) -> dict:
     """The memory figures of /health and of the metrics' gauges: weights, KV caches (the bytes reserved, and
@@ -21,6 +23,12 @@ def memory(worker, kv_budget: int | None = None) -> dict:
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # ru_maxrss is KiB
 
 
+def kernels(worker) -> dict | None:
+    """What a loaded stage computes with (worker.contract.Kernels), as /health shows it: name, device, target,
+    threads, and the fallback's cause and fix where pp's CPU kernels could not be built."""
+    return attrs.asdict(worker.info.kernels) if worker is not None else None
+
+
 def health(node) -> dict:
     """A stage's /health body: its place, its slice, memory, figures, the actor's queue and slots, its links."""
     info = node.worker.info if node.worker is not None else None
@@ -28,7 +36,8 @@ def health(node) -> dict:
     return {"ok": True, "node": node.node_id, "stage": node.shard.index, "role": node.shard.role.value,
             "ready": info is not None, "layers": [info.shard.blocks.start, info.shard.blocks.stop] if info else None,
             "max_seqs": info.max_seqs if info else None, "max_batch": info.max_batch if info else None,
-            "warming": node.warming,  # step buckets left to capture: steps until then are cut into the captured ones
+            "warming": node.warming,
+            "kernels": kernels(node.worker),  # what its steps compute with: pp's CPU kernels or tinygrad's, and why  # step buckets left to capture: steps until then are cut into the captured ones
             **memory(node.worker, node.kv_budget),
             **node.side.figures(),
             **node.figures.health(),
@@ -45,5 +54,5 @@ def metrics_snapshot(node) -> dict:
     return {"running": node.side.running(health),
             "queued": health.get("queue", {}).get("waiting"), "prefix_cache": health.get("prefix_cache"),
             "preemptions": health.get("kv", {}).get("preemptions"),
-            **memory(node.worker, node.kv_budget),
+            **memory(node.worker, node.kv_budget), "kernels": kernels(node.worker),
             "members": collections.Counter(m.state.value for m in view)}

@@ -20,6 +20,7 @@ class RunResult:
     timings: dict[str, object]
     run_dir: Path
     split: tuple[int, ...] = ()  # each stage's block count, as the stages gossip it
+    kernels: tuple[str | None, ...] = ()  # what each stage computes with, as it gossips it (Kernels.label)
 
 
 class RunFailed(RuntimeError):

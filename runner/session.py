@@ -11,7 +11,7 @@ import attrs
 import trio
 
 from node.groups import unwrapped
-from node.planning import gossiped_plan
+from node.planning import gossiped_kernels, gossiped_plan
 from .orchestrator import Orchestrator, StageDied
 from roles import topology
 from worker.contract import Sampling
@@ -58,8 +58,9 @@ async def answer_once(orch: Orchestrator, use: Use, *, converged: float, started
         raise RunFailed(f"no answer within {use.timeout_s:.0f} s") from None
     answered = time.monotonic()
     timings = timings_of(asked.response, converged - started, asked.first_token_s, answered - started)
-    split = gossiped_plan(orch.swim.members().values(), orch.swim.me.id, num_stages) or ()
-    return RunResult(asked.response, num_stages, timings, run_dir, split)
+    members = orch.swim.members().values()
+    split = gossiped_plan(members, orch.swim.me.id, num_stages) or ()
+    return RunResult(asked.response, num_stages, timings, run_dir, split, gossiped_kernels(members, num_stages))
 
 
 def announce_entry(use: Use, stage: int, holder) -> None:

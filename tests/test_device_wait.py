@@ -126,7 +126,7 @@ from tinygrad import Device, Tensor, TinyJit
 from worker.compute import device_wait, whole_graphs
 from worker.compute.cpu_threads import library
 whole_graphs.install()
-device_wait.install()
+device_wait.install(library())
 dev = Device[Device.DEFAULT]
 a = Tensor(np.random.default_rng(0).standard_normal((400, 400)).astype(np.float32)).realize()
 step = TinyJit(lambda x: (x @ a / 400).realize())

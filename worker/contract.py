@@ -108,6 +108,26 @@ class StepItem:
 
 
 @attrs.frozen
+class Kernels:
+    """What a stage's steps compute with (/health, /metrics, gossip, the runner's stats line; issue 53)."""
+
+    name: str  # "c": pp's hand-written CPU kernels; "tinygrad": tinygrad's own; "stub": the stand-in model
+    device: str = ""  # tinygrad's device: CPU, CUDA, ...
+    target: str | None = None  # on the CPU: the CPU pp's kernels are (or were to be) built for: native or PP_CPU_TARGET's
+    threads: int = 1  # cores a step computes on
+    fallback: str | None = None  # why pp's kernels are not in use where they would be: the cause; the fix
+
+    @property
+    def label(self) -> str:
+        """Short, for a stats line and gossip: c/native, c/x86-64-v2, tinygrad/CUDA, tinygrad/CPU (fallback)."""
+        if self.name == "c":
+            return f"c/{self.target}"
+        if self.name == "tinygrad":
+            return f"tinygrad/{self.device}" + (" (fallback)" if self.fallback else "")
+        return self.name
+
+
+@attrs.frozen
 class WorkerInfo:
     """What a ready worker reports about itself: its place in the chain (`shard`, sized) and its model's figures."""
 
@@ -120,6 +140,7 @@ class WorkerInfo:
     kv_bytes: int = 0
     max_seqs: int = 1
     max_batch: int = 1
+    kernels: Kernels = Kernels("stub")
 
     def require(self, role: Role, op: str) -> None:
         """Raises WorkerError unless this worker plays `role`: `op` is that role's alone."""

@@ -7,6 +7,7 @@ from typing import Callable
 import attrs
 
 from .batching import DEFAULT_MAX_SEQS
+from .compute.cpu_target import NATIVE
 from .compute.slice import TinygradSlice
 from .partition import Shard
 from .slice import Slice
@@ -27,17 +28,19 @@ class Model:
 
 
 def tinygrad_model(source: WeightSource, precision: str = "auto", *, tuned: bool = False,
-                   max_context: int | None = None, threads: int = 1, kv_dtype: str = "float32") -> Model:
+                   max_context: int | None = None, threads: int = 1, kv_dtype: str = "float32",
+                   cpu_target: str = NATIVE) -> Model:
     """`precision` and `tuned` (kernels will be searched: beam > 0) pick which matrices keep the file's
     precision (F16, BF16, Q8_0): weights.contract.narrow_kinds. "f32" widens every weight at load, the reference path.
     `max_context`: the positions each slot's KV holds, at most the file's (None: the file's). `threads`: the
     cores a step's kernels run on (on the CPU: worker/compute/cpu_threads.py). `kv_dtype`: what the KV caches
-    hold, float32 or float16 (compute/model.py's KV_DTYPES)."""
+    hold, float32 or float16 (compute/model.py's KV_DTYPES). `cpu_target`: the CPU pp's kernels are built for
+    (compute/cpu_target.py: native or a clang CPU name)."""
     keep = narrow_kinds(precision, tuned)
 
     def open_slice(layers: range, *, embed: bool, head: bool, max_seqs: int = DEFAULT_MAX_SEQS) -> Slice:
         return TinygradSlice(source, layers, embed=embed, head=head, max_seqs=max_seqs, keep=keep,
-                             max_context=max_context, threads=threads, kv_dtype=kv_dtype)
+                             max_context=max_context, threads=threads, kv_dtype=kv_dtype, cpu_target=cpu_target)
     return Model(source.path, source.config.n_layers, open_slice, source.tokenizer)
 
 
@@ -60,9 +63,10 @@ def open_worker(model: Model, shard: Shard, *, max_seqs: int = DEFAULT_MAX_SEQS)
 
 def open_model(spec: str, *, cache_dir: Path, ollama_models_dir: Path | None, progress: bool = True,
                precision: str = "auto", tuned: bool = False, max_context: int | None = None,
-               threads: int = 1, kv_dtype: str = "float32") -> Model:
+               threads: int = 1, kv_dtype: str = "float32", cpu_target: str = NATIVE) -> Model:
     """The one model argument: `stub`, `tiny`, `small`, a .gguf file, a Hugging Face directory or a known name.
-    `precision`, `tuned`, `max_context`, `threads` and `kv_dtype` as tinygrad_model's."""
+    `precision`, `tuned`, `max_context`, `threads`, `kv_dtype` and `cpu_target` as tinygrad_model's."""
     source = open_source(spec, cache_dir=cache_dir, ollama_models_dir=ollama_models_dir, progress=progress)
     return stub_model() if source is None else tinygrad_model(source, precision, tuned=tuned, max_context=max_context,
-                                                                    threads=threads, kv_dtype=kv_dtype)
+                                                                    threads=threads, kv_dtype=kv_dtype,
+                                                                    cpu_target=cpu_target)

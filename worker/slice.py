@@ -11,6 +11,7 @@ from typing import Protocol
 import numpy as np
 
 from .batching import Segment
+from .contract import Kernels
 
 
 class Slice(Protocol):
@@ -19,6 +20,7 @@ class Slice(Protocol):
     max_context: int
     weight_bytes: int
     kv_bytes: int  # the KV caches of every slot
+    kernels: Kernels  # what its steps compute with (pp's C kernels or tinygrad's)
     max_seqs: int  # sequence slots: 0 .. max_seqs - 1
     max_batch: int  # rows one step computes at once; longer batches run as several steps
 

@@ -46,7 +46,8 @@ class StageWorker:
         self.info = WorkerInfo(
             shard=shard, hidden_dim=compute.hidden_dim, vocab_size=compute.vocab_size,
             max_context=compute.max_context, stop_ids=vocabulary.stop_ids, weight_bytes=compute.weight_bytes,
-            kv_bytes=compute.kv_bytes, max_seqs=compute.max_seqs, max_batch=compute.max_batch)
+            kv_bytes=compute.kv_bytes, max_seqs=compute.max_seqs, max_batch=compute.max_batch,
+            kernels=compute.kernels)
         self._slots = Slots(stage=shard.index, max_seqs=compute.max_seqs, max_context=compute.max_context,
                             copy_rows=lambda source, slot, n: self.compute.copy_rows(source, slot, n),
                             trim=lambda slot: self.compute.trim(slot),

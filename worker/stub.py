@@ -12,6 +12,7 @@ import string
 import numpy as np
 
 from .batching import DEFAULT_MAX_SEQS, Segment, default_max_batch
+from .contract import Kernels
 
 STUB_BLOCKS = 8
 STUB_DIM = 16
@@ -60,6 +61,7 @@ class StubSlice:
     def __init__(self, layers: range, *, embed: bool, head: bool, max_seqs: int = DEFAULT_MAX_SEQS):
         self.layers, self._embed, self._head = layers, embed, head
         self.weight_bytes = self.kv_bytes = 0
+        self.kernels = Kernels("stub")
         self.max_seqs, self.max_batch = max_seqs, default_max_batch(max_seqs)
         self._cache = {(slot, i): np.zeros((STUB_CONTEXT, STUB_DIM), dtype=np.int64)
                        for slot in range(max_seqs) for i in layers}

@@ -22,6 +22,7 @@ from node.config.network import (DEFAULT_BIND, DEFAULT_MAX_BODY_BYTES, DEFAULT_P
 from node.config.settings import DEFAULT_CHUNKED_PREFILL, DEFAULT_LOG_LEVEL, DEFAULT_MAX_SEQS, LOG_LEVELS, NodeConfig
 from node.config.sources import ConfigError, Sources, count, env_switch, required_int, switch, text
 from roles import DEFAULT_MAX_QUEUE
+from worker.compute.cpu_target import NATIVE, check_name
 from worker.config import DEFAULT_CONTEXT
 from worker.partition import check_stage
 from worker.weights.fetch import DEFAULT_MODEL, default_cache_dir, default_ollama_dir
@@ -59,6 +60,9 @@ ENV_TABLE = (
     ("PP_MAX_QUEUE", "--max-queue", f"stage 0: requests waiting for a free slot; past it, 429 ({DEFAULT_MAX_QUEUE})"),
     ("PP_THREADS", "--threads", "cores a step computes on, like llama.cpp's -t: its matrices and attention split over "
      "them (default: every core this process may use)"),
+    ("PP_CPU_TARGET", "--cpu-target", "the CPU pp's kernels are built for: native (this one), or a clang CPU name "
+     "such as x86-64-v2, x86-64-v3, znver3, neoverse-n1: portable code, one build for a fleet; where they cannot be "
+     "built the node computes on tinygrad's own kernels and says why (native)"),
     ("PP_BEAM", "--beam", "kernel search at boot: tinygrad's BEAM width, e.g. 2; minutes once, cached on disk for the next boot (0 = off)"),
     ("PP_LAYER_PARTITION", "--layer-partition", "auto: each node measures a block's step and the head's, and stage 0 "
      "plans the split; equal: the spec's even split; or each stage's block count, comma-separated, e.g. 8,8,14 "
@@ -136,6 +140,8 @@ def build_parser(prog: str = "python ppnode.py") -> argparse.ArgumentParser:
     p.add_argument("--max-queue", metavar="Q", help=f"requests waiting at stage 0 (PP_MAX_QUEUE, default {DEFAULT_MAX_QUEUE})")
     p.add_argument("--threads", "-t", metavar="T", help="cores a step computes on (PP_THREADS, default: every core "
                    "this process may use)")
+    p.add_argument("--cpu-target", metavar="CPU", help="the CPU pp's kernels are built for: native or a clang CPU "
+                   "name, e.g. x86-64-v2 (PP_CPU_TARGET, default native)")
     p.add_argument("--beam", metavar="W", help="kernel search width at boot, 0 = off (PP_BEAM, default 0)")
     p.add_argument("--layer-partition", metavar="SPLIT",
                    help="auto, equal, or each stage's block count, e.g. 8,8,14 (PP_LAYER_PARTITION, default auto: "
@@ -203,7 +209,7 @@ def _config_from(src: Sources, *, home: Path, rng: random.Random | None) -> Node
         chunked_prefill_size=count(src, "--chunked-prefill-size", DEFAULT_CHUNKED_PREFILL, lowest=1),
         prefix_cache=not switch(src, "--no-prefix-cache"),
         ctx=count(src, "--ctx", DEFAULT_CONTEXT, lowest=16),
-        threads=threads(src),
+        threads=threads(src), cpu_target=cpu_target(src),
         beam=count(src, "--beam", 0, lowest=0), precision=precision(src), kv_cache_dtype=kv_cache_dtype(src),
         kv_cache_memory=kv_cache_memory(src), tool_call_parser=tool_call_parser(src),
         link_streams=link_streams(src),
@@ -216,6 +222,14 @@ def threads(src: Sources) -> int:
     if value > MAX_THREADS:
         raise ConfigError(f"{src.get('--threads')[1]}={value}: at most {MAX_THREADS} threads")
     return value
+
+
+def cpu_target(src: Sources) -> str:
+    raw, label = src.get("--cpu-target")
+    try:
+        return check_name((raw or "").strip() or NATIVE)
+    except ValueError as exc:
+        raise ConfigError(f"{label}={raw!r}: {exc}") from None
 
 
 def standby_stage(src: Sources) -> int:

@@ -49,6 +49,7 @@ class NodeConfig:
     prefix_cache: bool = True           # stage 0 keeps finished requests' KV for later ones (roles/prefix.py)
     ctx: int = DEFAULT_CONTEXT          # PP_CTX: positions a slot's KV holds (prompt + answer), at most the model's
     threads: int = 1                    # PP_THREADS: cores a step computes on (parse: every core the process may use)
+    cpu_target: str = "native"          # PP_CPU_TARGET: the CPU pp's kernels are built for (worker/compute/cpu_target.py)
     beam: int = 0                       # PP_BEAM: tinygrad's kernel search width at boot (0 = off); cached on disk
     layer_partition: tuple[int, ...] | str | None = "auto"  # PP_LAYER_PARTITION: "auto" (planned), None (even) or counts
     kv_cache_dtype: str = "float16"     # PP_KV_CACHE_DTYPE: what the KV caches hold (float16 or float32)

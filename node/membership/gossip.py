@@ -6,6 +6,7 @@ them is node.membership.rules. A message's size is bounded here, by its type: se
 from __future__ import annotations
 
 import enum
+import re
 
 import attrs
 
@@ -47,6 +48,15 @@ def _positions(instance, attribute, value) -> None:
         raise ValueError(f"Meta.kv_positions={value!r}: expected a whole number of positions, at least 1")
 
 
+_KERNELS = re.compile(r"[A-Za-z0-9./_+() -]{1,64}")
+
+
+def _kernels(instance, attribute, value) -> None:
+    """What a ready stage computes with (worker.contract.Kernels.label): short printable text."""
+    if value is not None and (type(value) is not str or not _KERNELS.fullmatch(value)):
+        raise ValueError(f"Meta.kernels={value!r}: expected 1-64 letters, digits, spaces or . / _ + ( ) -")
+
+
 @attrs.frozen
 class Meta:
     stage: int | None = None
@@ -63,6 +73,7 @@ class Meta:
     machine: str | None = attrs.field(default=None, validator=_machine)  # whose cores it computes on (planning)
     # KV positions a ready stage may hold (--kv-cache-memory): stage 0 admits by the chain's least (roles/kv_budget.py)
     kv_positions: int | None = attrs.field(default=None, validator=_positions)
+    kernels: str | None = attrs.field(default=None, validator=_kernels)  # a ready stage's, e.g. c/native (issue 53)
 
 
 @attrs.frozen

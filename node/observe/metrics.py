@@ -18,6 +18,9 @@ moved by the node as things happen; the gauges are read from the node when a scr
     pp_kv_cache_positions{state}                     KV positions: total (the budget), used (by requests), cached
                                                      (by prefix-cache entries)
     pp_num_preemptions_total                         stage 0: requests preempted for KV room (vLLM's num_preemptions)
+    pp_kernels_info{kernels,device,target,fallback}  1, labelled with what a step computes with: kernels="c" (pp's
+                                                     CPU kernels) or "tinygrad", and fallback="1" where pp's could not
+                                                     be built (vLLM's *_info style)
 
 Every series carries `model_name`, the name the OpenAI API serves the model by, as vLLM's do: a dashboard
 made for vLLM filters on it, and one Prometheus can scrape clusters of several models apart.
@@ -94,6 +97,7 @@ class _Snapshot:
                 gauge.add_metric(name_label, value)
                 yield gauge
         yield from self._kv_positions(s.get("kv_positions"), name_label)
+        yield from self._kernels(s.get("kernels"), name_label)
         if s.get("preemptions") is not None:
             preemptions = CounterMetricFamily("pp_num_preemptions", "Stage 0: requests preempted for KV room, "
                                               "replayed once it frees", labels=["model_name"])
@@ -105,6 +109,18 @@ class _Snapshot:
         for state in State:
             members.add_metric([*name_label, state.value], s.get("members", {}).get(state.value, 0))
         yield members
+
+    @staticmethod
+    def _kernels(kernels: dict | None, name_label: list[str]):
+        """What the stage's steps compute with, as labels of a gauge that is always 1."""
+        if not kernels:
+            return
+        info = GaugeMetricFamily("pp_kernels_info", "What this stage's steps compute with: pp's CPU kernels (c) or "
+                                 "tinygrad's, the device, the CPU target, and whether it is a fallback",
+                                 labels=["model_name", "kernels", "device", "target", "fallback"])
+        info.add_metric([*name_label, kernels["name"], kernels["device"], kernels["target"] or "",
+                         "1" if kernels["fallback"] else "0"], 1)
+        yield info
 
     @staticmethod
     def _kv_positions(figures: dict | None, name_label: list[str]):

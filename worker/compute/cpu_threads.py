@@ -3,9 +3,9 @@
 tinygrad 0.14 runs every CPU kernel on one worker thread per device, and its `core_id` slices one after
 another (../shared/notes/pipeline-speed.md), so a stage computed on one core. Here the matrices and the
 attention (cpu_matvec.py, cpu_attention.py) live in a shared library of our own, compiled once per machine
-with tinygrad's optimisation and target flags (-O2, -march=native) as an ordinary shared object (it starts
-threads and sleeps on futexes), and the tinygrad kernel in the captured step is only a
-trampoline: it fills a job (the work function, its buffers and sizes) and calls `pp_run`, which cuts the
+(cpu_build.py) with tinygrad's optimisation and target flags (-O2, -march=native, or PP_CPU_TARGET's CPU) as an
+ordinary shared object (it starts threads and sleeps on futexes), and the tinygrad kernel in the captured step
+is only a trampoline: it fills a job (the work function, its buffers and sizes) and calls `pp_run`, which cuts the
 job's items (a matrix's output rows, attention's row × head pairs) into CHUNKS contiguous chunks per thread
 that the calling thread (tinygrad's worker) and the helpers claim one at a time, and waits for the last.
 Every output is computed by the same code in the same order whatever chunk or thread holds it, so a step's
@@ -27,18 +27,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import subprocess
-import tempfile
-from pathlib import Path
 
 import numpy as np
 from tinygrad import Tensor, dtypes
-from tinygrad.helpers import CACHEDB, getenv
 
-from . import cpu_attention, cpu_matvec
+from . import cpu_attention, cpu_build, cpu_matvec, cpu_target
 from .cpu_jobs import JOB_C
 from ..config import MAX_THREADS
 # How long a helper polls for its next job after the device was last busy, and the caller for the others to
@@ -268,38 +261,24 @@ def library_source() -> str:
     return "\n".join((JOB_C, pool, cpu_matvec.work_source(), cpu_attention.work_source()))
 
 
-FLAGS = ("-shared", "-O2", "-fPIC", "-fno-math-errno", "-pthread")
+_LIBRARIES: dict[str, ctypes.CDLL | cpu_build.KernelBuildError] = {}
 
 
-def _arch_flags() -> list[str]:
-    return ["-march=native"] if platform.machine().lower() in ("x86_64", "amd64") else ["-mcpu=native"]
+def library(target: str = cpu_target.NATIVE) -> ctypes.CDLL:
+    """The library compiled for `target` (cpu_build.py); KernelBuildError, the same one each call, where it
+    cannot be."""
+    if target not in _LIBRARIES:
+        try:
+            _LIBRARIES[target] = _loaded(ctypes.CDLL(str(cpu_build.build(library_source(), target))))
+        except cpu_build.KernelBuildError as exc:
+            _LIBRARIES[target] = exc
+    found = _LIBRARIES[target]
+    if isinstance(found, cpu_build.KernelBuildError):
+        raise found
+    return found
 
 
-def _cpu_name() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    return next((line for line in text.splitlines() if line.startswith(("model name", "Model"))), "")
-
-
-@functools.cache
-def library() -> ctypes.CDLL:
-    """The compiled library (once per machine: kept beside tinygrad's cache, keyed by its source, the compiler,
-    the flags and the CPU, so any change is a new file and never a stale one)."""
-    source, compiler = library_source(), getenv("CC", "clang")  # tinygrad's own setting for its compiler
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join((source, version, *FLAGS, *_arch_flags(), _cpu_name())).encode()).hexdigest()[:24]
-    folder = Path(CACHEDB).parent / "pp-cpu"
-    path = folder / f"threads-{key}.so"
-    if not path.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=folder) as tmp:  # then renamed: concurrent boots never see half a file
-            built = Path(tmp) / "lib.so"
-            subprocess.run([compiler, *FLAGS, *_arch_flags(), "-x", "c", "-", "-o", str(built)], input=source,
-                           text=True, check=True, capture_output=True)
-            os.replace(built, path)
-    lib = ctypes.CDLL(str(path))
+def _loaded(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pp_pool_new.restype, lib.pp_pool_new.argtypes = ctypes.c_void_p, [ctypes.c_long, ctypes.c_long]
     lib.pp_run.restype, lib.pp_run.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p]
     lib.pp_pool_free.restype, lib.pp_pool_free.argtypes = None, [ctypes.c_void_p]
@@ -313,11 +292,11 @@ class CpuThreads:
     """`threads` threads (the caller's and threads - 1 helpers) for the hand-written kernels of one process.
     `table` is the device buffer a trampoline reads: pp_run, the pool, then each work function (`slot`)."""
 
-    def __init__(self, threads: int, spin_ns: int = SPIN_NS):
+    def __init__(self, threads: int, spin_ns: int = SPIN_NS, target: str = cpu_target.NATIVE):
         if not 1 <= threads <= MAX_THREADS:
             raise ValueError(f"threads must be 1..{MAX_THREADS}, got {threads}")
-        lib = library()
-        self.threads = threads
+        self.lib = lib = library(target)
+        self.threads, self.target = threads, target
         self.pool = pool = lib.pp_pool_new(threads - 1, spin_ns)
         if not pool:
             raise OSError(f"could not start {threads - 1} compute threads")
@@ -329,7 +308,7 @@ class CpuThreads:
     def close(self) -> None:
         """Stops the helpers (tests; a node's pool lives as long as its process). No job may be running."""
         if self.pool:
-            library().pp_pool_free(self.pool)
+            self.lib.pp_pool_free(self.pool)
             self.pool = None
 
     def slot(self, work: str) -> int:
@@ -338,8 +317,8 @@ class CpuThreads:
 
 
 @functools.cache
-def shared(threads: int) -> CpuThreads:
-    """One pool per thread count per process: stages in one process share it (their kernels run one at a time
-    on the device's worker thread, and pp_run runs a second concurrent job alone)."""
-    return CpuThreads(threads)
+def shared(threads: int, target: str = cpu_target.NATIVE) -> CpuThreads:
+    """One pool per thread count and target per process: stages in one process share it (their kernels run one
+    at a time on the device's worker thread, and pp_run runs a second concurrent job alone)."""
+    return CpuThreads(threads, target=target)
 

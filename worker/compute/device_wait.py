@@ -22,7 +22,7 @@ step's end now wakes its waiter: the device's worker threads run our copy of tin
 (`pp_worker`, cpu_threads.py), which wakes whoever sleeps on its done counter once the counter reaches what
 they wait for, and `synchronize` sleeps there in C (`pp_wait_done`, the GIL released) until each ring is
 drained, before tinygrad's own checks, which then find everything done. A device whose workers started before `install`
-keeps the polls.
+keeps the polls, and so does one whose process has no kernel library (its build failed: cpu_kernels.py).
 """
 from __future__ import annotations
 
@@ -30,8 +30,6 @@ import ctypes
 import sys
 import threading
 import time
-
-from .cpu_threads import library
 
 SLEEP_S = 20e-6  # each sleep between reads: a step's result is read at most this late
 POLL_NS = 1_000_000  # pp_wait_done re-reads a done counter at least this often, woken or not
@@ -76,18 +74,19 @@ class _Worker:
 def synchronize(device, timeout: int | None = None) -> None:
     """CPUDevice.synchronize, asleep until each worker's done counter reaches what was put in its ring (our
     worker loop wakes it), then tinygrad's own, which finds everything done."""
-    if device in _WOKEN:
+    if (lib := _WOKEN.get(device)) is not None:
         hang_ms = (timeout if timeout is not None and device.can_recover else None) or device.wait_timeout_ms
         for worker in device.workers:
             put = worker.put._buf.cpu_view().view(fmt="Q")[0]
-            if library().pp_wait_done(worker.done._buf.va_addr, put, POLL_NS, hang_ms * 1_000_000):
+            if lib.pp_wait_done(worker.done._buf.va_addr, put, POLL_NS, hang_ms * 1_000_000):
                 device.on_device_hang()
     _TINYGRAD_SYNCHRONIZE(device, timeout)
 
 
-def install() -> None:
+def install(lib=None) -> None:
     """Wait for the CPU device this way (in this process). Other devices' waits are left as tinygrad has them
-    (a GPU's signal is read over MMIO; its hang handling is its own)."""
+    (a GPU's signal is read over MMIO; its hang handling is its own). `lib`: the kernel library
+    (cpu_threads.library) whose worker loop wakes the waiter; None: tinygrad's loop, waited for by polls."""
     from tinygrad import Device
     from tinygrad.runtime.ops_cpu import CPUDevice, worker_prog
     global _TINYGRAD_SYNCHRONIZE
@@ -95,12 +94,12 @@ def install() -> None:
     if not Device.DEFAULT.startswith("CPU") or not sys.platform.startswith("linux"):
         return
     device = Device[Device.DEFAULT]
-    if not device.workers and device not in _WOKEN:  # no queue yet: its workers will be ours
-        device.prgs[worker_prog] = _Worker(library().pp_worker)
-        _WOKEN.add(device)
+    if lib is not None and not device.workers and device not in _WOKEN:  # no queue yet: its workers will be ours
+        device.prgs[worker_prog] = _Worker(lib.pp_worker)
+        _WOKEN[device] = lib
     if CPUDevice.synchronize is not synchronize:
         _TINYGRAD_SYNCHRONIZE, CPUDevice.synchronize = CPUDevice.synchronize, synchronize
 
 
 _TINYGRAD_SYNCHRONIZE = None
-_WOKEN: set = set()  # devices whose worker threads run pp_worker
+_WOKEN: dict = {}  # devices whose worker threads run pp_worker -> the library it is in

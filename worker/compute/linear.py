@@ -32,10 +32,10 @@ class DeviceWeight:
     hand_written: bool = False  # the parts are cpu_matvec's and its C kernel computes x @ W.T
 
 
-def to_device(packed: Packed, put) -> DeviceWeight:
-    """`put(array) -> Tensor` places each part (in place on the CPU, a copy elsewhere). On the CPU an F32, Q8_0
-    or Q4_1 weight that cpu_matvec handles goes in its layout, for its hand-written kernel."""
-    if cpu_matvec.handles(packed.kind, packed.shape) and Device.DEFAULT.startswith("CPU"):
+def to_device(packed: Packed, put, *, hand_written: bool) -> DeviceWeight:
+    """`put(array) -> Tensor` places each part (in place on the CPU, a copy elsewhere). `hand_written`: pp's CPU
+    kernels compute (cpu_kernels.py): an F32, Q8_0 or Q4_1 weight that cpu_matvec handles goes in its layout."""
+    if hand_written and cpu_matvec.handles(packed.kind, packed.shape) and Device.DEFAULT.startswith("CPU"):
         parts = cpu_matvec.device_parts(packed.kind, packed.parts)
         return DeviceWeight(packed.kind, tuple(put(p) for p in parts), packed.shape, hand_written=True)
     return DeviceWeight(packed.kind, tuple(put(p) for p in packed.parts), packed.shape)

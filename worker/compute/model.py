@@ -42,7 +42,7 @@ import numpy as np
 from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
 from tinygrad.uop.ops import KernelInfo
 
-from . import cpu_attention, cpu_threads, device_wait, kernel_cache, replay, warm, whole_graphs
+from . import cpu_attention, cpu_kernels, cpu_threads, device_wait, kernel_cache, replay, warm, whole_graphs
 from .replay import Replay
 from .host_io import FROM_BLOB, StepInputs, aligned_copy, read, write
 from ..batching import DEFAULT_MAX_SEQS, Segment, bucket_sizes, default_max_batch, split_rows, unmeasured_cost
@@ -94,8 +94,8 @@ class Block:
                  threads: cpu_threads.CpuThreads | None, kv_dtype=np.float32):
         self.config, self.w, self.slots, self.threads = config, w, slots, threads
         c = config
-        # on the CPU, worker/compute/cpu_attention.py's kernel; elsewhere tinygrad's own attention
-        self.hand_written = Device.DEFAULT.startswith("CPU") and c.head_dim % 8 == 0
+        # on the CPU, worker/compute/cpu_attention.py's kernel; elsewhere (or without pp's library) tinygrad's own
+        self.hand_written = threads is not None and c.head_dim % 8 == 0
         self.cache = zeros((slots * c.max_context, 2 * c.n_kv_heads * c.head_dim), kv_dtype, lazy=True)
 
     def __call__(self, x: Tensor, rows: _Rows, kv_len: UOp, searched: bool) -> Tensor:
@@ -150,10 +150,11 @@ class StageModel:
 
     def __init__(self, config: ModelConfig, layers: range, tensors, *, head_weight: str | None,
                  max_seqs: int = DEFAULT_MAX_SEQS, max_batch: int | None = None, threads: int = 1,
-                 kv_dtype: str = "float32"):
+                 kv_dtype: str = "float32", cpu_target: str = cpu_kernels.NATIVE):
         if max_seqs < 1:
             raise ValueError(f"max_seqs must be at least 1, got {max_seqs}")
-        self.threads = cpu_threads.shared(threads) if Device.DEFAULT.startswith("CPU") else None  # its C kernels' cores
+        # pp's C kernels' cores (None: tinygrad's kernels compute, off the CPU or where the C cannot be built)
+        self.kernels, self.threads = cpu_kernels.open_kernels(threads, cpu_target)
         self.config, self.layers, self.max_seqs = config, layers, max_seqs
         self.searched = False  # kernels are searched (BEAM) as graphs are captured: linear() picks its form by it
         self.scratch_slot = max_seqs  # padding rows write here; no sequence ever reads it
@@ -177,8 +178,9 @@ class StageModel:
             if Device.DEFAULT.startswith("CPU"):  # the device computes on these very arrays (_put)
                 self._head_host = host
         self.cos, self.sin = rope_tables(config)
-        for module in (kernel_cache, whole_graphs, replay, device_wait):  # whole_graphs before the first capture
+        for module in (kernel_cache, whole_graphs, replay):  # whole_graphs before the first capture
             module.install()
+        device_wait.install(self.threads.lib if self.threads else None)
         self._graphs, self._head_graphs = self._new_graphs(), self._new_head_graphs()
         self._inputs = {b: StepInputs(b, config.dim, config.head_dim, self._zeros) for b in self.buckets}
         self._head_inputs = {b: self._zeros((b, config.dim)) for b in self._head_graphs}
@@ -199,7 +201,9 @@ class StageModel:
         return {b: Replay(_capture_on_first_call(TinyJit(self._head_step))) for b in self.buckets} if self.head else {}
 
     def _on_device(self, weight: np.ndarray | Packed) -> Tensor | DeviceWeight:
-        return to_device(weight, self._put) if isinstance(weight, Packed) else self._put(weight)
+        if isinstance(weight, Packed):
+            return to_device(weight, self._put, hand_written=self.threads is not None)
+        return self._put(weight)
 
     def _zeros(self, shape: tuple[int, ...], dtype=np.float32, *, lazy: bool = False) -> Tensor:
         """A buffer of zeros on the device, from host memory: a zeros kernel is scheduled and lowered per

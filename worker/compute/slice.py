@@ -9,6 +9,7 @@ import numpy as np
 from ..batching import DEFAULT_MAX_SEQS, Segment
 from ..config import ModelConfig
 from . import kv_rows, warm
+from .cpu_target import NATIVE
 from .model import StageModel
 from ..weights.packed import Packed
 from ..weights.packed import dense as packed_dense
@@ -55,7 +56,7 @@ class _OnDemand:
 class TinygradSlice:
     def __init__(self, source: WeightSource, layers: range, *, embed: bool, head: bool,
                  max_seqs: int = DEFAULT_MAX_SEQS, keep: frozenset[str] = NARROW_KINDS, max_context: int | None = None,
-                 threads: int = 1, kv_dtype: str = "float32"):
+                 threads: int = 1, kv_dtype: str = "float32", cpu_target: str = NATIVE):
         config: ModelConfig = source.config
         if max_context is not None:  # KV and RoPE tables are sized by it; the file's context is the most
             if max_context < 1:
@@ -65,7 +66,7 @@ class TinygradSlice:
         self.hidden_dim, self.vocab_size, self.max_context = config.dim, config.vocab_size, config.max_context
         head_weight = (EMBEDDING if config.tie_embeddings else OUTPUT) if head else None
         self.model = StageModel(config, layers, tensors, head_weight=head_weight, max_seqs=max_seqs,
-                                threads=threads, kv_dtype=kv_dtype)
+                                threads=threads, kv_dtype=kv_dtype, cpu_target=cpu_target)
         self._table = None
         if embed:  # the table stays on the host, where rows are looked up; a tied head's device copy will do
             view = self.model.head_host_weight() if head_weight == EMBEDDING else None
@@ -73,6 +74,7 @@ class TinygradSlice:
         self.weight_bytes = tensors.nbytes
         self.max_seqs, self.max_batch = max_seqs, self.model.max_batch
         self.kv_bytes = self.model.kv_bytes
+        self.kernels = self.model.kernels
 
     def embed(self, token_ids: list[int]) -> np.ndarray:
         return self._table.rows(np.asarray(token_ids, dtype=np.int64))
