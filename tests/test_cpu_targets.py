@@ -21,7 +21,10 @@ import trio
 from tinygrad import Tensor
 
 from cluster import API_KEY, start_cluster
+from node.config.cores import converts_half
+from node.config.model import kv_cache_dtype
 from node.config.parse import parse_config
+from node.config.sources import ConfigError, Sources
 from runner.report import kernels_part
 from worker.compute import cpu_build, cpu_kernels, cpu_target, cpu_threads
 from worker.compute.cpu_attention import attention
@@ -227,6 +230,22 @@ def test_pp_cpu_target_is_read_once_and_a_bad_one_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_config({**env, "PP_CPU_TARGET": "x86 64"}, [], home=tmp_path)
     assert "PP_CPU_TARGET='x86 64': 'x86 64' is not a CPU name" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch, flags, converts", [
+    ("x86_64", {"avx2", "f16c"}, True), ("x86_64", {"sse4_2", "popcnt"}, False), ("x86_64", None, True),
+    ("aarch64", {"fp", "asimd"}, True)], ids=["x86 with F16C", "x86-64-v2 without", "flags unknown", "aarch64"])
+def test_float16_is_converted_in_hardware_on_x86_only_with_f16c(arch, flags, converts):
+    assert converts_half(arch, flags) is converts
+
+
+def test_without_f16c_the_kv_cache_defaults_to_float32_and_float16_is_refused():
+    def dtype(value, converts):
+        return kv_cache_dtype(Sources({"kv_cache_dtype": value}, {}, {"--kv-cache-dtype": "PP_KV_CACHE_DTYPE"}),
+                              converts_half=converts)
+    assert dtype(None, True) == "float16" and dtype(None, False) == "float32" and dtype("float32", False) == "float32"
+    with pytest.raises(ConfigError, match="this CPU has no F16C"):
+        dtype("float16", False)
 
 
 # --- the fallback: tinygrad's own kernels ----------------------------------------------------------------

@@ -22,6 +22,7 @@ The default suite runs the prompt-id table, the reference against transformers, 
 "Say hello", two batch buckets and a 256-token context); everything else is in the slow tier.
 """
 import json
+import platform
 from functools import lru_cache
 from pathlib import Path
 
@@ -220,6 +221,40 @@ def test_a_float16_kv_cache_keeps_every_greedy_answer_equal_to_transformers(half
     for prompt in PROMPTS:
         tokens, _ = pipeline.answer(tokenizer.encode_chat(prompt))
         assert tokens == TRANSFORMERS[prompt]["token_ids"], prompt
+
+
+# --- where the kernels are built for (issue 53) ----------------------------------------------------------------
+
+X86_ONLY = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86-64 targets")
+
+
+@SLOW
+@X86_ONLY
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+@pytest.mark.parametrize("target", ["x86-64-v2", "x86-64-v3"])
+def test_kernels_built_for_a_portable_target_answer_as_transformers(tokenizer, reference, tmp_path, target, kv_dtype):
+    """PP_CPU_TARGET=x86-64-v2 (no F16C, no FMA: the float16 cache is widened by integer moves) and x86-64-v3."""
+    model = open_model(MODEL, cache_dir=tmp_path, ollama_models_dir=None, progress=False, max_context=CTX,
+                       kv_dtype=kv_dtype, cpu_target=target)
+    pipeline = Pipeline(model, 3)
+    assert pipeline.workers[0].info.kernels.label == f"c/{target}"
+    for prompt in PROMPTS:
+        ids = tokenizer.encode_chat(prompt)
+        tokens, logits = pipeline.answer(ids)
+        assert tokens == TRANSFORMERS[prompt]["token_ids"], prompt
+        if kv_dtype == "float32":  # float16's rounding moves logits by more (the test above says why)
+            np.testing.assert_allclose(np.stack(logits), reference(tuple(ids), tuple(tokens)), rtol=0, atol=LOGIT_ATOL)
+
+
+@SLOW
+def test_tinygrad_s_own_kernels_give_the_c_kernels_greedy_answer(tokenizer, tmp_path):
+    """Where pp's CPU kernels cannot be built (here: a CPU clang does not know), tinygrad's compute the answer."""
+    model = open_model(MODEL, cache_dir=tmp_path, ollama_models_dir=None, progress=False, max_context=CTX,
+                       kv_dtype="float16", cpu_target="pp-no-such-cpu")
+    pipeline = Pipeline(model, 2)
+    assert pipeline.workers[0].info.kernels.label == "tinygrad/CPU (fallback)"
+    tokens, _ = pipeline.answer(tokenizer.encode_chat(HELLO))
+    assert tokens == TRANSFORMERS[HELLO]["token_ids"]
 
 
 def test_an_answer_stops_at_im_end_and_its_text_holds_no_control_token(pipeline, tokenizer):

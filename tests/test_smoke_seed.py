@@ -2,6 +2,7 @@
 import argparse
 import json
 import os
+import platform
 import signal
 import socket
 import subprocess
@@ -100,6 +101,42 @@ def test_ppsmoke_seed_on_smollm2_answers_as_the_float32_reference_and_transforme
     assert_all_gone(mark)
 
 
+def test_stages_whose_cpu_kernels_cannot_be_built_still_answer_and_say_so():
+    """Issue 53: a CPU clang does not know (here named by --cpu-target) leaves each node on tinygrad's own kernels:
+    the run ends 0 with the C kernels' tokens, its stats name the fallback, each node's log says why in one line."""
+    mark = uuid.uuid4().hex
+    proc = start(["-n", "2", "--max-tokens", "8", "--cpu-target", "pp-no-such-cpu", "--json"], mark)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    result = json.loads(out)
+    model = tinygrad_model(TinySource())  # this process's kernels: pp's C ones
+    assert result["token_ids"] == generate_full(model, result["prompt_token_ids"], 8).token_ids
+    assert result["kernels"] == ["tinygrad/CPU (fallback)"] * 2
+    for stage in range(2):
+        lines = [json.loads(line) for line in (Path(result["logs"]) / f"stage{stage}.log").read_text().splitlines()
+                 if '"cpu_kernels_fallback"' in line]
+        assert len(lines) == 1 and "does not know the CPU 'pp-no-such-cpu'" in lines[0]["message"]
+    assert_all_gone(mark)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="an x86-64 level")
+def test_a_cluster_built_for_x86_64_v2_answers_smollm2_as_transformers():
+    """Every kernel built for x86-64-v2, a CPU without F16C, FMA or AVX as far as any compiled code knows:
+    tinygrad's (its DEV target's arch) and pp's (--cpu-target). The KV cache is float32: tinygrad's kernels
+    cannot store float16 without F16C, so a node on such a CPU picks float32 for --kv-cache-dtype auto."""
+    mark = uuid.uuid4().hex
+    proc = start(["-n", "2", "--model", MODEL, "--ctx", "256", "--max-seqs", "1", "--max-tokens", str(MAX_TOKENS),
+                  "--cpu-target", "x86-64-v2", "--kv-cache-dtype", "float32", "--json"], mark,
+                 env_extra={"DEV": "CPU:CLANG:x86_64,x86-64-v2"})
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]
+    result, want = json.loads(out), TRANSFORMERS["Say hello"]
+    assert result["kernels"] == ["c/x86-64-v2"] * 2
+    assert result["token_ids"] == want["token_ids"] and result["text"] == want["text"]
+    assert_all_gone(mark)
+
+
 def test_a_stage_that_fails_at_boot_ends_the_run_in_seconds_naming_it():
     # every node inherits the runner's environment, where this setting is one no node accepts
     mark = uuid.uuid4().hex
@@ -174,6 +211,7 @@ def test_sigkill_to_the_runner_still_stops_every_child():
                                                        "20 blocks; the model has 30"),
     (["--serve", "--standby", "-1"], "--standby K is for --seed --serve: K >= 0"),
     (["--threads", "0"], "--threads must be 1..256"),
+    (["--cpu-target", "x86 64"], "--cpu-target: 'x86 64' is not a CPU name"),
     (["--kv-cache-memory", "lots"], "--kv-cache-memory lots: expected auto or a size in bytes such as 2G"),
     (["--port", "{taken}"], "--port {taken}: cannot listen on 127.0.0.1:{taken}: Address already in use"),
     (["--vastai", "--image", "x", "--model", "/tmp/model.gguf"], "a rented node cannot read this machine's files"),

@@ -10,7 +10,7 @@ import socket
 
 from worker.config import MAX_THREADS
 
-__all__ = ["MACHINE_ID", "MAX_THREADS", "available_cores", "fair_share", "machine_id"]
+__all__ = ["MACHINE_ID", "MAX_THREADS", "available_cores", "converts_half", "fair_share", "machine_id"]
 
 MACHINE_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")  # --machine-id, and what gossip accepts as one
 
@@ -21,6 +21,12 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # no affinity on this OS
         return os.cpu_count() or 1
+
+
+def converts_half(arch: str, cpu_flags: set[str] | None) -> bool:
+    """Pure: whether a CPU converts float16 in hardware, as tinygrad's kernels need for a float16 KV cache: on
+    x86 only with F16C (every x86-64-v3 CPU; not the x86-64-v2 level); aarch64 always; unknown flags: assumed."""
+    return arch != "x86_64" or cpu_flags is None or "f16c" in cpu_flags
 
 
 def fair_share(cores: int, nodes: int) -> int:

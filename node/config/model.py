@@ -31,14 +31,21 @@ def model_spec(src: Sources) -> str:
 KV_CACHE_DTYPES = ("auto", "float16", "float32")  # vLLM's --kv-cache-dtype, with its names for these two
 
 
-def kv_cache_dtype(src: Sources) -> str:
+def kv_cache_dtype(src: Sources, *, converts_half: bool = True) -> str:
     """What the KV caches hold: float16 (auto: half float32's bytes, and SmolLM2's greedy answers equal
-    transformers' at N = 1, 2, 3 and 5; docs/benchmarks.md) or float32."""
+    transformers' at N = 1, 2, 3 and 5; docs/benchmarks.md) or float32. `converts_half`: this CPU converts
+    float16 in hardware (x86's F16C); without it tinygrad's kernels cannot store a float16 cache (clang calls a
+    runtime routine they cannot link), so auto is float32 there and float16 is refused (issue 53)."""
     raw, label = src.get("--kv-cache-dtype")
     value = (raw or "auto").strip().lower()
     if value not in KV_CACHE_DTYPES:
         raise ConfigError(f"{label}={raw!r}: expected {', '.join(KV_CACHE_DTYPES)}")
-    return "float16" if value == "auto" else value
+    if value == "float16" and not converts_half:
+        raise ConfigError(f"{label}={raw!r}: this CPU has no F16C, so tinygrad's kernels cannot store float16; "
+                          f"use float32 (auto picks it here)")
+    if value == "auto":
+        return "float16" if converts_half else "float32"
+    return value
 
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)", re.IGNORECASE)

@@ -12,7 +12,7 @@ import secrets
 from collections.abc import Mapping
 from pathlib import Path
 
-from node.config.cores import MACHINE_ID, MAX_THREADS, available_cores, machine_id
+from node.config.cores import MACHINE_ID, MAX_THREADS, available_cores, converts_half, machine_id
 from node.config.credentials import (API_KEY_ENV, API_KEY_FILE_ENV, TOKEN_ENV, TOKEN_IS_API_KEY_ENV,
                                      client_api_keys, cluster_token)
 from node.config.model import (kv_cache_dtype, kv_cache_memory, layer_partition, model_spec, precision,
@@ -22,7 +22,7 @@ from node.config.network import (DEFAULT_BIND, DEFAULT_MAX_BODY_BYTES, DEFAULT_P
 from node.config.settings import DEFAULT_CHUNKED_PREFILL, DEFAULT_LOG_LEVEL, DEFAULT_MAX_SEQS, LOG_LEVELS, NodeConfig
 from node.config.sources import ConfigError, Sources, count, env_switch, required_int, switch, text
 from roles import DEFAULT_MAX_QUEUE
-from worker.compute.cpu_target import NATIVE, check_name
+from worker.compute.cpu_target import NATIVE, check_name, host_arch, host_cpu_flags
 from worker.config import DEFAULT_CONTEXT
 from worker.partition import check_stage
 from worker.weights.fetch import DEFAULT_MODEL, default_cache_dir, default_ollama_dir
@@ -74,7 +74,7 @@ ENV_TABLE = (
      "and Q4_1, F16 and BF16 too with --beam; file: those four always; f32: none. Every other weight is widened to "
      "f32 at load (auto)"),
     ("PP_KV_CACHE_DTYPE", "--kv-cache-dtype", "what the KV caches hold: float16 (half the bytes) or float32; "
-     "auto = float16 (vLLM's --kv-cache-dtype)"),
+     "auto = float16, or float32 on an x86 CPU without F16C (vLLM's --kv-cache-dtype)"),
     ("PP_TOOL_CALL_PARSER", "--tool-call-parser", "the format tool calls are read in (vLLM's flag): auto = the chat "
      "template's family, or the generic format where the template takes no tools; or hermes, llama3_json, mistral, "
      "generic (auto)"),
@@ -150,7 +150,7 @@ def build_parser(prog: str = "python ppnode.py") -> argparse.ArgumentParser:
                    "planner (PP_MACHINE_ID, default: this kernel's boot, CPU cgroup and affinity)")
     p.add_argument("--precision", metavar="P", help="auto, file or f32: which weights stay as the file holds them (PP_PRECISION, default auto)")
     p.add_argument("--kv-cache-dtype", metavar="DTYPE", help="auto, float16 or float32: what the KV caches hold "
-                   "(PP_KV_CACHE_DTYPE, default auto = float16)")
+                   "(PP_KV_CACHE_DTYPE, default auto = float16; float32 on an x86 CPU without F16C)")
     p.add_argument("--tool-call-parser", metavar="NAME", help="the format tool calls are read in: auto, hermes, "
                    "llama3_json, mistral or generic (PP_TOOL_CALL_PARSER, default auto: from the chat template)")
     p.add_argument("--kv-cache-memory", metavar="BYTES", help="the memory this stage's KV may fill, e.g. 2G or "
@@ -210,7 +210,8 @@ def _config_from(src: Sources, *, home: Path, rng: random.Random | None) -> Node
         prefix_cache=not switch(src, "--no-prefix-cache"),
         ctx=count(src, "--ctx", DEFAULT_CONTEXT, lowest=16),
         threads=threads(src), cpu_target=cpu_target(src),
-        beam=count(src, "--beam", 0, lowest=0), precision=precision(src), kv_cache_dtype=kv_cache_dtype(src),
+        beam=count(src, "--beam", 0, lowest=0), precision=precision(src),
+        kv_cache_dtype=kv_cache_dtype(src, converts_half=converts_half(host_arch(), host_cpu_flags())),
         kv_cache_memory=kv_cache_memory(src), tool_call_parser=tool_call_parser(src),
         link_streams=link_streams(src),
         layer_partition=layer_partition(src, num_stages), machine_id=_machine_id(src),

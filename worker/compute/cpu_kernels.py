@@ -13,8 +13,8 @@ import functools
 
 from tinygrad import Device
 
-from . import cpu_build, cpu_threads
-from .cpu_target import NATIVE  # noqa: F401 (the default target, for callers)
+from . import cpu_build, cpu_target, cpu_threads
+from .cpu_target import NATIVE
 from ..contract import Kernels
 
 
@@ -29,3 +29,28 @@ def open_kernels(threads: int, target: str = NATIVE) -> tuple[Kernels, cpu_threa
     except cpu_build.KernelBuildError as exc:
         return Kernels("tinygrad", device=Device.DEFAULT, target=target, threads=1, fallback=str(exc)), None
     return Kernels("c", device=Device.DEFAULT, target=target, threads=threads), pool
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m worker.compute.cpu_kernels [TARGET ...]`: what a stage on this machine computes with for each
+    target (default native): pp's kernels, built now (and kept for the nodes), or tinygrad's, with the cause and
+    the fix. Exit 1 where any target falls back or nothing can compile (install.sh and the Dockerfile run it)."""
+    import argparse
+    parser = argparse.ArgumentParser(prog="python -m worker.compute.cpu_kernels", description=main.__doc__)
+    parser.add_argument("targets", nargs="*", default=[NATIVE], metavar="TARGET", help="native or a clang CPU name")
+    args = parser.parse_args(argv)
+    failed = False
+    for target in args.targets:
+        try:
+            kernels, _ = open_kernels(1, cpu_target.check_name(target))
+        except (ValueError, cpu_build.CompilerMissing) as exc:
+            print(f"{target}: {exc}")
+            failed = True
+            continue
+        print(f"{target}: {kernels.label}" + (f": {kernels.fallback}" if kernels.fallback else ""))
+        failed |= kernels.fallback is not None
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
