@@ -1,5 +1,6 @@
 """Slots that share KV rows by mapping the same pages (worker/kv_pages.py): a prefix-cache hit reads the entry's
 very bytes, writes stay each slot's own, and pages go back to the system once no slot maps them."""
+import collections
 import os
 
 import numpy as np
@@ -71,7 +72,7 @@ def test_a_taken_slot_written_again_inside_its_shared_prefix_writes_its_own_page
     host, fd, kv = pages
     slot(host, 0)[:] = np.arange(ROWS, dtype=np.float32)[:, None]
     assert kv.share(0, 1, 48)
-    kv.own_from(1, position)  # an entry taken by a request that matched only its first `position` rows
+    kv.writable(1, position)  # an entry taken by a request that matched only its first `position` rows
     assert (slot(host, 1)[:position] == slot(host, 0)[:position]).all()
     slot(host, 1)[position:] = -1
     assert (slot(host, 0)[:, 0] == np.arange(ROWS)).all()  # the source's rows are untouched
@@ -94,3 +95,83 @@ def test_requests_that_share_a_cached_prefix_on_tinygrad_map_its_rows_and_answer
     moved = [w.prefix_rows for w in chain.workers]
     assert all(m["shared"] == sum(chain.starts.values()) and m["copied"] == 0 for m in moved), moved
     chain.assert_clean()
+
+
+# --- copy on write, for everyone who maps a page (issue 54) ---------------------------------------------------
+
+def test_a_taken_entry_written_past_its_match_leaves_a_slot_that_shares_its_rows_as_it_was(pages):
+    """The audit's finding: slot 1 shares 48 rows of entry 0; a request that matched only entry 0's first 16 rows
+    takes it and writes from 16 on. Slot 1 must still read entry 0's old rows, not the newcomer's."""
+    host, fd, kv = pages
+    slot(host, 0)[:] = np.arange(ROWS, dtype=np.float32)[:, None]
+    assert kv.share(0, 1, 48)
+    kv.writable(0, 16)
+    slot(host, 0)[16:] = -1  # the newcomer's rows
+    assert (slot(host, 1)[:48, 0] == np.arange(48)).all()
+    assert (slot(host, 0)[:16, 0] == np.arange(16)).all()
+
+
+class Private:
+    """What each slot would hold were every slot's rows a private copy: the property's reference."""
+
+    def __init__(self, slots: int):
+        self.rows = np.zeros((slots, ROWS, WIDTH), np.float32)
+        self.valid = [0] * slots  # positions a slot's request has, readable
+
+
+def apply(op: str, kv: KvPages, host: np.ndarray, ref: Private, rng: np.random.Generator) -> None:
+    """One step of a stage's slots, done to the pages and to the reference alike."""
+    slots = len(ref.valid)
+    s, other = (int(x) for x in rng.choice(slots, 2, replace=False))
+    if op == "share":  # a start from another slot's cached prefix: a fresh slot, then its first rows
+        p = int(rng.integers(0, ref.valid[other] + 1))
+        p = p // 16 * 16 if rng.random() < 0.8 else p  # mostly whole blocks, as the prefix cache matches
+        kv.reset(s)
+        if not kv.share(other, s, p):  # off a page, or few regions left: copied, as kv_rows.copy_rows does
+            slot(host, s)[:p] = slot(host, other)[:p]
+        ref.rows[s, :p], ref.valid[s] = ref.rows[other, :p], p
+    elif op == "take":  # an entry continued from a shorter match, or a replay from an earlier position
+        ref.valid[s] = int(rng.integers(0, ref.valid[s] + 1))
+    elif op == "reset":  # a request released, an entry evicted
+        kv.reset(s)
+        ref.valid[s] = 0
+    if op in ("write", "share", "take"):  # then a step's rows at its next position: a prompt chunk, a decode row
+        write(kv, host, ref, s, int(rng.integers(1, 24)), rng)
+
+
+def write(kv: KvPages, host: np.ndarray, ref: Private, s: int, n: int, rng: np.random.Generator) -> None:
+    at = ref.valid[s]
+    n = min(n, ROWS - at)
+    if n:
+        kv.writable(s, at)
+        rows = rng.standard_normal((n, WIDTH)).astype(np.float32)
+        slot(host, s)[at:at + n] = rows
+        ref.rows[s, at:at + n] = rows
+        ref.valid[s] = at + n
+
+
+def assert_private(kv: KvPages, host: np.ndarray, ref: Private, history: list[str]) -> None:
+    for s, valid in enumerate(ref.valid):
+        got = slot(host, s)[:valid]
+        assert np.array_equal(got, ref.rows[s, :valid]), f"slot {s} after {history[-6:]}: runs {kv.runs}"
+    counted = sum((collections.Counter(g for _, _, g in runs) for runs in kv.runs), collections.Counter())
+    assert +kv.refs == counted and not set(kv.free) & set(counted), (kv.refs, counted, kv.free)
+    owns = [runs[-1][2] for runs in kv.runs]
+    assert len(set(owns)) == len(owns) and all(runs[-1][1] == ROWS for runs in kv.runs), kv.runs
+
+
+@pytest.mark.parametrize("spare", [2, 3, 4], ids=lambda n: f"{n} regions a slot")
+def test_every_slot_reads_what_a_private_copy_would_hold_whatever_the_interleaving(spare):
+    """Random interleavings of starts (fresh or from a shared prefix), writes, takes, replays and resets over a
+    small pool of pages: after every step, every slot's readable rows equal a private copy's. With few regions
+    to spare, the slots that read a writer's pages move instead of the writer."""
+    slots, rng = 4, np.random.default_rng(spare)
+    for run in range(60):
+        host, fd = shared_zeros((slots * ROWS, WIDTH), np.float32, file_factor=spare)
+        kv, ref, history = KvPages([(host, fd)], slots, ROWS, [WIDTH * 4], spare=spare), Private(slots), []
+        for _ in range(40):
+            op = str(rng.choice(["write", "write", "share", "take", "reset"]))
+            apply(op, kv, host, ref, rng)
+            history.append(op)
+            assert_private(kv, host, ref, history)
+        del host

@@ -36,9 +36,6 @@ class Slice(Protocol):
     # maps src's very pages (worker/kv_pages.py), nothing copied
     def copy_rows(self, src: int, dst: int, rows: int) -> bool: ...
 
-    # a taken slot is written again from `position` on: none of those rows may be another slot's (shared pages)
-    def own_from(self, slot: int, position: int) -> None: ...
-
     # a slot's KV no one will read again: its memory may go back (it reads as zeros after)
     def trim(self, slot: int) -> None: ...
 

@@ -42,15 +42,14 @@ class Slots:
     """`copy_rows(source, slot, n)` gives a slot another's first n KV rows (the slice's: True where it maps their
     very pages, worker/kv_pages.py, False where it copies them); `trim(slot)`
     gives back the memory of a slot's KV that no one will read: a released request's, and a slot's before a
-    new request takes it (an entry evicted or forgotten), so a stage's KV memory follows what its slots hold;
-    `own_from(slot, position)` makes a taken entry's rows from `position` on its own, none shared, before the
-    request that takes it writes them."""
+    new request takes it (an entry evicted or forgotten), so a stage's KV memory follows what its slots hold.
+    Rows that slots share are copied before one of them writes them, whatever brought it there (the slice's
+    step does it: worker/kv_pages.py), so a taken entry needs nothing more here."""
 
     def __init__(self, *, stage: int, max_seqs: int, max_context: int, copy_rows: Callable[[int, int, int], bool],
-                 trim: Callable[[int], None] = lambda slot: None,
-                 own_from: Callable[[int, int], None] = lambda slot, position: None):
+                 trim: Callable[[int], None] = lambda slot: None):
         self.stage, self.max_seqs, self.max_context, self._copy_rows = stage, max_seqs, max_context, copy_rows
-        self._trim, self._own_from = trim, own_from
+        self._trim = trim
         self.requests: dict[str, Request] = {}
         self.kept = KeptSlots(stage)
         self.rows_moved = {"shared": 0, "copied": 0}  # prefix-cache rows a start mapped, or copied
@@ -136,10 +135,8 @@ class Slots:
             return Request(self._free_slot(item, starting), 0, item.sampling, rng)
         source = self.kept.source(start.entry, item.position, item.request_id)
         rows = self.kept.rows(start.entry).below(item.position)
-        if start.take:  # continued from item.position: none of its rows from there may be another slot's
-            slot = self.kept.take(start.entry)
-            self._own_from(slot, item.position)
-            return Request(slot, item.position, item.sampling, rng, rows)
+        if start.take:  # continued from item.position, in the entry's own slot
+            return Request(self.kept.take(start.entry), item.position, item.sampling, rng, rows)
         slot = self._free_slot(item, starting, keep=start.entry)
         self.rows_moved["shared" if self._copy_rows(source, slot, item.position) else "copied"] += item.position
         return Request(slot, item.position, item.sampling, rng, rows)

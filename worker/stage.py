@@ -50,8 +50,7 @@ class StageWorker:
             kernels=compute.kernels)
         self._slots = Slots(stage=shard.index, max_seqs=compute.max_seqs, max_context=compute.max_context,
                             copy_rows=lambda source, slot, n: self.compute.copy_rows(source, slot, n),
-                            trim=lambda slot: self.compute.trim(slot),
-                            own_from=lambda slot, position: self.compute.own_from(slot, position))
+                            trim=lambda slot: self.compute.trim(slot))
         self._grammars = None  # the last stage's GrammarCompiler, made at the first grammar
 
     # -- the batched ops (worker/contract.py's Worker) ----------------------------------------

@@ -99,9 +99,6 @@ class StubSlice:
             self._cache[(dst, i)][:rows] = self._cache[(src, i)][:rows]
         return False
 
-    def own_from(self, slot: int, position: int) -> None:
-        pass  # its slots share nothing
-
     def trim(self, slot: int) -> None:
         for i in self.layers:
             self._cache[(slot, i)][:] = 0

@@ -28,13 +28,6 @@ def copy_rows(model, src: int, dst: int, rows: int) -> bool:
     return False
 
 
-def own_from(model, slot: int, position: int) -> None:
-    """A taken slot is written again from `position` on: on the CPU, none of those rows may stay mapped onto
-    another slot's pages (worker/kv_pages.py); elsewhere slots share nothing."""
-    if model.pages is not None:
-        model.pages.own_from(slot, position)
-
-
 def trim(model, slot: int) -> None:
     """Give back the memory of a slot's KV, which no one will read (its request ended, and no prefix-cache entry
     holds it): on the CPU its pages return to the system (KvPages.reset, or files.release where the caches are

@@ -292,6 +292,9 @@ class StageModel:
         run as one or more graph calls, in order (split_rows picks the cheapest cut), so a segment may be
         any length."""
         _check(hidden, segments, self.config, self.max_seqs)
+        if self.pages is not None:  # no page a segment writes may be another slot's (copy on write)
+            for s in segments:
+                self.pages.writable(s.slot, s.position)
         slots = np.concatenate([np.full(s.length, s.slot) for s in segments])
         positions = np.concatenate([np.arange(s.position, s.position + s.length) for s in segments])
         data = np.ascontiguousarray(hidden, dtype=np.float32)

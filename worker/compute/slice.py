@@ -88,9 +88,6 @@ class TinygradSlice:
     def copy_rows(self, src: int, dst: int, rows: int) -> bool:
         return kv_rows.copy_rows(self.model, src, dst, rows)
 
-    def own_from(self, slot: int, position: int) -> None:
-        kv_rows.own_from(self.model, slot, position)
-
     def trim(self, slot: int) -> None:
         kv_rows.trim(self.model, slot)
 
