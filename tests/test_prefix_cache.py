@@ -122,6 +122,24 @@ def test_a_kept_entry_taken_or_copied_continues_as_the_original_request_on_tinyg
     assert all(w.kept == {} and w.active == {"c", "t"} for w in (w0, w1))
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_request_that_takes_an_entry_another_reads_leaves_that_one_s_answer_as_without_the_cache(n):
+    """Issue 54, finding 1, on the real backend's shared pages: every slot busy, a victim shares entry E1's
+    first 64 positions, then a request that matches only E1's first block takes E1's slot and writes from
+    position 16 on. The victim must read E1's rows, not the newcomer's: its answer is its cache-free one."""
+    chain = Chain(n, max_seqs=3, model=tinygrad_model(TinySource()))
+    e1 = "The river Danube flows through ten countries, more than any other river in the world, from " \
+         "the Black Forest to the Black Sea."
+    chain.ask({"e1": chain.tokens(e1)})
+    prompts = {"filler": chain.tokens("Something else entirely, to hold a slot for a while."),
+               "victim": chain.tokens(e1[:64] + " And which cities does it pass?"),
+               "intruder": chain.tokens(e1[:16] + " is a phrase that starts many a story about rivers.")}
+    got = chain.ask(prompts, max_tokens=24)
+    assert chain.starts["victim"] == 64 and chain.starts["intruder"] == 16, chain.starts
+    assert got == {rid: chain.reference(ids, 24) for rid, ids in prompts.items()}
+    chain.assert_clean()
+
+
 def test_a_request_naming_an_entry_the_worker_lacks_is_refused_as_a_missing_prefix():
     w = open_worker(stub_model(), Shard.of(0, 2), max_seqs=2)
     [out] = w.run([StepItem("r", 16, tokens=(3,) * 4, from_cache=FromCache("gone"))])
