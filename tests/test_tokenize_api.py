@@ -15,6 +15,7 @@ from node.api.openai_api import add_openai_routes
 from node.api.openai_fields import ApiError
 from node.api.tokenize_api import add_tokenize_routes, parse_detokenize, parse_tokenize
 from node.transport.app import make_app, serve_app
+from worker.contract import Kernels
 from worker.partition import Shard
 from worker.stage import StageWorker
 from worker.tokens.tokenizer import byte_tokenizer
@@ -31,7 +32,7 @@ CHAT = [{"role": "user", "content": "Say hello"}]
 class Entry:
     """Stage 0 as the API sees it, loaded, with no chain behind it: nothing is ever admitted."""
 
-    swim, url, shard, hidden_dim, last_answer, max_seqs = None, None, Shard.of(0, 2).sized(2), 16, {}, 1
+    swim, url, shard, hidden_dim, last_answer, max_seqs, admissible = None, None, Shard.of(0, 2).sized(2), 16, {}, 1, 1
 
     def __init__(self, worker):
         self.worker, self.loading, self.serving = worker, False, True
@@ -49,7 +50,7 @@ class Entry:
 
 def byte_worker() -> StageWorker:
     weightless = types.SimpleNamespace(hidden_dim=16, vocab_size=byte_tokenizer().vocab_size, max_context=CONTEXT,
-                                       weight_bytes=0, kv_bytes=0, max_seqs=1, max_batch=1)
+                                       weight_bytes=0, kv_bytes=0, max_seqs=1, max_batch=1, kernels=Kernels("stub"))
     vocabulary = Vocabulary(byte_tokenizer(), vocab_size=weightless.vocab_size, max_context=CONTEXT)
     return StageWorker(weightless, vocabulary, Shard.of(0, 2).sized(2))
 

@@ -159,6 +159,11 @@ def _admit(node: Entry, vocab: Vocabulary, api: ApiRequest, choices: list[Choice
     channel. max_tokens past what the context holds is refused, as vLLM does (max_tokens 0 runs one token:
     the prompt's logprobs come with it, and the answer leaves it out)."""
     requests = [_engine_request(node, vocab, api, c) for c in choices]
+    if (most := node.admissible) is not None and len(requests) > most:  # no retry could pass: a 400, not a 429
+        raise ApiError(400, f"this request is {len(requests)} sequences (its prompts times n), and they are admitted "
+                            f"together: the chain runs and queues at most {most} at once (--max-seqs and --max-queue), "
+                            f"so it could never start; send at most {most}", param="prompt" if not api.chat else "n",
+                       code="invalid_value")
     send, events = trio.open_memory_channel(float("inf"))
     admitted: list[str] = []
     try:

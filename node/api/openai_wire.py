@@ -277,11 +277,19 @@ def _stop(body: dict) -> tuple[str, ...]:
     return stops
 
 
+def _text(prompt: str, param: str) -> str:
+    """A prompt's text; an empty one is refused (vLLM's answer too): the actor would read no tokens as no prompt."""
+    if not prompt:
+        raise ApiError(400, f"{param} is empty: a completion continues at least one token", param="prompt",
+                       code="invalid_value")
+    return checked_text(prompt, param)
+
+
 def _prompts(body: dict, vocab_size: int | None) -> tuple[str | tuple[int, ...], ...]:
     """OpenAI's four forms: a string, an array of token ids, or an array of either."""
     prompt = field(body, "prompt", (str, list), required=True)
     if isinstance(prompt, str):
-        return (checked_text(prompt, "prompt"),)
+        return (_text(prompt, "prompt"),)
     if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return (_ids(prompt, "prompt", vocab_size),)
     if not prompt or len(prompt) > MAX_PROMPTS:
@@ -290,7 +298,7 @@ def _prompts(body: dict, vocab_size: int | None) -> tuple[str | tuple[int, ...],
     out = []
     for i, p in enumerate(prompt):
         if isinstance(p, str):
-            out.append(checked_text(p, f"prompt[{i}]"))
+            out.append(_text(p, f"prompt[{i}]"))
         elif isinstance(p, list) and p:
             out.append(_ids(p, f"prompt[{i}]", vocab_size))
         else:

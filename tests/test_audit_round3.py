@@ -1,0 +1,63 @@
+"""The round-3 audit's findings (issue 54) that live at the API's edge, one regression test each; finding 1 (a
+taken entry's writes reaching a slot that shares its pages) is tests/test_kv_pages.py's property test and
+tests/test_prefix_cache.py's chain through the actors.
+
+- 9: a completion of more prompts than the chain's slots and queue hold got 429 "retry later" on an idle
+  cluster, every time: its choices are admitted together. It is a 400 that says why and how many fit.
+- 10: an empty completion prompt ran the chat template: echo returned template tokens the client never sent,
+  and usage said 0 prompt tokens. It is refused with a 400 naming `prompt`, as vLLM refuses it.
+"""
+import httpx
+import pytest
+
+from cluster import API_KEY, start_cluster
+from node.api.openai_fields import ApiError
+from node.api.openai_read import prompts
+from node.api.openai_tools import tool_setup
+from node.api.openai_wire import parse_request
+from worker.models import open_worker, stub_model
+from worker.partition import Shard
+
+
+@pytest.fixture(scope="module")
+def vocabulary():
+    return open_worker(stub_model(), Shard.of(0, 2)).vocabulary
+
+
+@pytest.mark.parametrize("prompt, says", [("", "prompt is empty"), (["Say hello", ""], "prompt[1] is empty"),
+                                          ([], "prompt: 0 prompts"), ([[1, 2], []], "prompt[1]: expected a string or "
+                                                                                    "a non-empty array")],
+                         ids=["an empty text", "one empty text of two", "no prompt", "one empty id list of two"])
+def test_an_empty_completion_prompt_is_refused_naming_it(prompt, says):
+    with pytest.raises(ApiError) as info:
+        parse_request({"model": "stub", "prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 2},
+                      chat=False, seed_if_unset=0)
+    assert (info.value.status, info.value.param, info.value.code) == (400, "prompt", "invalid_value")
+    assert says in str(info.value)
+
+
+def test_a_prompt_of_one_space_is_still_a_prompt(vocabulary):
+    api = parse_request({"model": "stub", "prompt": " ", "max_tokens": 2}, chat=False, seed_if_unset=0)
+    [(ids, text)] = prompts(vocabulary, api, tool_setup(None, None))
+    assert ids and text == " "
+
+
+# --- 9: a request that no retry could ever admit --------------------------------------------------------------
+
+async def test_a_completion_with_more_prompts_than_slots_and_queue_together_is_a_400_not_a_429(nursery, tmp_path):
+    """Its choices are admitted together or not at all: with 2 slots and 2 places in the queue, 5 prompts could
+    never start, however idle the cluster. The audit got 429 "retry later" every time; it is a 400 saying why."""
+    _, urls, _ = await start_cluster(nursery, 2, tmp_path, max_seqs=2, max_queue=2)
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as client:
+        r = await client.post(urls[0] + "/v1/completions",
+                              json={"model": "stub", "prompt": [f"Say hello {i}" for i in range(5)], "max_tokens": 2})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "prompt" and "at most 4" in error["message"] and "could never start" in error["message"]
+        r = await client.post(urls[0] + "/v1/completions",
+                              json={"model": "stub", "prompt": [f"Say hello {i}" for i in range(4)], "max_tokens": 2})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 4, r.text
+        r = await client.post(urls[0] + "/v1/chat/completions", json={
+            "model": "stub", "messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 2})
+        assert r.status_code == 200, r.text  # n up to the slots, as before
+    nursery.cancel_scope.cancel()
