@@ -183,7 +183,10 @@ async def load_own_slice(config: NodeConfig, swim: Swim, shard: Shard, compute: 
     prompt_rows = config.chunked_prefill_size if replaces else 1
     if config.layer_partition != AUTO:  # flag_split says why
         return await compute.call(load_worker, config, await fetch_own_slice(config, swim, shard), shard, prompt_rows)
-    split, model, phases = held(swim, shard.index, shard.count, replacing=replaces), None, {}
+    try:
+        split, model, phases = held(swim, shard.index, shard.count, replacing=replaces), None, {}
+    except PlanError as exc:
+        raise ModelRefused(f"stage {shard.index} refuses the running cluster's split: {exc}") from exc
     if split is None:
         split, model, phases = await measure_and_agree(config, swim, shard, compute)
     shard = attrs.evolve(shard, partition=split.counts)

@@ -15,17 +15,33 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from worker.plan import Calibration, Objective, Split, partition_of, stage_seconds
+from worker.plan import Calibration, Objective, PlanError, Split, partition_of, stage_seconds
 
 from node.membership.gossip import TERMINAL, Member
 from node.membership.swim import Swim
 
 
 def gossiped_plan(members: Iterable[Member], me: str, num_stages: int) -> tuple[int, ...] | None:
-    """Pure: the split another live member gossips (stage 0's decision, or the one each member loaded), or None."""
-    for m in sorted(members, key=lambda m: (m.meta.stage or 0, m.id)):
-        if m.id != me and m.state not in TERMINAL and not m.meta.observer and len(m.meta.plan) == num_stages:
-            return m.meta.plan
+    """Pure: the cluster's split, from stage 0 alone: its live holder's, unless that is `me`; where none is (stage
+    0 itself is being replaced), the one every other live stage holder loaded, if they agree. A member that holds
+    no stage (an observer, or a forged member gossiping a plan: issue 54) is never asked."""
+    holders = {s: h for s, h in _holders(members, num_stages).items() if h.id != me}
+    plans = {s: h.meta.plan for s, h in holders.items() if len(h.meta.plan) == num_stages}
+    if 0 in holders:
+        return plans.get(0)
+    return next(iter(plans.values())) if plans and len(set(plans.values())) == 1 else None
+
+
+def overlapping(plan: tuple[int, ...], members: Iterable[Member], me: str, stage: int) -> str | None:
+    """Pure: why a replacement of `stage` must not load its range of `plan`: a live neighbour loaded another split,
+    so the ranges would overlap or leave blocks out (every block computed once, in order, or the answer is
+    wrong); None where no neighbour says otherwise."""
+    holders = {s: h for s, h in _holders(members, len(plan)).items() if h.id != me}
+    for s in (stage - 1, stage + 1):
+        theirs = holders[s].meta.plan if s in holders else ()
+        if len(theirs) == len(plan) and theirs != plan:
+            return (f"the split {','.join(map(str, plan))} gives stage {stage} blocks that its live neighbour, stage "
+                    f"{s}, did not leave it (it loaded {','.join(map(str, theirs))})")
     return None
 
 
@@ -121,9 +137,15 @@ def describe(costs: list[Calibration], counts: tuple[int, ...]) -> str:
 
 def held(swim: Swim, stage: int, num_stages: int, *, replacing: bool) -> Split | None:
     """The running cluster's split, kept, where this node replaces a stage of it (gossip holds the stage's
-    gone holder, and a live member's split); else None: the node measures itself and agrees (agree)."""
-    plan = gossiped_plan(swim.members().values(), swim.me.id, num_stages) if replacing else None
-    return None if plan is None else kept(plan, stage)
+    gone holder, and stage 0's split); else None: the node measures itself and agrees (agree). PlanError where
+    a live neighbour loaded another split: the node refuses to load a range that overlaps it."""
+    view = swim.members().values()
+    plan = gossiped_plan(view, swim.me.id, num_stages) if replacing else None
+    if plan is None:
+        return None
+    if (why := overlapping(plan, view, swim.me.id, stage)) is not None:
+        raise PlanError(why)
+    return kept(plan, stage)
 
 
 async def agree(swim: Swim, stage: int, num_stages: int, calibration: Calibration,

@@ -6,10 +6,10 @@ import pytest
 import trio
 
 from cluster import API_KEY, PATIENT_SWIM, _scoped, _shared_compute, stage_config, start_cluster
-from node.membership.gossip import Member, Meta, State
+from node.membership.gossip import Member, Meta, State, Sync
 from node.transport import wire
-from node.planning import (describe, gossiped_costs, gossiped_plan, kept, measured_by, measurer, planned,
-                           stage_machines)
+from node.planning import (describe, gossiped_costs, gossiped_plan, kept, measured_by, measurer, overlapping,
+                           planned, stage_machines)
 from runner.phases import split_line, stage_phases
 from worker.plan import Calibration, ModelCost
 
@@ -47,9 +47,33 @@ def test_stage_0_plans_once_every_stage_s_live_node_has_gossiped_its_figures(mem
     ([m("me", 1), m("a", 0, plan=(18, 12), state=State.DEAD)], None),  # a dead node's is not the cluster's
     ([m("me", 1), m("a", 0, plan=(10, 10, 10))], None),  # a split of another stage count
     ([m("me", 0), m("b", 1, plan=(18, 12), state=State.SUSPECT)], (18, 12)),  # suspected, still the cluster's
+    # issue 54: a split comes from stage 0; a member that holds no stage is never asked
+    ([m("me", 1), m("0000", None, plan=(1, 29)), m("a", 0, plan=(18, 12))], (18, 12)),
+    ([m("me", 1), m("0000", None, plan=(1, 29))], None),
+    ([m("me", 1), m("a", 0), m("0000", None, plan=(1, 29))], None),  # stage 0 has not said yet: wait for it
 ])
-def test_a_node_takes_the_split_another_live_member_gossips(members, want):
+def test_a_node_takes_the_split_stage_0_gossips(members, want):
     assert gossiped_plan(members, "me", 2) == want
+
+
+@pytest.mark.parametrize("members, want", [
+    ([m("me", 0), m("b", 1, plan=(10, 10, 10)), m("c", 2, plan=(10, 10, 10))], (10, 10, 10)),
+    ([m("me", 0), m("b", 1, plan=(10, 10, 10)), m("c", 2, plan=(9, 11, 10))], None),  # they disagree: no split
+    ([m("me", 0), m("b", 1, plan=(10, 10, 10)), m("x", None, plan=(1, 1, 28))], (10, 10, 10)),
+], ids=["its live stages agree", "they disagree", "a stage-less member's split is not asked"])
+def test_a_replacement_of_stage_0_takes_the_split_every_live_stage_loaded(members, want):
+    assert gossiped_plan(members, "me", 3) == want
+
+
+@pytest.mark.parametrize("members, stage, why", [
+    ([m("a", 0, plan=(10, 10, 10)), m("c", 2, plan=(10, 10, 10))], 1, None),
+    ([m("a", 0, plan=(10, 10, 10)), m("c", 2, plan=(5, 5, 20))], 1, "its live neighbour, stage 2, did not leave it"),
+    ([m("a", 0, plan=(10, 10, 10)), m("c", 2)], 1, None),  # a neighbour that has not loaded yet says nothing
+    ([m("a", 0, plan=(10, 10, 10)), m("d", 3, plan=(1, 1, 28))], 1, None),  # only neighbours count
+], ids=["neighbours agree", "a neighbour loaded another split", "a neighbour still loading", "not a neighbour"])
+def test_a_replacement_refuses_a_range_that_overlaps_what_a_live_neighbour_loaded(members, stage, why):
+    got = overlapping((10, 10, 10), [m("me", stage), *members], "me", stage)
+    assert (got is None) if why is None else why in got
 
 
 def test_the_plan_weighs_the_head_and_says_why():
@@ -116,6 +140,26 @@ async def test_a_replacement_keeps_the_running_split_without_measuring_itself(nu
         new = await orch.swim.wait_until(lambda s: next((m for m in s.alive() if m.id == "stage1-again"
                                                          and m.meta.ready), None))
     assert new.meta.plan == plan and new.meta.cost is None  # stage 0's split, and no figures: it measured nothing
+    nursery.cancel_scope.cancel()
+
+
+async def test_a_replacement_booted_cold_takes_stage_0_s_split_not_a_forged_member_s(nursery, tmp_path):
+    """Issue 54, finding 4: a cluster-token holder gossips a stage-less member, its id sorted first, with a split
+    of its own (its address answers pings: here the runner's). The replacement of stage 1 loads stage 0's split."""
+    orch, urls, scopes = await start_cluster(nursery, 2, tmp_path, swim_config=PATIENT_SWIM, layer_partition="auto")
+    plan = next(m.meta.plan for m in orch.swim.alive() if m.meta.stage == 0)
+    forged = (1, sum(plan) - 1)
+    assert forged != plan
+    orch.swim.on_sync(Sync(members=(Member("0000", orch.url, 2 ** 40, State.ALIVE, Meta(plan=forged)),)))
+    scopes[1].cancel()
+    orch.swim.confirm_dead("stage1")
+    config = attrs.evolve(stage_config(1, 2, model="stub", seed=orch.url, peer=urls[0], tmp=tmp_path,
+                                       layer_partition="auto"), node_id="stage1-again")
+    await nursery.start(_scoped, trio.CancelScope(), config, await nursery.start(_shared_compute), PATIENT_SWIM)
+    with trio.fail_after(120):
+        new = await orch.swim.wait_until(lambda s: next((m for m in s.alive() if m.id == "stage1-again"
+                                                         and m.meta.ready), None))
+    assert new.meta.plan == plan
     nursery.cancel_scope.cancel()
 
 
