@@ -58,10 +58,12 @@ def wrong_role(stage: int, role, message) -> Refused:
     return Refused(409, f"stage {stage} ({role.value}) does not accept {kind} messages")
 
 
-def failure(request_id: str, stage: int, error: str, generation: int = 0, *, poison: bool = False) -> EndRequest:
+def failure(request_id: str, stage: int, error: str, generation: int = 0, *, poison: bool = False,
+            param: str = "") -> EndRequest:
     """To stage 0: this life of the request failed here (a failure of a life since replayed is ignored,
-    unless it is `poison`: computing the request failed, which no replay mends)."""
-    return EndRequest(request_id, EndReason.FAILED, f"stage {stage}: {error}", stage, generation, poison)
+    unless it is `poison`: computing the request failed, which no replay mends). `param`: the request's own
+    parameter that failed it, if any (EndRequest.param)."""
+    return EndRequest(request_id, EndReason.FAILED, f"stage {stage}: {error}", stage, generation, poison, param=param)
 
 
 def lost(request_id: str, stage: int, generation: int, error: str) -> EndRequest:

@@ -2,7 +2,7 @@
 life (generation) of each request they hold, which a replay by stage 0 moves on."""
 from __future__ import annotations
 
-from worker.errors import PrefixMissing, WorkerError
+from worker.errors import InvalidParam, PrefixMissing, WorkerError
 
 from .actions import Send, is_live, lost, step_failed
 from .messages import EndReason, EndRequest
@@ -12,7 +12,7 @@ from .topology import stage_name
 
 class DownstreamActor:
     """Base of MiddleActor and LastActor: each sets `queue` (a StageQueue), `expected` (request id -> the
-    Held life it computes), `missed` (an empty set), `_fail(request_id, error) -> actions` and
+    Held life it computes), `missed` (an empty set), `_fail(request_id, error, param) -> actions` and
     `_forget_life(request_id)` (what it holds of the request's life, but the slot)."""
 
     def _reclaimed(self, end: EndRequest) -> bool:
@@ -37,7 +37,9 @@ class DownstreamActor:
         if isinstance(error, PrefixMissing):
             self.missed.add(life)
             return [Send(stage_name(0), lost(unit.request_id, self.stage, unit.generation, str(error)))]
-        return [] if life in self.missed else self._fail(unit.request_id, str(error))
+        if life in self.missed:
+            return []
+        return self._fail(unit.request_id, str(error), error.param if isinstance(error, InvalidParam) else "")
 
     def _forget_missed(self, request_id: str) -> None:
         self.missed = {life for life in self.missed if life[0] != request_id}

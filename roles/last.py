@@ -10,7 +10,7 @@ from typing import Callable
 import attrs
 
 from worker.contract import GREEDY, StepItem, TokenLogprob, Worker
-from worker.errors import WorkerError
+from worker.errors import InvalidParam, WorkerError
 from worker.grammar import GrammarError, Matcher
 from worker.logprobs import token_logprobs
 from worker.partition import Role, Shard
@@ -169,7 +169,7 @@ class LastActor(DownstreamActor):
             if matcher is not None:
                 matcher.accept(token)
         except (WorkerError, GrammarError) as exc:  # logits that are not finite, say: this request fails alone
-            return exc if isinstance(exc, WorkerError) else WorkerError(f"response_format: {exc}")
+            return exc if isinstance(exc, WorkerError) else InvalidParam("response_format", str(exc))
         asked = s.sampling.logprobs
         logprob = None if asked is None else token_logprobs(logits[None], [token], asked)[0]
         return _Sampled(token, logprob, prompt_lps)
@@ -209,14 +209,14 @@ class LastActor(DownstreamActor):
             prog.sampled_at[-1] - prog.first_token_at,
             tuple(round((t - prog.first_token_at) * 1000.0, 3) for t in prog.sampled_at), s.queued_ms / 1000.0))
 
-    def _fail(self, request_id: str, error: str) -> list:
+    def _fail(self, request_id: str, error: str, param: str = "") -> list:
         """Computing the request failed: report it to stage 0, which ends it everywhere (never replaying it)
-        and tells the asker."""
+        and tells the asker. `param`: the request's own parameter that failed it (a 400 for the client)."""
         prog, held = self.progress.get(request_id), self.expected.get(request_id)
         self.failed_reply_to[request_id] = prog.start.reply_to if prog is not None else None
         generation = held.generation if held is not None else 0
         self._end_here(request_id)
-        return [Send(self.feedback, failure(request_id, self.stage, error, generation, poison=True))]
+        return [Send(self.feedback, failure(request_id, self.stage, error, generation, poison=True, param=param))]
 
     def _done_here(self, request_id: str) -> None:
         """Answered: nothing more is computed for it, but its slot waits for stage 0's EndRequest, which says

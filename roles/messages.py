@@ -212,6 +212,7 @@ class EndRequest:
     generation: int = 0
     poison: bool = False
     keep_as: str = ""  # a finished request: every stage keeps its slot's KV under this name (the prefix cache)
+    param: str = ""  # a failure that is the request's own value's: the parameter to name in a 400 (worker InvalidParam)
 
 
 @attrs.frozen

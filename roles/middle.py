@@ -75,11 +75,11 @@ class MiddleActor(DownstreamActor):
                                                from_cache=from_cache(u.start)) for u in step.units])
 
     # -- internals ---------------------------------------------------------------------------
-    def _fail(self, request_id: str, error: str) -> list:
+    def _fail(self, request_id: str, error: str, param: str = "") -> list:
         """Computing the request failed: report it to stage 0, which ends it everywhere (never replaying it)
         and tells the asker."""
         held = self.expected.get(request_id)
-        end = failure(request_id, self.stage, error, held.generation if held else 0, poison=True)
+        end = failure(request_id, self.stage, error, held.generation if held else 0, poison=True, param=param)
         self._end_here(request_id, keep_reply_to=True)
         return [Send(self.entry, end)]
 

@@ -7,6 +7,8 @@ tests/test_prefix_cache.py's chain through the actors.
 - 10: an empty completion prompt ran the chat template: echo returned template tokens the client never sent,
   and usage said 0 prompt tokens. It is refused with a 400 naming `prompt`, as vLLM refuses it.
 """
+import json
+
 import httpx
 import pytest
 
@@ -60,4 +62,36 @@ async def test_a_completion_with_more_prompts_than_slots_and_queue_together_is_a
         r = await client.post(urls[0] + "/v1/chat/completions", json={
             "model": "stub", "messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 2})
         assert r.status_code == 200, r.text  # n up to the slots, as before
+    nursery.cancel_scope.cancel()
+
+
+# --- 8: a schema that passes admission and fails as the answer grows ------------------------------------------
+
+def wide_schema(properties: int = 1300) -> dict:
+    """A short string first, then an object of many optional properties: admission walks the first byte, and the
+    grammar library's limits bind only once the answer reaches the second property."""
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(properties)}}
+    return {"type": "object", "properties": {"a": {"type": "string", "maxLength": 2}, "b": wide},
+            "required": ["a", "b"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_response_format_that_fails_at_the_last_stage_is_a_400_naming_it(nursery, tmp_path, stream):
+    _, urls, _ = await start_cluster(nursery, 2, tmp_path)
+    body = {"model": "stub", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 200,
+            "stream": stream, "response_format": {"type": "json_schema",
+                                                  "json_schema": {"name": "wide", "schema": wide_schema()}}}
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as client:
+        r = await client.post(urls[0] + "/v1/chat/completions", json=body)
+        if stream:
+            assert r.status_code == 200
+            errors = [json.loads(line[6:])["error"] for line in r.text.splitlines()
+                      if line.startswith("data: {") and '"error"' in line]
+            assert len(errors) == 1, r.text[-2000:]
+            error = errors[0]
+        else:
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+    assert error["param"] == "response_format" and error["code"] == "invalid_value", error
+    assert "response_format" in error["message"]
     nursery.cancel_scope.cancel()

@@ -274,6 +274,8 @@ class _Follow:
     def _ended(self, event: Progress) -> None:
         self.over.add(event.request_id)
         end = event.end
+        if end.reason is EndReason.FAILED and end.param:  # the request's own value: the client's to fix
+            raise ApiError(400, end.error or f"{end.param} cannot be computed", param=end.param, code="invalid_value")
         if end.reason is EndReason.FAILED:
             raise ApiError(500, end.error or "a stage failed", type="server_error", code="stage_failed")
         raise ApiError(500, f"the request was {end.reason.value} before its last token", type="server_error")
