@@ -1,18 +1,25 @@
 """The round-3 audit's findings (issue 54) that live at the API's edge, one regression test each; finding 1 (a
 taken entry's writes reaching a slot that shares its pages) is tests/test_kv_pages.py's property test and
-tests/test_prefix_cache.py's chain through the actors.
+tests/test_prefix_cache.py's chain through the actors; finding 4 (a forged split) is tests/test_planning.py's.
 
+- 7: one key's burst of costly requests (16 threads of 128 tools) held another key's 4-token chat 3 s: the
+  preparation threads' turns are shared among keys (node/api/fair_turns.py).
+- 8: a response_format whose grammar passes admission (its first byte walked) and exceeds the library's limits
+  as the answer grows failed at the last stage with a 500 `stage_failed`: it is a 400 naming response_format.
 - 9: a completion of more prompts than the chain's slots and queue hold got 429 "retry later" on an idle
   cluster, every time: its choices are admitted together. It is a 400 that says why and how many fit.
 - 10: an empty completion prompt ran the chat template: echo returned template tokens the client never sent,
   and usage said 0 prompt tokens. It is refused with a 400 naming `prompt`, as vLLM refuses it.
 """
 import json
+import time
 
 import httpx
 import pytest
+import trio
 
 from cluster import API_KEY, start_cluster
+from node.api import openai_api
 from node.api.openai_fields import ApiError
 from node.api.openai_read import prompts
 from node.api.openai_tools import tool_setup
@@ -94,4 +101,38 @@ async def test_a_response_format_that_fails_at_the_last_stage_is_a_400_naming_it
             error = r.json()["error"]
     assert error["param"] == "response_format" and error["code"] == "invalid_value", error
     assert "response_format" in error["message"]
+    nursery.cancel_scope.cancel()
+
+
+# --- 7: one key's costly requests and another key's cheap one --------------------------------------------------
+
+async def test_one_key_s_burst_of_costly_requests_does_not_hold_back_another_key_s(nursery, tmp_path, monkeypatch):
+    """16 requests of one key, each costing 0.3 s of preparation (the audit's 128 tools), then one of another
+    key: it is prepared after a turn or two, not after the whole burst (the two threads were first come, first
+    served)."""
+    started, real = [], openai_api.parse_request
+
+    def parse_request(body, **kw):
+        started.append(body["messages"][0]["content"])
+        if body["messages"][0]["content"].startswith("costly"):
+            time.sleep(0.3)
+        return real(body, **kw)
+    monkeypatch.setattr(openai_api, "parse_request", parse_request)
+    _, urls, _ = await start_cluster(nursery, 2, tmp_path, api_keys=(API_KEY, "bystander-key"))
+
+    async def chat(key: str, content: str):
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=120) as client:
+            r = await client.post(urls[0] + "/v1/chat/completions", json={
+                "model": "stub", "messages": [{"role": "user", "content": content}], "max_tokens": 1})
+            assert r.status_code == 200, r.text
+    async with trio.open_nursery() as burst:
+        for i in range(16):
+            burst.start_soon(chat, API_KEY, f"costly {i}")
+        with trio.fail_after(60):
+            while len(started) < 2:  # the two threads are busy: the rest of the burst queues behind them
+                await trio.sleep(0.05)
+        await trio.sleep(0.2)
+        assert len(started) < 8
+        await chat("bystander-key", "hi")
+        assert started.index("hi") < len(started) and started.index("hi") <= 8, started
     nursery.cancel_scope.cancel()

@@ -3,15 +3,16 @@
 The event loop does no unbounded work for a request: its body is refused past what the model's context
 could need (413) or when it stalls (408); parsing it (json's C scanner: a malformed one is a 400 in OpenAI's
 shape), checking it (a response_format's schema is compiled), rendering the chat template and tokenizing all
-run in worker threads, PREPARE_THREADS at a time for the whole node (`prepared`), so a burst of costly
-requests queues there rather than starving /health and the pipeline's own traffic of the GIL. What each may
-cost is bounded before that work: a conversation's turns and characters (openai_wire.limits_for), a prompt
+run in worker threads, PREPARE_THREADS at a time for the whole node (`prepared`), their turns shared fairly
+among client keys, so a burst of costly requests queues there rather than starving /health and the pipeline's
+own traffic of the GIL, or another key's requests of their turn. What each may cost is bounded before that work: a conversation's turns and characters (openai_wire.limits_for), a prompt
 with more characters than the context could hold in tokens is refused before tokenizing, and the template's
 output is capped as it is written (worker/tokens/chat.py).
 """
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -23,6 +24,7 @@ from worker.tokens.tool_prompt import with_tools
 from worker.tool_formats import GENERIC_PROMPT
 
 from node.api.entry import Entry, Vocabulary
+from node.api.fair_turns import FairLimiter
 from node.api.openai_fields import ApiError, body_limit, parse_body, shown
 from node.api.openai_tools import ToolRequest, ToolSetup
 from node.api.openai_wire import ApiRequest
@@ -42,13 +44,19 @@ def ready(node: Entry) -> Vocabulary:
 
 async def prepared(work: Callable[[], T]) -> T:
     """`work` (parsing, rendering, tokenizing: CPU work a request asks for) in a worker thread, PREPARE_THREADS
-    at a time in this trio run."""
+    at a time in this trio run, the waiting turns shared fairly among client keys (fair_turns.py)."""
     try:
         limiter = _PREPARING.get()
     except LookupError:
-        limiter = trio.CapacityLimiter(PREPARE_THREADS)
+        limiter = FairLimiter(PREPARE_THREADS)
         _PREPARING.set(limiter)
-    return await trio.to_thread.run_sync(work, limiter=limiter)
+    async with limiter.hold(_client()):
+        return await trio.to_thread.run_sync(work)
+
+
+def _client() -> bytes:
+    """Whose turn a request waits in: its credential, as a digest (the key itself is not kept)."""
+    return hashlib.blake2b(request.headers.get("Authorization", "").encode(), digest_size=8).digest()
 
 
 async def read_json(node: Entry) -> tuple[Vocabulary, object]:
