@@ -2,6 +2,9 @@
 taken entry's writes reaching a slot that shares its pages) is tests/test_kv_pages.py's property test and
 tests/test_prefix_cache.py's chain through the actors; finding 4 (a forged split) is tests/test_planning.py's.
 
+- 5: the pipeline's POST routes (cluster token) decoded up to 64 MiB on the event loop (/health stalled 2.2 s)
+  and buffered any number of such bodies at once: a body is held to what a link frame of its kind may hold,
+  decoded in a thread past 1 MiB, and past two such at once the next is a 503.
 - 7: one key's burst of costly requests (16 threads of 128 tools) held another key's 4-token chat 3 s: the
   preparation threads' turns are shared among keys (node/api/fair_turns.py).
 - 8: a response_format whose grammar passes admission (its first byte walked) and exceeds the library's limits
@@ -12,17 +15,19 @@ tests/test_prefix_cache.py's chain through the actors; finding 4 (a forged split
   and usage said 0 prompt tokens. It is refused with a 400 naming `prompt`, as vLLM refuses it.
 """
 import json
+import threading
 import time
 
 import httpx
 import pytest
 import trio
 
-from cluster import API_KEY, start_cluster
+from cluster import API_KEY, TOKEN, start_cluster
 from node.api import openai_api
 from node.api.openai_fields import ApiError
 from node.api.openai_read import prompts
 from node.api.openai_tools import tool_setup
+from node.transport import wire
 from node.api.openai_wire import parse_request
 from worker.models import open_worker, stub_model
 from worker.partition import Shard
@@ -135,4 +140,69 @@ async def test_one_key_s_burst_of_costly_requests_does_not_hold_back_another_key
         assert len(started) < 8
         await chat("bystander-key", "hi")
         assert started.index("hi") < len(started) and started.index("hi") <= 8, started
+    nursery.cancel_scope.cancel()
+
+
+# --- 5: POST bodies on the pipeline's routes (cluster token) ---------------------------------------------------
+
+PEER = {"Authorization": f"Bearer {TOKEN}"}
+
+
+async def test_a_pipeline_post_past_what_a_link_frame_holds_is_refused_as_it_arrives(nursery, tmp_path):
+    """A 17 MiB body to /v1/next-token: the app's 64 MiB limit let the audit's 48 MB through to be decoded on the
+    event loop; a link frame of NextTokens holds at most 16 MiB of metadata."""
+    _, urls, _ = await start_cluster(nursery, 2, tmp_path)
+    body = b'{"tokens": [' + b"0," * (17 << 19) + b"0]}"
+    async with httpx.AsyncClient(headers=PEER, timeout=60) as client:
+        r = await client.post(urls[1] + "/v1/next-token", content=body)
+    assert r.status_code == 413 and "what a link frame of it may hold" in r.text, r.text[:300]
+    nursery.cancel_scope.cancel()
+
+
+async def test_a_large_pipeline_body_is_decoded_off_the_event_loop(nursery, tmp_path, monkeypatch):
+    """A 2 MiB JSON body (under the frame's limit) is decoded in a worker thread: the event loop, and /health with
+    it, never waits on its decoding."""
+    threads, real = [], wire.decode
+
+    def decode(kind, body):
+        threads.append((len(body), threading.current_thread() is threading.main_thread()))
+        return real(kind, body)
+    monkeypatch.setattr(wire, "decode", decode)
+    _, urls, _ = await start_cluster(nursery, 2, tmp_path)
+    body = b'{"request_id": "' + b"x" * (2 << 20) + b'", "reason": "cancelled"}'
+    async with httpx.AsyncClient(headers=PEER, timeout=60) as client:
+        r = await client.post(urls[1] + "/v1/end", content=body)
+    assert r.status_code in (202, 400, 404), r.text[:300]
+    assert [on_loop for n, on_loop in threads if n > (2 << 20)] == [False], threads
+    nursery.cancel_scope.cancel()
+
+
+async def test_past_two_large_pipeline_bodies_at_once_the_next_is_a_503_before_its_body_is_read(
+        nursery, tmp_path, monkeypatch):
+    """8 activation bodies of 3 MiB at once: two are taken (each decoded while the others arrive), the rest are
+    refused with 503 and Retry-After at once, rather than buffered (the audit held 509 MiB with 8 of 64 MiB)."""
+    real, release = wire.decode_activation, trio.Event()
+    decoding = []
+
+    def decode_activation(body, hidden_dim):
+        decoding.append(len(body))
+        trio.from_thread.run(release.wait)
+        return real(body, hidden_dim)
+    monkeypatch.setattr(wire, "decode_activation", decode_activation)
+    _, urls, _ = await start_cluster(nursery, 2, tmp_path)
+    statuses = []
+
+    async def post(client):
+        r = await client.post(urls[1] + "/v1/activation", content=b"\0" * (3 << 20))
+        statuses.append((r.status_code, r.headers.get("Retry-After")))
+    async with httpx.AsyncClient(headers=PEER, timeout=60) as client:
+        async with trio.open_nursery() as posts:
+            for _ in range(8):
+                posts.start_soon(post, client)
+            with trio.fail_after(30):
+                while len(statuses) < 6:  # the six refused answer while two bodies are held
+                    await trio.sleep(0.05)
+            assert len(decoding) == 2 and {s for s in statuses} == {(503, "1")}, (decoding, statuses)
+            release.set()
+    assert sorted(s for s, _ in statuses).count(503) == 6
     nursery.cancel_scope.cancel()
