@@ -48,12 +48,6 @@ class EntryStage:
         return None if worker is None else worker.info.max_seqs
 
     @property
-    def admissible(self) -> int | None:
-        """The most requests admitted at once on an idle chain: its slots, then its queue; None while loading."""
-        actor = self.node.actor
-        return None if actor is None else actor.capacity + actor.admission.max_queue
-
-    @property
     def split(self):
         return self.node.split
 

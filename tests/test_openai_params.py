@@ -1,10 +1,13 @@
 """The API evaluation and agent tools expect, through an in-process cluster of the stand-in model: logprobs
 (with echo, as lm-eval's loglikelihood asks), several prompts and choices, vLLM's stopping extensions, and
 lengths past the context refused as vLLM refuses them. Each answer is checked against one process."""
+import functools
+
 import httpx
 import pytest
+import trio
 
-from cluster import API_KEY, start_cluster
+from cluster import API_KEY, slow_stub, start_cluster
 from worker.batching import Segment
 from worker.contract import Sampling
 from worker.logprobs import token_logprobs
@@ -125,10 +128,25 @@ async def test_what_cannot_be_honoured_is_a_400_naming_it(entry, body, param, co
     assert r.status_code == 400 and (r.json()["error"]["param"], r.json()["error"]["code"]) == (param, code)
 
 
-async def test_a_refused_choice_admits_none_of_its_request(entry):
-    """Past the slots and the queue, a request of several prompts is refused whole: 429, nothing left running."""
+async def test_a_refused_choice_admits_none_of_its_request(entry, monkeypatch):
+    """Past the slots and the queue, a request of several prompts is refused whole, nothing left running: with a
+    slot busy a 429 (a retry may pass), and more than the slots and queue could ever hold a 400 (issue 54)."""
+    slow_stub(monkeypatch, 0.05)
+    async with trio.open_nursery() as busy:
+        busy.start_soon(functools.partial(entry.post, "/v1/completions",
+                                          json={"model": "stub", "prompt": "a", "max_tokens": 400}))
+        with trio.fail_after(30):
+            while not (await entry.get("/health")).json()["slots"]["active"]:
+                await trio.sleep(0.05)
+        # one slot held: 3 free and 8 places in the queue for 12 choices
+        r = await entry.post("/v1/completions", json={"model": "stub", "prompt": ["a"] * 12, "max_tokens": 2})
+        assert r.status_code == 429
+        busy.cancel_scope.cancel()  # its client leaves: the request is cancelled
+    with trio.fail_after(30):  # the stream closed: its request is cancelled and its slot freed
+        while (await entry.get("/health")).json()["slots_in_use"]:
+            await trio.sleep(0.05)
     r = await entry.post("/v1/completions", json={"model": "stub", "prompt": ["a"] * 13, "max_tokens": 2})
-    assert r.status_code == 429
+    assert r.status_code == 400 and "at most 12" in r.json()["error"]["message"]
     health = (await entry.get("/health")).json()
     assert health["slots_in_use"] == 0
     body = await complete(entry, prompt=["a"] * 12, max_tokens=2)  # 4 slots and 8 waiting: all of them run

@@ -32,7 +32,7 @@ CHAT = [{"role": "user", "content": "Say hello"}]
 class Entry:
     """Stage 0 as the API sees it, loaded, with no chain behind it: nothing is ever admitted."""
 
-    swim, url, shard, hidden_dim, last_answer, max_seqs, admissible = None, None, Shard.of(0, 2).sized(2), 16, {}, 1, 1
+    swim, url, shard, hidden_dim, last_answer, max_seqs = None, None, Shard.of(0, 2).sized(2), 16, {}, 1
 
     def __init__(self, worker):
         self.worker, self.loading, self.serving = worker, False, True

@@ -56,9 +56,6 @@ class Entry(Protocol):
     def max_seqs(self) -> int | None:
         """The entry stage's sequence slots: no request asks for more choices (`n`) at once; None while loading."""
     @property
-    def admissible(self) -> int | None:
-        """The most requests admitted at once on an idle chain (its slots and its queue); None while loading."""
-    @property
     def url(self) -> str | None:
         """The advertised address: the API's requests name it as their reply_to."""
     @property

@@ -159,7 +159,7 @@ def _admit(node: Entry, vocab: Vocabulary, api: ApiRequest, choices: list[Choice
     channel. max_tokens past what the context holds is refused, as vLLM does (max_tokens 0 runs one token:
     the prompt's logprobs come with it, and the answer leaves it out)."""
     requests = [_engine_request(node, vocab, api, c) for c in choices]
-    if (most := node.admissible) is not None and len(requests) > most:  # no retry could pass: a 400, not a 429
+    if (most := admissible(node.health())) is not None and len(requests) > most:  # no retry passes: a 400, not 429
         raise ApiError(400, f"this request is {len(requests)} sequences (its prompts times n), and they are admitted "
                             f"together: the chain runs and queues at most {most} at once (--max-seqs and --max-queue), "
                             f"so it could never start; send at most {most}", param="prompt" if not api.chat else "n",
@@ -181,6 +181,13 @@ def _admit(node: Entry, vocab: Vocabulary, api: ApiRequest, choices: list[Choice
     finally:
         send.close()  # the requests hold their own clones
     return events
+
+
+def admissible(health: dict) -> int | None:
+    """Pure: the most requests stage 0 admits at once on an idle chain, its slots and then its queue, from its
+    /health figures; None where they are not known (loading)."""
+    slots, queue = health.get("slots", {}).get("capacity"), health.get("queue", {}).get("max")
+    return None if slots is None or queue is None else slots + queue
 
 
 def _engine_request(node: Entry, vocab: Vocabulary, api: ApiRequest, c: Choice) -> InferenceRequest:
