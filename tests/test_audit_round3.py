@@ -2,6 +2,8 @@
 taken entry's writes reaching a slot that shares its pages) is tests/test_kv_pages.py's property test and
 tests/test_prefix_cache.py's chain through the actors; finding 4 (a forged split) is tests/test_planning.py's.
 
+- 3 (its body part): an API body trickled a byte at a time never tripped the 10 s idle limit and held its
+  connection for as long as it lasted: after a grace, a body must average a least rate (408).
 - 5: the pipeline's POST routes (cluster token) decoded up to 64 MiB on the event loop (/health stalled 2.2 s)
   and buffered any number of such bodies at once: a body is held to what a link frame of its kind may hold,
   decoded in a thread past 1 MiB, and past two such at once the next is a 503.
@@ -17,13 +19,14 @@ tests/test_prefix_cache.py's chain through the actors; finding 4 (a forged split
 import json
 import threading
 import time
+import urllib.parse
 
 import httpx
 import pytest
 import trio
 
 from cluster import API_KEY, TOKEN, start_cluster
-from node.api import openai_api
+from node.api import openai_api, openai_read
 from node.api.openai_fields import ApiError
 from node.api.openai_read import prompts
 from node.api.openai_tools import tool_setup
@@ -205,4 +208,35 @@ async def test_past_two_large_pipeline_bodies_at_once_the_next_is_a_503_before_i
             assert len(decoding) == 2 and {s for s in statuses} == {(503, "1")}, (decoding, statuses)
             release.set()
     assert sorted(s for s, _ in statuses).count(503) == 6
+    nursery.cancel_scope.cancel()
+
+
+# --- 3: a body trickled to hold a connection ----------------------------------------------------------------
+
+async def test_a_body_trickled_slower_than_the_least_rate_is_a_408_however_steady(nursery, tmp_path, monkeypatch):
+    """A byte every 0.2 s never stalls for the idle limit, so it held its connection as long as the body lasted
+    (the audit: a byte every 4 s under a 10 s idle limit). After the grace it must average the least rate."""
+    monkeypatch.setattr(openai_read, "BODY_GRACE_S", 1.0)
+    monkeypatch.setattr(openai_read, "BODY_MIN_RATE", 64)
+    _, urls, _ = await start_cluster(nursery, 2, tmp_path)
+    parts = urllib.parse.urlsplit(urls[0])
+    sock = await trio.open_tcp_stream(parts.hostname, parts.port)
+    await sock.send_all((f"POST /v1/chat/completions HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+                         f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: 1000\r\n\r\n").encode())
+    started, seen = trio.current_time(), b""
+
+    async def trickle():
+        for _ in range(1000):
+            await sock.send_all(b" ")
+            await trio.sleep(0.2)
+    with trio.fail_after(15):
+        async with trio.open_nursery() as sending:
+            sending.start_soon(trickle)
+            while b"\r\n\r\n" not in seen or not seen.rstrip().endswith(b"}"):
+                seen += await sock.receive_some(65536)
+            sending.cancel_scope.cancel()
+    assert seen.split(b" ", 2)[1] == b"408" and b"a body comes at 64 bytes a second" in seen
+    assert trio.current_time() - started < 5
+    await sock.aclose()
     nursery.cancel_scope.cancel()

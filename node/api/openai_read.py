@@ -31,6 +31,8 @@ from node.api.openai_wire import ApiRequest
 from node.transport.app import still_loading
 
 BODY_IDLE_S = 10.0  # a client sending its body: the longest wait for a byte of it
+BODY_GRACE_S = 10.0  # and then: its first seconds are free, after them it must average BODY_MIN_RATE
+BODY_MIN_RATE = 1024  # bytes a second: a 4 MiB body on a 9 kbit/s line
 PREPARE_THREADS = 2  # requests parsed, rendered or tokenized at once: the rest wait their turn, threadless
 _PREPARING = trio.lowlevel.RunVar("pp_api_preparing")  # one limiter per trio run (per node process)
 T = TypeVar("T")
@@ -76,18 +78,23 @@ def check_model(model: str | None, model_name: str) -> None:
 
 async def read_body(limit: int) -> bytes:
     """The request's body: a 413 past `limit` bytes (at once where its Content-Length says so), and a 408
-    where the client sends nothing for BODY_IDLE_S, before its first byte or between two."""
+    where the client sends nothing for BODY_IDLE_S, before its first byte or between two, or sends slower than
+    BODY_MIN_RATE on average after BODY_GRACE_S (a body trickled a byte every few seconds held a connection for
+    as long as it liked: round 3's finding 3; Apache's mod_reqtimeout has the same rule)."""
     if (request.content_length or 0) > limit:
         raise too_large(limit)
-    data, chunks = bytearray(), aiter(request.body)
+    data, chunks, started = bytearray(), aiter(request.body), trio.current_time()
     while True:
-        with trio.move_on_after(BODY_IDLE_S) as idle:
+        due = min(trio.current_time() + BODY_IDLE_S, started + BODY_GRACE_S + len(data) / BODY_MIN_RATE)
+        with trio.move_on_at(due) as late:
             try:
                 chunk = await anext(chunks)
             except StopAsyncIteration:
                 return bytes(data)
-        if idle.cancelled_caught:
-            raise ApiError(408, f"the request body stalled: nothing came for {BODY_IDLE_S:g} s", code="timeout")
+        if late.cancelled_caught:
+            raise ApiError(408, f"the request body stalled: {len(data)} bytes in {trio.current_time() - started:.0f} s; "
+                                f"a body comes at {BODY_MIN_RATE} bytes a second or more after the first "
+                                f"{BODY_GRACE_S:g} s, with no gap of {BODY_IDLE_S:g} s", code="timeout")
         data += chunk
         if len(data) > limit:
             raise too_large(limit)
