@@ -2,6 +2,9 @@
 taken entry's writes reaching a slot that shares its pages) is tests/test_kv_pages.py's property test and
 tests/test_prefix_cache.py's chain through the actors; finding 4 (a forged split) is tests/test_planning.py's.
 
+- 2: guests (no credential) filled the one cap of streams every request without the cluster token shared, and
+  a keyed client got REFUSED_STREAM: keyed clients' streams have caps of their own (tests/test_stream_guard.py),
+  and a guest's stream that makes no progress is reset after 5 s, not 30.
 - 3 (its body part): an API body trickled a byte at a time never tripped the 10 s idle limit and held its
   connection for as long as it lasted: after a grace, a body must average a least rate (408).
 - 5: the pipeline's POST routes (cluster token) decoded up to 64 MiB on the event loop (/health stalled 2.2 s)
@@ -21,16 +24,20 @@ import threading
 import time
 import urllib.parse
 
+import h2.config
+import h2.connection
+import h2.events
+import h2.settings
 import httpx
 import pytest
 import trio
 
-from cluster import API_KEY, TOKEN, start_cluster
+from cluster import API_KEY, TOKEN, slow_stub, start_cluster
 from node.api import openai_api, openai_read
 from node.api.openai_fields import ApiError
 from node.api.openai_read import prompts
 from node.api.openai_tools import tool_setup
-from node.transport import wire
+from node.transport import h2_flow, wire
 from node.api.openai_wire import parse_request
 from worker.models import open_worker, stub_model
 from worker.partition import Shard
@@ -203,9 +210,10 @@ async def test_past_two_large_pipeline_bodies_at_once_the_next_is_a_503_before_i
             for _ in range(8):
                 posts.start_soon(post, client)
             with trio.fail_after(30):
-                while len(statuses) < 6:  # the six refused answer while two bodies are held
+                while len(statuses) < 6 or len(decoding) < 2:  # six refused while two bodies are taken
                     await trio.sleep(0.05)
-            assert len(decoding) == 2 and {s for s in statuses} == {(503, "1")}, (decoding, statuses)
+            await trio.sleep(0.2)
+            assert len(decoding) == 2 and set(statuses) == {(503, "1")} and len(statuses) == 6, (decoding, statuses)
             release.set()
     assert sorted(s for s, _ in statuses).count(503) == 6
     nursery.cancel_scope.cancel()
@@ -238,5 +246,43 @@ async def test_a_body_trickled_slower_than_the_least_rate_is_a_408_however_stead
             sending.cancel_scope.cancel()
     assert seen.split(b" ", 2)[1] == b"408" and b"a body comes at 64 bytes a second" in seen
     assert trio.current_time() - started < 5
+    await sock.aclose()
+    nursery.cancel_scope.cancel()
+
+
+# --- 2: guests' streams that make no progress -----------------------------------------------------------------
+
+async def test_a_guest_s_stalled_stream_is_reset_long_before_a_keyed_client_s(nursery, tmp_path, monkeypatch):
+    """Zero-window streams: a guest's `GET /health` held its place for the 30 s every stream had; it is reset after
+    GUEST_STALL_S (0.5 s here), while a keyed client's chat keeps its 30 s (SEND_STALL_S, 3 s here)."""
+    monkeypatch.setattr(h2_flow, "GUEST_STALL_S", 0.5)
+    monkeypatch.setattr(h2_flow, "SEND_STALL_S", 3.0)
+    slow_stub(monkeypatch, 0.02)
+    _, urls, _ = await start_cluster(nursery, 2, tmp_path)
+    parts = urllib.parse.urlsplit(urls[0])
+    sock = await trio.open_tcp_stream(parts.hostname, parts.port)
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.local_settings = h2.settings.Settings(client=True, initial_values={
+        h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+    conn.initiate_connection()
+    base = [(":scheme", "http"), (":authority", parts.netloc)]
+    guest = conn.get_next_available_stream_id()
+    conn.send_headers(guest, [(":method", "GET"), (":path", "/health"), *base], end_stream=True)
+    keyed = conn.get_next_available_stream_id()
+    chat = json.dumps({"model": "stub", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400,
+                       "stream": True}).encode()
+    conn.send_headers(keyed, [(":method", "POST"), (":path", "/v1/chat/completions"), *base,
+                              ("authorization", f"Bearer {API_KEY}"), ("content-type", "application/json"),
+                              ("content-length", str(len(chat)))])
+    conn.send_data(keyed, chat, end_stream=True)
+    await sock.send_all(conn.data_to_send())
+    reset, started = {}, trio.current_time()
+    with trio.move_on_after(2.0):
+        while True:
+            for event in conn.receive_data(await sock.receive_some(65536)):
+                if isinstance(event, h2.events.StreamReset):
+                    reset[event.stream_id] = trio.current_time() - started
+            await sock.send_all(conn.data_to_send())
+    assert set(reset) == {guest} and reset[guest] < 1.5, reset
     await sock.aclose()
     nursery.cancel_scope.cancel()

@@ -84,7 +84,7 @@ def _answered(events, path_ids) -> set:
 
 async def test_guest_streams_past_the_cap_are_refused_a_member_s_are_not_and_the_count_comes_back(
         nursery, monkeypatch):
-    monkeypatch.setattr(stream_guard, "LIMITS", LIMITS)
+    monkeypatch.setattr(stream_guard, "GUEST_LIMITS", LIMITS)
     h2_guard.install()
     stream_guard.install()
     app = _app()
@@ -118,7 +118,7 @@ async def test_guest_streams_past_the_cap_are_refused_a_member_s_are_not_and_the
 
 
 async def test_a_connection_that_ends_on_an_exception_gives_back_the_streams_it_held(nursery, monkeypatch):
-    monkeypatch.setattr(stream_guard, "LIMITS", LIMITS)
+    monkeypatch.setattr(stream_guard, "GUEST_LIMITS", LIMITS)
     h2_guard.install()
     stream_guard.install()
     app = _app()
@@ -140,3 +140,22 @@ async def test_a_connection_that_ends_on_an_exception_gives_back_the_streams_it_
                 await trio.sleep(0.01)
     assert app.pp_streams.refused == 0
     nursery.cancel_scope.cancel()
+
+
+def test_guests_holding_all_theirs_refuse_no_keyed_client_whose_streams_have_caps_of_their_own():
+    """Round 3's finding 2: four addresses' zero-window `GET /health` streams filled the one cap every request
+    without the cluster token shared, and a client with the API key got REFUSED_STREAM on 9 of 9 requests."""
+    key = b"Bearer client-key"
+    streams = GuestStreams(lambda header: header == TOKEN, LIMITS, is_client=lambda header: header == key,
+                           client_limits=ConnectionLimits(per_peer=2, total=10))
+    for peer in "abcd":
+        for sid in range(1, 10, 2):
+            streams.take((peer, 1), sid)
+    assert sum(streams.guests.by_peer.values()) == 5  # the guests' cap, whoever asks
+    assert streams.take(("e", 1), 1, key) is None and streams.take(("e", 1), 3, key) is None
+    assert "with a client API key from this address" in streams.take(("e", 1), 5, key)
+    assert "without a credential" in streams.take(("f", 1), 1)
+    streams.release(("e", 1), 1)
+    assert dict(streams.clients.by_peer) == {"e": 1}
+    streams.release_connection(("e", 1))
+    assert not streams.clients.by_peer and sum(streams.guests.by_peer.values()) == 5

@@ -71,7 +71,8 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, api_key
     Traffic().install(app)
     app.extensions[_SHAPES] = _Shapes()
     keys = auth.Keys.of(token, api_keys, token_is_api_key=token_is_api_key)
-    app.pp_is_member = keys.is_token  # serve_app's stream_guard counts everyone else's requests
+    app.pp_is_member = keys.is_token  # serve_app's stream_guard counts everyone else's requests,
+    app.pp_is_client = keys.is_client  # keyed clients' apart from guests'
     _add_auth(app, keys)
     _add_refusals(app, max_body_bytes)
     _add_health(app, dispatcher)
@@ -229,7 +230,8 @@ async def serve_app(app: QuartTrio, host: str, port: int, *, task_status=trio.TA
     config.keep_alive_max_requests = 2 ** 31
     config.graceful_timeout = 1.0
     conn_guard.install(config)  # connections per peer address and in all
-    config.pp_streams = app.pp_streams = stream_guard.GuestStreams(getattr(app, "pp_is_member", lambda header: False))
+    config.pp_streams = app.pp_streams = stream_guard.GuestStreams(
+        getattr(app, "pp_is_member", lambda header: False), is_client=getattr(app, "pp_is_client", lambda header: False))
 
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(functools.partial(serve, app, config))

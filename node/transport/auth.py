@@ -69,6 +69,14 @@ class Keys:
         """Whether a raw Authorization header carries the cluster token (before any request is made of it)."""
         return hmac.compare_digest(authorization, self.token)
 
+    def is_client(self, authorization: bytes) -> bool:
+        """Whether a raw Authorization header carries a client API key (or, where it opens the client surface,
+        the cluster token): read from a stream's HEADERS frame, before any request is made of it."""
+        client = self.token_is_api_key and hmac.compare_digest(authorization, self.token)
+        for key in self.api_keys:  # no early exit: every key is compared
+            client |= hmac.compare_digest(authorization, key)
+        return client
+
 
 def bearer(secret: str) -> bytes:
     return f"Bearer {secret}".encode()

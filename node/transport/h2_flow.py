@@ -32,6 +32,8 @@ from hypercorn.trio import tcp_server
 
 STREAM_BUFFER = 1 << 16  # unsent bytes a stream may hold before its app's send waits (HTTP/2's default window)
 SEND_STALL_S = 30.0  # how long a send may wait with no byte of it leaving before the stream (or connection) ends
+GUEST_STALL_S = 5.0  # the same for a stream of a request with no credential (stream_guard.py sets it): /health and
+# the chat page are answered in milliseconds, and a guest's zero-window stream held its place for 30 s (issue 54)
 WRITE_PIECE = 1 << 16  # a socket write is timed a piece at a time: a slow reader that reads is not a stalled one
 
 log = logging.getLogger("pp.hypercorn")
@@ -48,6 +50,7 @@ class BoundedStreamBuffer(hypercorn_h2.StreamBuffer):
     def __init__(self, event_class) -> None:
         super().__init__(event_class)
         self._moved = trio.Event()  # set (and replaced) whenever bytes leave, or the buffer is closed
+        self.stall_s = SEND_STALL_S  # a guest's is GUEST_STALL_S (stream_guard.py)
 
     async def push(self, data: bytes) -> None:
         if self._complete:
@@ -77,10 +80,10 @@ class BoundedStreamBuffer(hypercorn_h2.StreamBuffer):
     async def _until(self, done) -> None:
         while not done():
             moved = self._moved
-            with trio.move_on_after(SEND_STALL_S) as waiting:
+            with trio.move_on_after(self.stall_s) as waiting:
                 await moved.wait()
             if waiting.cancelled_caught:
-                raise Stalled(f"{len(self.buffer)} bytes unsent and none sent for {SEND_STALL_S:g} s")
+                raise Stalled(f"{len(self.buffer)} bytes unsent and none sent for {self.stall_s:g} s")
 
 
 async def _end_stalled_stream(protocol, stream_id: int, why: Stalled, send) -> None:
@@ -99,6 +102,13 @@ async def _end_stalled_stream(protocol, stream_id: int, why: Stalled, send) -> N
             pass  # already closed, or never in the tree
         await protocol._flush()
         await send(protocol, StreamClosed(stream_id=stream_id))  # http.disconnect to the app, the idle timer
+
+
+def hurry_guest(protocol, stream_id: int) -> None:
+    """A stream of a request with no credential: its answer ends after GUEST_STALL_S without progress."""
+    buffer = protocol.stream_buffers.get(stream_id)
+    if isinstance(buffer, BoundedStreamBuffer):
+        buffer.stall_s = min(buffer.stall_s, GUEST_STALL_S)
 
 
 def write_pieces(data: bytes, piece: int = WRITE_PIECE) -> list[memoryview]:

@@ -1,4 +1,5 @@
-"""Requests in flight over HTTP/2 for whoever is not a member: at most so many from one address, and in all.
+"""Requests in flight over HTTP/2 for whoever is not a member: at most so many from one address, and in all,
+counted apart for keyed clients and for guests (no credential).
 
 hypercorn lets each connection open 100 streams at once, and conn_guard.py lets an address hold 256
 connections: 25,600 requests in flight from one address, each an app task, before a byte of them is
@@ -24,41 +25,43 @@ import h2.errors
 import h2.exceptions
 from hypercorn.protocol import h2 as hypercorn_h2
 
+from node.transport import h2_flow
 from node.transport.conn_guard import ConnectionLimits, refusal
 
-PER_PEER = 128  # a client's concurrency: the entry queues 64 and runs --max-seqs; past that it answers 429
+PER_PEER = 128  # a keyed client's concurrency: the entry queues 64 and runs --max-seqs; past that it answers 429
 TOTAL = 512
+GUEST_PER_PEER = 32  # no credential at all: /health, the chat page, and whoever probes the port
+GUEST_TOTAL = 128
 
 log = logging.getLogger("pp.hypercorn")
 Connection = tuple  # (host, port) of the peer: one TCP connection
 
 
-LIMITS = ConnectionLimits(per_peer=PER_PEER, total=TOTAL)
+LIMITS = ConnectionLimits(per_peer=PER_PEER, total=TOTAL)  # requests that carry a client API key
+GUEST_LIMITS = ConnectionLimits(per_peer=GUEST_PER_PEER, total=GUEST_TOTAL)  # requests that carry none
 
 
-def stream_refusal(limits: ConnectionLimits, from_peer: int, in_all: int) -> str | None:
-    """Why one more guest stream is refused, given the guest streams in flight (None: it is taken)."""
-    return refusal(limits, from_peer, in_all, "requests in flight without the cluster token")
+def stream_refusal(limits: ConnectionLimits, from_peer: int, in_all: int, who: str = "without the cluster token"
+                   ) -> str | None:
+    """Why one more stream of its kind is refused, given that kind's streams in flight (None: it is taken)."""
+    return refusal(limits, from_peer, in_all, f"requests in flight {who}")
 
 
-class GuestStreams:
-    """The HTTP/2 streams in flight of requests that do not carry the cluster token, by connection."""
+class _Pool:
+    """The HTTP/2 streams in flight of one kind of request, by address and by connection."""
 
-    def __init__(self, is_member: Callable[[bytes], bool], limits: ConnectionLimits | None = None):
-        self.is_member, self.limits = is_member, limits or LIMITS
+    def __init__(self, limits: ConnectionLimits, who: str):
+        self.limits, self.who = limits, who
         self.by_peer: collections.Counter[str] = collections.Counter()
         self.by_connection: dict[Connection, set[int]] = {}
-        self.refused = 0
 
     def take(self, connection: Connection, stream_id: int) -> str | None:
         peer = str(connection[0])
-        why = stream_refusal(self.limits, self.by_peer[peer], sum(self.by_peer.values()))
-        if why is not None:
-            self.refused += 1
-            return why
-        self.by_connection.setdefault(connection, set()).add(stream_id)
-        self.by_peer[peer] += 1
-        return None
+        why = stream_refusal(self.limits, self.by_peer[peer], sum(self.by_peer.values()), self.who)
+        if why is None:
+            self.by_connection.setdefault(connection, set()).add(stream_id)
+            self.by_peer[peer] += 1
+        return why
 
     def release(self, connection: Connection, stream_id: int) -> None:
         held = self.by_connection.get(connection)
@@ -78,6 +81,42 @@ class GuestStreams:
             del self.by_peer[peer]
 
 
+class GuestStreams:
+    """The HTTP/2 streams in flight of requests that do not carry the cluster token, in two pools: those that
+    carry a client API key, and those that carry no credential (guests). Each pool has its own caps, so guests
+    holding all theirs (round 3: 512 zero-window `GET /health` streams from four addresses) refuse no keyed
+    client, and members are never counted. The credential is read from the stream's HEADERS frame."""
+
+    def __init__(self, is_member: Callable[[bytes], bool], limits: ConnectionLimits | None = None, *,
+                 is_client: Callable[[bytes], bool] = lambda header: False,
+                 client_limits: ConnectionLimits | None = None):
+        self.is_member, self.is_client = is_member, is_client
+        self.guests = _Pool(limits or GUEST_LIMITS, "without a credential")
+        self.clients = _Pool(client_limits or LIMITS, "with a client API key")
+        self.refused = 0
+
+    @property
+    def by_peer(self) -> collections.Counter[str]:
+        """Guests' streams in flight by address."""
+        return self.guests.by_peer
+
+    def pool(self, authorization: bytes) -> _Pool:
+        return self.clients if self.is_client(authorization) else self.guests
+
+    def take(self, connection: Connection, stream_id: int, authorization: bytes = b"") -> str | None:
+        why = self.pool(authorization).take(connection, stream_id)
+        self.refused += why is not None
+        return why
+
+    def release(self, connection: Connection, stream_id: int) -> None:
+        for pool in (self.guests, self.clients):
+            pool.release(connection, stream_id)
+
+    def release_connection(self, connection: Connection) -> None:
+        for pool in (self.guests, self.clients):
+            pool.release_connection(connection)
+
+
 def authorization(headers) -> bytes:
     return next((value for name, value in headers if name == b"authorization"), b"")
 
@@ -93,7 +132,8 @@ def install() -> None:
         guests: GuestStreams | None = getattr(self.config, "pp_streams", None)
         if guests is None or self.client is None or guests.is_member(authorization(request.headers)):
             return await original_create(self, request)
-        why = guests.take(self.client, request.stream_id)
+        header = authorization(request.headers)
+        why = guests.take(self.client, request.stream_id, header)
         if why is not None:
             return await _refuse(self, guests, request.stream_id, why)
         try:
@@ -101,6 +141,8 @@ def install() -> None:
         except BaseException:
             guests.release(self.client, request.stream_id)
             raise
+        if guests.pool(header) is guests.guests:
+            h2_flow.hurry_guest(self, request.stream_id)
 
     async def _close_stream(self, stream_id: int) -> None:
         try:
