@@ -37,7 +37,9 @@ async def test_a_bystander_s_request_runs_before_a_burst_of_another_key_s(autoju
             nursery.start_soon(work, "burst", f"b{i}", 0.3)
             await trio.sleep(0)
         nursery.start_soon(work, "bystander", "chat", 0.01)
-    assert started.index("chat") == 2  # after the two the threads already held, not after all sixteen
+    # after the two the threads already held and at most one more of the burst's (its turn may come first),
+    # not after all sixteen
+    assert started.index("chat") <= 3, started
     assert limiter.free == 2
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import trio
-from quart import request
+from quart import has_request_context, request
 
 from worker.errors import WorkerError
 from worker.tokens.tool_prompt import with_tools
@@ -57,8 +57,10 @@ async def prepared(work: Callable[[], T]) -> T:
 
 
 def _client() -> bytes:
-    """Whose turn a request waits in: its credential, as a digest (the key itself is not kept)."""
-    return hashlib.blake2b(request.headers.get("Authorization", "").encode(), digest_size=8).digest()
+    """Whose turn a request waits in: its credential, as a digest (the key itself is not kept); work outside a
+    request shares one turn."""
+    header = request.headers.get("Authorization", "") if has_request_context() else ""
+    return hashlib.blake2b(header.encode(), digest_size=8).digest()
 
 
 async def read_json(node: Entry) -> tuple[Vocabulary, object]:
