@@ -28,10 +28,9 @@ from hypercorn.protocol import h2 as hypercorn_h2
 from node.transport import h2_flow
 from node.transport.conn_guard import ConnectionLimits, refusal
 
-PER_PEER = 128  # a keyed client's concurrency: the entry queues 64 and runs --max-seqs; past that it answers 429
+PER_PEER = 128  # a client's concurrency: the entry queues 64 and runs --max-seqs; past that it answers 429
 TOTAL = 512
-GUEST_PER_PEER = 32  # no credential at all: /health, the chat page, and whoever probes the port
-GUEST_TOTAL = 128
+GUEST_PER_PEER, GUEST_TOTAL = PER_PEER, TOTAL  # no credential: /health, the chat page, whoever probes the port
 
 log = logging.getLogger("pp.hypercorn")
 Connection = tuple  # (host, port) of the peer: one TCP connection
