@@ -131,14 +131,7 @@ async def test_a_replacement_keeps_the_running_split_without_measuring_itself(nu
     # the stub: its nodes gossip figures with no times (it computes nothing), so one that measured is told apart
     orch, urls, scopes = await start_cluster(nursery, 2, tmp_path, swim_config=PATIENT_SWIM, layer_partition="auto")
     plan = next(m.meta.plan for m in orch.swim.alive() if m.meta.stage == 0)
-    scopes[1].cancel()
-    orch.swim.confirm_dead("stage1")  # as the runner does once it sees the process end
-    config = attrs.evolve(stage_config(1, 2, model="stub", seed=orch.url, peer=urls[0], tmp=tmp_path,
-                                       layer_partition="auto"), node_id="stage1-again")
-    await nursery.start(_scoped, trio.CancelScope(), config, await nursery.start(_shared_compute), PATIENT_SWIM)
-    with trio.fail_after(120):
-        new = await orch.swim.wait_until(lambda s: next((m for m in s.alive() if m.id == "stage1-again"
-                                                         and m.meta.ready), None))
+    new = await replace_stage_1(nursery, tmp_path, orch, urls, scopes)
     assert new.meta.plan == plan and new.meta.cost is None  # stage 0's split, and no figures: it measured nothing
     nursery.cancel_scope.cancel()
 
@@ -151,16 +144,22 @@ async def test_a_replacement_booted_cold_takes_stage_0_s_split_not_a_forged_memb
     forged = (1, sum(plan) - 1)
     assert forged != plan
     orch.swim.on_sync(Sync(members=(Member("0000", orch.url, 2 ** 40, State.ALIVE, Meta(plan=forged)),)))
+    new = await replace_stage_1(nursery, tmp_path, orch, urls, scopes)
+    assert new.meta.plan == plan
+    nursery.cancel_scope.cancel()
+
+
+async def replace_stage_1(nursery, tmp_path, orch, urls, scopes) -> Member:
+    """Stop stage 1, confirm it dead as the runner does once it sees the process end, and boot a replacement
+    cold (no split of its own): its record once it is ready."""
     scopes[1].cancel()
     orch.swim.confirm_dead("stage1")
     config = attrs.evolve(stage_config(1, 2, model="stub", seed=orch.url, peer=urls[0], tmp=tmp_path,
                                        layer_partition="auto"), node_id="stage1-again")
     await nursery.start(_scoped, trio.CancelScope(), config, await nursery.start(_shared_compute), PATIENT_SWIM)
     with trio.fail_after(120):
-        new = await orch.swim.wait_until(lambda s: next((m for m in s.alive() if m.id == "stage1-again"
-                                                         and m.meta.ready), None))
-    assert new.meta.plan == plan
-    nursery.cancel_scope.cancel()
+        return await orch.swim.wait_until(lambda s: next((m for m in s.alive() if m.id == "stage1-again"
+                                                          and m.meta.ready), None))
 
 
 def on(mid, stage, machine, *, c=None, state=State.ALIVE):
