@@ -289,3 +289,15 @@ async def test_a_cluster_whose_kernels_cannot_be_built_answers_and_names_the_fal
             assert (f'pp_kernels_info{{device="CPU",fallback="1",kernels="tinygrad",model_name="tiny",'
                     f'target="{UNKNOWN}"}} 1.0') in metrics, metrics
     nursery.cancel_scope.cancel()
+
+
+def test_without_a_compiler_nothing_falls_back_and_the_error_names_the_fix(monkeypatch):
+    """tinygrad's CPU backend compiles with the same clang: with none there is nothing to fall back on, so the
+    load fails with one line naming the cause and the fix (ppnode exits 1 with it as model_load_failed)."""
+    monkeypatch.setattr(cpu_build, "compiler", lambda: "/nonexistent/clang")
+    monkeypatch.setattr(cpu_threads, "_LIBRARIES", {})
+    monkeypatch.setattr(cpu_threads, "shared", cpu_threads.shared.__wrapped__)
+    with pytest.raises(cpu_build.CompilerMissing) as info:
+        cpu_kernels.open_kernels.__wrapped__(1, cpu_target.NATIVE)
+    assert "no C compiler '/nonexistent/clang'" in str(info.value) and "apt install clang" in str(info.value)
+    assert "\n" not in str(info.value)
