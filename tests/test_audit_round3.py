@@ -5,7 +5,9 @@ tests/test_prefix_cache.py's chain through the actors; finding 4 (a forged split
 - 2: guests (no credential) filled the one cap of streams every request without the cluster token shared, and
   a keyed client got REFUSED_STREAM: keyed clients' streams have caps of their own (tests/test_stream_guard.py),
   and a guest's stream that makes no progress is reset after 5 s, not 30.
-- 3 (its body part): an API body trickled a byte at a time never tripped the 10 s idle limit and held its
+- 3: idle connections from a few addresses held the 1,024-connection cap, and members and keyed clients were
+  refused: at the cap a newcomer takes the place of the oldest connection no credential has come on.
+  And an API body trickled a byte at a time never tripped the 10 s idle limit and held its
   connection for as long as it lasted: after a grace, a body must average a least rate (408).
 - 5: the pipeline's POST routes (cluster token) decoded up to 64 MiB on the event loop (/health stalled 2.2 s)
   and buffered any number of such bodies at once: a body is held to what a link frame of its kind may hold,
@@ -29,6 +31,7 @@ import h2.connection
 import h2.events
 import h2.settings
 import httpx
+import hypercorn.config
 import pytest
 import trio
 
@@ -37,7 +40,8 @@ from node.api import openai_api, openai_read
 from node.api.openai_fields import ApiError
 from node.api.openai_read import prompts
 from node.api.openai_tools import tool_setup
-from node.transport import h2_flow, wire
+from node.transport import conn_guard, h2_flow, wire
+from node.transport.conn_guard import ConnectionLimits
 from node.api.openai_wire import parse_request
 from worker.models import open_worker, stub_model
 from worker.partition import Shard
@@ -285,4 +289,35 @@ async def test_a_guest_s_stalled_stream_is_reset_long_before_a_keyed_client_s(nu
             await sock.send_all(conn.data_to_send())
     assert set(reset) == {guest} and reset[guest] < 1.5, reset
     await sock.aclose()
+    nursery.cancel_scope.cancel()
+
+
+# --- 3: the connection cap, held by connections with no credential -------------------------------------------
+
+async def test_idle_connections_at_the_cap_give_way_to_a_member_and_a_keyed_client(nursery, tmp_path, monkeypatch):
+    """The audit held the 1,024-connection cap with idle connections from a few addresses; /health from elsewhere
+    got 0-3% answers, and new gossip connections were refused too. At the cap, a newcomer now takes the place of
+    the oldest connection no credential has come on; the cluster's own (the token) are never the ones closed."""
+    monkeypatch.setattr(conn_guard.install, "__defaults__", (ConnectionLimits(per_peer=60, total=60),))
+    monkeypatch.setattr(hypercorn.config.Config, "keep_alive_timeout", 600)
+    _, urls, _ = await start_cluster(nursery, 2, tmp_path)
+    host, port = urls[1].removeprefix("http://").rsplit(":", 1)
+    idle = [await trio.open_tcp_stream(host, int(port)) for _ in range(70)]  # the cap, and then some
+    await trio.sleep(0.5)
+    for key, header in ((TOKEN, "member"), (API_KEY, "client")):
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=10) as client:
+            r = await client.get(urls[1] + "/health")
+            assert r.status_code == 200, header
+    closed = []
+
+    async def watch(stream):
+        with trio.move_on_after(1):
+            if await stream.receive_some() == b"":
+                closed.append(stream)
+    async with trio.open_nursery() as watchers:
+        for stream in idle:
+            watchers.start_soon(watch, stream)
+    assert len(closed) >= 12, len(closed)  # the oldest idle ones gave way: to the newer idle ones, and to the two
+    for stream in idle:
+        await stream.aclose()
     nursery.cancel_scope.cancel()

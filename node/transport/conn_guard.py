@@ -50,14 +50,65 @@ def refusal(limits: ConnectionLimits, open_from_peer: int, open_in_all: int, wha
     return None
 
 
+@attrs.define
+class _Open:
+    """A connection held: its peer, its socket stream, and whether a request on it carried the cluster token
+    or a client API key (stream_guard.py says so from each request's headers)."""
+
+    peer: str
+    stream: object
+    trusted: bool = False
+
+
 class Admission:
-    """The connections one server holds, by peer address."""
+    """The connections one server holds, by peer address. At a limit, a new connection takes the place of the
+    oldest one on which no request has carried a credential (idle ones first among them: a connection is trusted
+    only once a request on it has), rather than be refused: a flood of idle or trickling connections, with no
+    credential, can no longer hold the cap against the cluster's members and keyed clients (round 3's finding 3;
+    gossip's own connections among them). Only where every connection in the way is trusted is one refused."""
 
     def __init__(self, limits: ConnectionLimits = ConnectionLimits()):
         self.limits = limits
         self.by_peer: collections.Counter[str] = collections.Counter()
-        self.refused = 0
+        self.refused = self.evicted = 0
         self.failures: collections.Counter[str] = collections.Counter()  # connections ended by an exception, by class
+        self.open: dict[tuple, _Open] = {}  # by connection (host, port), oldest first
+
+    def admit(self, peer: str, connection: tuple | None, stream) -> tuple[str | None, object | None]:
+        """Take a new connection: (None, the stream of an untrusted connection to close for it, or None), or
+        (why it is refused, None)."""
+        why = refusal(self.limits, self.by_peer[peer], sum(self.by_peer.values()))
+        victim = None if why is None else self._untrusted(peer if self.by_peer[peer] >= self.limits.per_peer
+                                                          else None)
+        if why is not None and victim is None:
+            self.refused += 1
+            return why, None
+        closing = None
+        if victim is not None:
+            self.evicted += 1
+            closing = self.open[victim].stream
+            self.close(victim)
+        self.by_peer[peer] += 1
+        if connection is not None:
+            self.open[connection] = _Open(peer, stream)
+        return None, closing
+
+    def _untrusted(self, peer: str | None) -> tuple | None:
+        """The oldest connection no credential has come on (of `peer`, where given), or None."""
+        return next((c for c, o in self.open.items() if not o.trusted and peer in (None, o.peer)), None)
+
+    def trust(self, connection: tuple | None) -> None:
+        if (held := self.open.get(connection)) is not None:
+            held.trusted = True
+
+    def close(self, connection: tuple | None, peer: str | None = None) -> None:
+        """A connection ends, or is closed for a newcomer: its count given back, once (one with no key, a TLS
+        stream's, by its peer)."""
+        if connection is None:
+            if peer is not None:
+                self.release(peer)
+        elif (held := self.open.pop(connection, None)) is not None:
+            self.release(held.peer)
 
     def take(self, peer: str) -> str | None:
         why = refusal(self.limits, self.by_peer[peer], sum(self.by_peer.values()))
@@ -79,13 +130,18 @@ class _GuardedTCPServer(TCPServer):
         if admission is None:
             return await super().run()
         peer, connection = _peer(self.stream), _connection(self.stream)
-        why = admission.take(peer)
+        why, victim = admission.admit(peer, connection, self.stream)
         if why is not None:
             if admission.refused in (1, 10, 100) or admission.refused % 1000 == 0:  # a flood logs a few lines
                 log.warning("refusing a connection from %s: %s (%d refused so far)", peer, why, admission.refused)
             with trio.CancelScope(shield=True):
                 await self.stream.aclose()
             return
+        if victim is not None:  # its own task sees its socket closed and ends; its count is given back already
+            if admission.evicted in (1, 10, 100) or admission.evicted % 1000 == 0:
+                log.warning("closed an untrusted connection for one from %s (%d so far)", peer, admission.evicted)
+            with trio.CancelScope(shield=True):
+                await victim.aclose()
         try:
             if await _first_byte(self.stream, self.config.keep_alive_timeout):
                 await contained(super().run(), self.stream, peer, admission)
@@ -93,7 +149,7 @@ class _GuardedTCPServer(TCPServer):
                 with trio.CancelScope(shield=True):
                     await self.stream.aclose()
         finally:
-            admission.release(peer)
+            admission.close(connection, peer)
             streams = getattr(self.config, "pp_streams", None)
             if streams is not None and connection is not None:  # however the connection ended: an exception
                 streams.release_connection(connection)             # contained above skips hypercorn's closing
@@ -144,7 +200,7 @@ async def _first_byte(stream, timeout_s: float) -> bool:
     with trio.move_on_after(timeout_s):
         try:
             return await stream.socket.recv(1, socket.MSG_PEEK) != b""
-        except OSError:  # reset by the peer
+        except (OSError, trio.ClosedResourceError):  # reset by the peer, or closed here for a newcomer (Admission)
             return False
     return False
 

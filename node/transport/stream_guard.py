@@ -24,6 +24,7 @@ from typing import Callable
 import h2.errors
 import h2.exceptions
 from hypercorn.protocol import h2 as hypercorn_h2
+from hypercorn.protocol import h11 as hypercorn_h11
 
 from node.transport import h2_flow
 from node.transport.conn_guard import ConnectionLimits, refusal
@@ -129,6 +130,7 @@ def install() -> None:
 
     async def _create_stream(self, request) -> None:
         guests: GuestStreams | None = getattr(self.config, "pp_streams", None)
+        _trust(self, guests, authorization(request.headers))
         if guests is None or self.client is None or guests.is_member(authorization(request.headers)):
             return await original_create(self, request)
         header = authorization(request.headers)
@@ -153,6 +155,21 @@ def install() -> None:
 
     protocol._create_stream, protocol._close_stream = _create_stream, _close_stream
     protocol._pp_stream_guard = True
+    h1, original_h1_create = hypercorn_h11.H11Protocol, hypercorn_h11.H11Protocol._create_stream
+
+    async def _create_h1_stream(self, request) -> None:
+        _trust(self, getattr(self.config, "pp_streams", None), authorization(request.headers))
+        await original_h1_create(self, request)
+
+    h1._create_stream = _create_h1_stream
+
+
+def _trust(protocol, guests: GuestStreams | None, header: bytes) -> None:
+    """A request with the cluster token or a client key makes its connection one a newcomer never displaces at
+    the connection limit (conn_guard.Admission)."""
+    admission = getattr(protocol.config, "pp_admission", None)
+    if guests is not None and admission is not None and (guests.is_member(header) or guests.is_client(header)):
+        admission.trust(protocol.client)
 
 
 async def _refuse(protocol, guests: GuestStreams, stream_id: int, why: str) -> None:
