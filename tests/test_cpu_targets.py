@@ -301,3 +301,13 @@ def test_without_a_compiler_nothing_falls_back_and_the_error_names_the_fix(monke
         cpu_kernels.open_kernels.__wrapped__(1, cpu_target.NATIVE)
     assert "no C compiler '/nonexistent/clang'" in str(info.value) and "apt install clang" in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_every_label_a_stage_can_have_is_one_gossip_carries():
+    from node.membership.gossip import Meta
+    for kernels in (Kernels("c", device="CPU", target="a" * 64), Kernels("c", device="CPU", target="neoverse-n1+crypto"),
+                    Kernels("tinygrad", device="CPU", target="x" * 64, fallback="cause; fix"),
+                    Kernels("tinygrad", device="CUDA")):
+        assert Meta(kernels=kernels.label).kernels == kernels.label
+    with pytest.raises(ValueError, match="Meta.kernels"):
+        Meta(kernels="c/\\nnative")

@@ -48,13 +48,13 @@ def _positions(instance, attribute, value) -> None:
         raise ValueError(f"Meta.kv_positions={value!r}: expected a whole number of positions, at least 1")
 
 
-_KERNELS = re.compile(r"[A-Za-z0-9./_+() -]{1,64}")
+_KERNELS = re.compile(r"[A-Za-z0-9./_+() -]{1,80}")  # c/ and a 64-character CPU name at most
 
 
 def _kernels(instance, attribute, value) -> None:
     """What a ready stage computes with (worker.contract.Kernels.label): short printable text."""
     if value is not None and (type(value) is not str or not _KERNELS.fullmatch(value)):
-        raise ValueError(f"Meta.kernels={value!r}: expected 1-64 letters, digits, spaces or . / _ + ( ) -")
+        raise ValueError(f"Meta.kernels={value!r}: expected 1-80 letters, digits, spaces or . / _ + ( ) -")
 
 
 @attrs.frozen
