@@ -36,8 +36,8 @@ def health(node) -> dict:
     return {"ok": True, "node": node.node_id, "stage": node.shard.index, "role": node.shard.role.value,
             "ready": info is not None, "layers": [info.shard.blocks.start, info.shard.blocks.stop] if info else None,
             "max_seqs": info.max_seqs if info else None, "max_batch": info.max_batch if info else None,
-            "warming": node.warming,
-            "kernels": kernels(node.worker),  # what its steps compute with: pp's CPU kernels or tinygrad's, and why  # step buckets left to capture: steps until then are cut into the captured ones
+            "warming": node.warming,  # step buckets left to capture: steps until then are cut into the captured ones
+            "kernels": kernels(node.worker),  # what its steps compute with: pp's CPU kernels or tinygrad's, and why
             **memory(node.worker, node.kv_budget),
             **node.side.figures(),
             **node.figures.health(),

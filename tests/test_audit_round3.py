@@ -36,6 +36,7 @@ import pytest
 import trio
 
 from cluster import API_KEY, TOKEN, slow_stub, start_cluster
+from test_conn_limits import open_idle
 from node.api import openai_api, openai_read
 from node.api.openai_fields import ApiError
 from node.api.openai_read import prompts
@@ -301,23 +302,12 @@ async def test_idle_connections_at_the_cap_give_way_to_a_member_and_a_keyed_clie
     monkeypatch.setattr(conn_guard.install, "__defaults__", (ConnectionLimits(per_peer=60, total=60),))
     monkeypatch.setattr(hypercorn.config.Config, "keep_alive_timeout", 600)
     _, urls, _ = await start_cluster(nursery, 2, tmp_path)
-    host, port = urls[1].removeprefix("http://").rsplit(":", 1)
-    idle = [await trio.open_tcp_stream(host, int(port)) for _ in range(70)]  # the cap, and then some
-    await trio.sleep(0.5)
-    for key, header in ((TOKEN, "member"), (API_KEY, "client")):
+    kept, closed = await open_idle(urls[1], 70)  # the cap, and then some: the newest displace the oldest
+    assert closed >= 10 and len(kept) <= 60, (closed, len(kept))
+    for key, header in ((TOKEN, "member"), (API_KEY, "client")):  # and these displace idle ones in turn
         async with httpx.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=10) as client:
             r = await client.get(urls[1] + "/health")
             assert r.status_code == 200, header
-    closed = []
-
-    async def watch(stream):
-        with trio.move_on_after(1):
-            if await stream.receive_some() == b"":
-                closed.append(stream)
-    async with trio.open_nursery() as watchers:
-        for stream in idle:
-            watchers.start_soon(watch, stream)
-    assert len(closed) >= 12, len(closed)  # the oldest idle ones gave way: to the newer idle ones, and to the two
-    for stream in idle:
+    for stream in kept:
         await stream.aclose()
     nursery.cancel_scope.cancel()

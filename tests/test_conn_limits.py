@@ -23,13 +23,37 @@ def test_a_connection_is_refused_past_the_per_address_or_the_total_limit(from_pe
 
 def test_admission_counts_by_address_and_gives_back_what_closes():
     admission = conn_guard.Admission(LIMITS)
-    assert [admission.take("a") for _ in range(3)] == [None] * 3
-    assert "from this address" in admission.take("a")
-    assert admission.take("b") is None and admission.take("b") is None
-    assert "the most this node takes" in admission.take("c")
-    admission.release("a")
-    assert admission.take("c") is None and admission.refused == 2
+
+    def take(peer):  # a connection with no key (a TLS stream's): counted by its peer, never displaced
+        return admission.admit(peer, None, None)[0]
+    assert [take("a") for _ in range(3)] == [None] * 3
+    assert "from this address" in take("a")
+    assert take("b") is None and take("b") is None
+    assert "the most this node takes" in take("c")
+    admission.close(None, "a")
+    assert take("c") is None and admission.refused == 2
     assert dict(admission.by_peer) == {"a": 2, "b": 2, "c": 1}
+
+
+def test_at_a_limit_a_newcomer_displaces_the_oldest_connection_no_credential_has_come_on():
+    """Round 3's finding 3: idle connections held the cap against members and keyed clients."""
+    admission = conn_guard.Admission(LIMITS)
+    for port, peer in enumerate("aabbc"):
+        assert admission.admit(peer, (peer, port), f"stream {port}") == (None, None)
+    admission.trust(("a", 0))
+    admission.trust(("b", 2))
+    assert admission.admit("d", ("d", 9), "new") == (None, "stream 1")  # the total binds: the oldest untrusted
+    assert admission.admit("a", ("a", 8), "new") == (None, "stream 3")  # b's: a still holds 1 of its 3 here
+    admission.trust(("a", 8))
+    assert admission.admit("a", ("a", 7), "new") == (None, "stream 4")
+    admission.trust(("a", 7))
+    admission.trust(("d", 9))
+    why, closing = admission.admit("e", ("e", 6), "new")  # every connection trusted: refused
+    assert "the most this node takes" in why and closing is None
+    assert (admission.evicted, admission.refused) == (3, 1) and sum(admission.by_peer.values()) == 5
+    admission.close(("a", 0))
+    admission.close(("a", 0))  # once
+    assert dict(admission.by_peer) == {"a": 2, "b": 1, "d": 1}
 
 
 async def open_idle(url: str, n: int) -> tuple[list[trio.SocketStream], int]:

@@ -44,7 +44,7 @@ SPELLED_OUT = {"znver4": ["-march=znver3", *(f"-m{f}" for f in (
     "avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl", "avx512ifma", "avx512vbmi", "avx512vbmi2",
     "avx512vnni", "avx512bitalg", "avx512vpopcntdq", "avx512bf16", "gfni", "vaes", "vpclmulqdq"))]}
 ELF_MACHINE = {"x86_64": 62, "aarch64": 183}
-COMPILE = [f for f in cpu_build.FLAGS if f != "-shared"]
+COMPILE = [f for f in cpu_threads.FLAGS if f != "-shared"]
 
 
 def compilers() -> list[str]:
@@ -200,9 +200,11 @@ OLD_CPU = {"x86_64": ({"sse2", "pni", "ssse3", "sse4_1", "sse4_2", "popcnt", "cx
 def test_a_target_this_cpu_lacks_features_for_is_refused_before_its_code_can_run(monkeypatch):
     flags, runs, cannot, feature = OLD_CPU[cpu_target.host_arch()]
     monkeypatch.setattr(cpu_target, "host_cpu_flags", lambda: flags)
-    error = cpu_build.lacking(cpu_build.compiler(), cannot, cpu_target.host_arch())
+    cc = cpu_build.compiler()
+    version = cpu_build.compiler_version(cc)
+    error = cpu_build.lacking(cc, version, cannot, cpu_target.host_arch())
     assert error is not None and feature in error.cause and "this CPU lacks" in error.cause
-    assert cpu_build.lacking(cpu_build.compiler(), runs, cpu_target.host_arch()) is None
+    assert cpu_build.lacking(cc, version, runs, cpu_target.host_arch()) is None
 
 
 @pytest.mark.parametrize("kernels, label", [

@@ -152,8 +152,10 @@ def test_guests_holding_all_theirs_refuse_no_keyed_client_whose_streams_have_cap
         for sid in range(1, 10, 2):
             streams.take((peer, 1), sid)
     assert sum(streams.guests.by_peer.values()) == 5  # the guests' cap, whoever asks
-    assert streams.take(("e", 1), 1, key) is None and streams.take(("e", 1), 3, key) is None
-    assert "with a client API key from this address" in streams.take(("e", 1), 5, key)
+    keyed = streams.kind(key)
+    assert (keyed, streams.kind(TOKEN), streams.kind(b"Bearer other")) == ("client", "member", "guest")
+    assert streams.take(("e", 1), 1, keyed) is None and streams.take(("e", 1), 3, keyed) is None
+    assert "with a client API key from this address" in streams.take(("e", 1), 5, keyed)
     assert "without a credential" in streams.take(("f", 1), 1)
     streams.release(("e", 1), 1)
     assert dict(streams.clients.by_peer) == {"e": 1}

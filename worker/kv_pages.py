@@ -66,10 +66,13 @@ class KvPages:
         """The slot's rows from `position` on are about to be written: none of their pages may stay mapped by
         another slot (copy on write, see the module's docstring)."""
         lo = position // self.step * self.step  # the page `position` is on
-        if all(self.refs[g] == 1 for _, b, g in self.runs[slot] if b > lo) or not self._readers(slot, lo):
-            return  # the usual case: nothing at or above lo is anyone else's
+        if all(self.refs[g] == 1 for _, b, g in self.runs[slot] if b > lo):
+            return  # the usual case: no region it maps at or above lo is mapped twice
+        readers = self._readers(slot, lo)
+        if not readers:
+            return
         own = self.runs[slot][-1][2]  # the last run is always the slot's own region
-        readers = [r for r in self._readers(slot, lo) if r[3] == own]  # those who started from this slot
+        readers = [r for r in readers if r[3] == own]  # those who started from this slot
         if readers and len(self.free) > self.slots:  # a region to spare beyond what resets may need
             own = self._take_free(slot)
         else:

@@ -159,7 +159,8 @@ def _admit(node: Entry, vocab: Vocabulary, api: ApiRequest, choices: list[Choice
     channel. max_tokens past what the context holds is refused, as vLLM does (max_tokens 0 runs one token:
     the prompt's logprobs come with it, and the answer leaves it out)."""
     requests = [_engine_request(node, vocab, api, c) for c in choices]
-    if (most := admissible(node.health())) is not None and len(requests) > most:  # no retry passes: a 400, not 429
+    # one request always fits an idle chain; several may never, and no retry passes then: a 400, not a 429
+    if len(requests) > 1 and (most := admissible(node.health())) is not None and len(requests) > most:
         raise ApiError(400, f"this request is {len(requests)} sequences (its prompts times n), and they are admitted "
                             f"together: the chain runs and queues at most {most} at once (--max-seqs and --max-queue), "
                             f"so it could never start; send at most {most}", param="prompt" if not api.chat else "n",

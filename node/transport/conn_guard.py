@@ -106,19 +106,11 @@ class Admission:
         stream's, by its peer)."""
         if connection is None:
             if peer is not None:
-                self.release(peer)
+                self._release(peer)
         elif (held := self.open.pop(connection, None)) is not None:
-            self.release(held.peer)
+            self._release(held.peer)
 
-    def take(self, peer: str) -> str | None:
-        why = refusal(self.limits, self.by_peer[peer], sum(self.by_peer.values()))
-        if why is None:
-            self.by_peer[peer] += 1
-        else:
-            self.refused += 1
-        return why
-
-    def release(self, peer: str) -> None:
+    def _release(self, peer: str) -> None:
         self.by_peer[peer] -= 1
         if not self.by_peer[peer]:
             del self.by_peer[peer]

@@ -31,14 +31,14 @@ from node.transport.conn_guard import ConnectionLimits, refusal
 
 PER_PEER = 128  # a client's concurrency: the entry queues 64 and runs --max-seqs; past that it answers 429
 TOTAL = 512
-GUEST_PER_PEER, GUEST_TOTAL = PER_PEER, TOTAL  # no credential: /health, the chat page, whoever probes the port
 
 log = logging.getLogger("pp.hypercorn")
 Connection = tuple  # (host, port) of the peer: one TCP connection
 
 
+MEMBER, CLIENT, GUEST = "member", "client", "guest"  # whose a request is, by the credential its headers carry
 LIMITS = ConnectionLimits(per_peer=PER_PEER, total=TOTAL)  # requests that carry a client API key
-GUEST_LIMITS = ConnectionLimits(per_peer=GUEST_PER_PEER, total=GUEST_TOTAL)  # requests that carry none
+GUEST_LIMITS = LIMITS  # requests that carry none (/health, the chat page, whoever probes): the same caps, apart
 
 
 def stream_refusal(limits: ConnectionLimits, from_peer: int, in_all: int, who: str = "without the cluster token"
@@ -100,11 +100,13 @@ class GuestStreams:
         """Guests' streams in flight by address."""
         return self.guests.by_peer
 
-    def pool(self, authorization: bytes) -> _Pool:
-        return self.clients if self.is_client(authorization) else self.guests
+    def kind(self, authorization: bytes) -> str:
+        """Whose a request is, by its Authorization header: a member's, a keyed client's, or a guest's."""
+        return MEMBER if self.is_member(authorization) else CLIENT if self.is_client(authorization) else GUEST
 
-    def take(self, connection: Connection, stream_id: int, authorization: bytes = b"") -> str | None:
-        why = self.pool(authorization).take(connection, stream_id)
+    def take(self, connection: Connection, stream_id: int, kind: str = GUEST) -> str | None:
+        """Count a client's or a guest's stream (kind); why it is refused, or None."""
+        why = (self.clients if kind == CLIENT else self.guests).take(connection, stream_id)
         self.refused += why is not None
         return why
 
@@ -130,11 +132,12 @@ def install() -> None:
 
     async def _create_stream(self, request) -> None:
         guests: GuestStreams | None = getattr(self.config, "pp_streams", None)
-        _trust(self, guests, authorization(request.headers))
-        if guests is None or self.client is None or guests.is_member(authorization(request.headers)):
+        if guests is None or self.client is None:
             return await original_create(self, request)
-        header = authorization(request.headers)
-        why = guests.take(self.client, request.stream_id, header)
+        kind = _trusted(self, guests, request.headers)
+        if kind == MEMBER:
+            return await original_create(self, request)
+        why = guests.take(self.client, request.stream_id, kind)
         if why is not None:
             return await _refuse(self, guests, request.stream_id, why)
         try:
@@ -142,7 +145,7 @@ def install() -> None:
         except BaseException:
             guests.release(self.client, request.stream_id)
             raise
-        if guests.pool(header) is guests.guests:
+        if kind == GUEST:
             h2_flow.hurry_guest(self, request.stream_id)
 
     async def _close_stream(self, stream_id: int) -> None:
@@ -158,18 +161,20 @@ def install() -> None:
     h1, original_h1_create = hypercorn_h11.H11Protocol, hypercorn_h11.H11Protocol._create_stream
 
     async def _create_h1_stream(self, request) -> None:
-        _trust(self, getattr(self.config, "pp_streams", None), authorization(request.headers))
+        if (guests := getattr(self.config, "pp_streams", None)) is not None:
+            _trusted(self, guests, request.headers)
         await original_h1_create(self, request)
 
     h1._create_stream = _create_h1_stream
 
 
-def _trust(protocol, guests: GuestStreams | None, header: bytes) -> None:
-    """A request with the cluster token or a client key makes its connection one a newcomer never displaces at
-    the connection limit (conn_guard.Admission)."""
-    admission = getattr(protocol.config, "pp_admission", None)
-    if guests is not None and admission is not None and (guests.is_member(header) or guests.is_client(header)):
+def _trusted(protocol, guests: GuestStreams, headers) -> str:
+    """Whose the request is (GuestStreams.kind); one with the cluster token or a client key makes its connection
+    one a newcomer never displaces at the connection limit (conn_guard.Admission)."""
+    kind = guests.kind(authorization(headers))
+    if kind != GUEST and (admission := getattr(protocol.config, "pp_admission", None)) is not None:
         admission.trust(protocol.client)
+    return kind
 
 
 async def _refuse(protocol, guests: GuestStreams, stream_id: int, why: str) -> None:

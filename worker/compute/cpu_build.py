@@ -18,9 +18,6 @@ from tinygrad.helpers import CACHEDB, getenv
 
 from . import cpu_target
 
-FLAGS = ("-shared", "-O2", "-fPIC", "-fno-math-errno", "-pthread")
-
-
 class KernelBuildError(RuntimeError):
     """The library cannot be built, or must not be run, here. `cause` and `fix` are each one clause."""
 
@@ -64,7 +61,7 @@ def explain(version: str, target: str, stderr: str) -> KernelBuildError:
                             "(aarch64: generic) for the portable code; please report it")
 
 
-def lacking(cc: str, target: str, arch: str) -> KernelBuildError | None:
+def lacking(cc: str, version: str, target: str, arch: str) -> KernelBuildError | None:
     """Why code built for `target` must not run on this CPU (it may use features the CPU lacks), or None."""
     cpu_flags = cpu_target.host_cpu_flags()
     if target == cpu_target.NATIVE or cpu_flags is None:
@@ -72,7 +69,7 @@ def lacking(cc: str, target: str, arch: str) -> KernelBuildError | None:
     try:
         macros = cpu_target.target_macros(cc, cpu_target.arch_flags(target, arch))
     except subprocess.CalledProcessError as exc:
-        return explain(compiler_version(cc), target, exc.stderr)
+        return explain(version, target, exc.stderr)
     missing = cpu_target.missing_features(macros, cpu_flags, arch)
     if not missing:
         return None
@@ -80,16 +77,17 @@ def lacking(cc: str, target: str, arch: str) -> KernelBuildError | None:
                             f"lacks", "set PP_CPU_TARGET to native or to an older CPU, e.g. x86-64-v2")
 
 
-def build(source: str, target: str) -> Path:
-    """The library built from `source` for `target` on this machine (cached); KernelBuildError if it cannot be."""
+def build(source: str, target: str, flags: tuple[str, ...]) -> Path:
+    """The library built from `source` with `flags` for `target` on this machine (cached); KernelBuildError if it
+    cannot be."""
     cc, arch = compiler(), cpu_target.host_arch()
     version = compiler_version(cc)
     if arch not in cpu_target.ARCHES:
         raise KernelBuildError(f"pp's CPU kernels are built for x86-64 and aarch64, not {arch}",
                                "nothing to do: tinygrad's own kernels serve")
-    if (refused := lacking(cc, target, arch)) is not None:
+    if (refused := lacking(cc, version, target, arch)) is not None:
         raise refused
-    flags = [*FLAGS, *cpu_target.arch_flags(target, arch)]
+    flags = [*flags, *cpu_target.arch_flags(target, arch)]
     machine = _cpu_name() if target == cpu_target.NATIVE else ""
     key = hashlib.sha256("\0".join((source, version, *flags, machine)).encode()).hexdigest()[:24]
     folder = Path(CACHEDB).parent / "pp-cpu"

@@ -261,6 +261,7 @@ def library_source() -> str:
     return "\n".join((JOB_C, pool, cpu_matvec.work_source(), cpu_attention.work_source()))
 
 
+FLAGS = ("-shared", "-O2", "-fPIC", "-fno-math-errno", "-pthread")  # tinygrad's, plus a shared object's
 _LIBRARIES: dict[str, ctypes.CDLL | cpu_build.KernelBuildError] = {}
 
 
@@ -269,7 +270,7 @@ def library(target: str = cpu_target.NATIVE) -> ctypes.CDLL:
     cannot be."""
     if target not in _LIBRARIES:
         try:
-            _LIBRARIES[target] = _loaded(ctypes.CDLL(str(cpu_build.build(library_source(), target))))
+            _LIBRARIES[target] = _loaded(ctypes.CDLL(str(cpu_build.build(library_source(), target, FLAGS))))
         except cpu_build.KernelBuildError as exc:
             _LIBRARIES[target] = exc
     found = _LIBRARIES[target]
@@ -296,7 +297,7 @@ class CpuThreads:
         if not 1 <= threads <= MAX_THREADS:
             raise ValueError(f"threads must be 1..{MAX_THREADS}, got {threads}")
         self.lib = lib = library(target)
-        self.threads, self.target = threads, target
+        self.threads = threads
         self.pool = pool = lib.pp_pool_new(threads - 1, spin_ns)
         if not pool:
             raise OSError(f"could not start {threads - 1} compute threads")

@@ -16,7 +16,7 @@ their sums differ only in order.
 from __future__ import annotations
 
 import attrs
-from tinygrad import Device, Tensor, dtypes
+from tinygrad import Tensor, dtypes
 
 from . import cpu_matvec, cpu_threads
 from ..weights.packed import BLOCKED, Q8_BLOCK, Packed
@@ -35,7 +35,7 @@ class DeviceWeight:
 def to_device(packed: Packed, put, *, hand_written: bool) -> DeviceWeight:
     """`put(array) -> Tensor` places each part (in place on the CPU, a copy elsewhere). `hand_written`: pp's CPU
     kernels compute (cpu_kernels.py): an F32, Q8_0 or Q4_1 weight that cpu_matvec handles goes in its layout."""
-    if hand_written and cpu_matvec.handles(packed.kind, packed.shape) and Device.DEFAULT.startswith("CPU"):
+    if hand_written and cpu_matvec.handles(packed.kind, packed.shape):
         parts = cpu_matvec.device_parts(packed.kind, packed.parts)
         return DeviceWeight(packed.kind, tuple(put(p) for p in parts), packed.shape, hand_written=True)
     return DeviceWeight(packed.kind, tuple(put(p) for p in packed.parts), packed.shape)
