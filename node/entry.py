@@ -4,20 +4,17 @@ pausing admission while a stage is missing and sizing admission by the chain's f
 node/api/entry.py's Entry describes: the serving surface sees stage 0 through it and nothing else."""
 from __future__ import annotations
 
-import collections
 import logging
-
-import trio
 
 from roles import topology
 from roles.actions import Progress, Refused
 from roles.first import prompt_tokens, settled_chain
 from roles.messages import CancelRequest, EndRequest, InferenceRequest, InferenceResponse
 
+from node.follow import Followers, Inbox
 from node.kv_memory import chain_positions
 from node.membership.gossip import State
 from node.observe.log import as_extra, event
-from node.transport.replies import KEPT_RESPONSES
 
 log = logging.getLogger("pp.node")
 
@@ -27,8 +24,8 @@ class EntryStage:
 
     def __init__(self, node):
         self.node = node
-        self._local: dict[str, trio.MemorySendChannel] = {}  # requests followed here (the OpenAI API)
-        self._unfollowed: collections.OrderedDict[str, None] = collections.OrderedDict()  # their late replies
+        # requests followed here (the OpenAI API); an asker that reads no further holds its rows
+        self.followers = Followers(lambda: node.actor.held if node.actor is not None else set(), node.wake)
         self._settled: tuple[str, ...] = ()  # the actor's settled chain, as last told to gossip
 
     # -- the API's Entry -----------------------------------------------------------------------
@@ -66,29 +63,21 @@ class EntryStage:
     def health(self) -> dict:
         return self.node.health()
 
-    def open_local(self, request: InferenceRequest,
-                   into: trio.MemorySendChannel | None = None) -> trio.MemoryReceiveChannel | None:
-        """Admit a request made here (the OpenAI API) and follow it: the channel gets each Progress of it,
-        then the last stage's InferenceResponse (or `into` does, a send channel this node closes with
-        close_local). Raises Refused as StageNode.deliver does."""
-        send, receive = (into, None) if into is not None else trio.open_memory_channel(float("inf"))
-        self._local[request.request_id] = send
+    def open_local(self, request: InferenceRequest, into: Inbox | None = None) -> Inbox:
+        """Admit a request made here (the OpenAI API) and follow it: the inbox it returns (`into`, or a new
+        one) gets each Progress of it, then the last stage's InferenceResponse, until close_local. Raises
+        Refused as StageNode.deliver does."""
+        inbox = self.followers.follow(request.request_id, into)
         try:
             self.node.deliver(request)
         except BaseException:
-            del self._local[request.request_id]
-            send.close()
+            self.followers.unfollow(request.request_id)
             raise
-        return receive
+        return inbox
 
     def close_local(self, request_id: str, *, cancel: bool) -> None:
         """Stop following a request; with `cancel`, also end it (its asker went away) and free its slots."""
-        send = self._local.pop(request_id, None)
-        if send is not None:
-            send.close()
-            self._unfollowed[request_id] = None
-            while len(self._unfollowed) > KEPT_RESPONSES:
-                self._unfollowed.popitem(last=False)
+        self.followers.unfollow(request_id)
         if cancel and self.node.actor is not None:
             self.node.deliver(CancelRequest(request_id))
 
@@ -98,9 +87,9 @@ class EntryStage:
         answer); anything else is the actor's."""
         if not isinstance(message, InferenceResponse):
             return False
-        if message.request_id in self._local:
-            self._local[message.request_id].send_nowait(message)
-        elif message.request_id not in self._unfollowed:
+        if self.followers.following(message.request_id):
+            self.followers.send(message.request_id, message)
+        elif not self.followers.was_followed(message.request_id):
             return False
         self.node.figures.answered(message)
         return True
@@ -113,9 +102,7 @@ class EntryStage:
 
     def progressed(self, progress: Progress) -> None:
         self.node.figures.progressed(progress)
-        follower = self._local.get(progress.request_id)
-        if follower is not None:
-            follower.send_nowait(progress)
+        self.followers.send(progress.request_id, progress)
 
     def report(self, end: EndRequest) -> None:
         """A request failed on a link here: the actor ends it everywhere."""
@@ -134,7 +121,7 @@ class EntryStage:
         return actor_health.get("slots", {}).get("active")
 
     def figures(self) -> dict:
-        return {"followed": len(self._local)}  # API requests whose asker is still being answered
+        return self.followers.figures()
 
     async def ready(self, swim) -> None:
         """Once every stage is ready: admit no more requests at once than the chain's fewest slots, and no more KV

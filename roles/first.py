@@ -85,6 +85,7 @@ class FirstActor:
         self._standing = True  # every stage of the chain is alive: a lost request is replayed at once
         self.cache = PrefixCache(prefix_cache, block_size)
         self.kv = KvBook(self.cache)  # its budget is set once the chain is ready (node/entry.py)
+        self.held: set[str] = set()  # requests whose asker reads no further: their rows wait (node/follow.py)
 
     # -- event loop --------------------------------------------------------------------------
     def admit(self, msg) -> list:
@@ -106,12 +107,13 @@ class FirstActor:
     def plan(self) -> Step | None:
         if self.paused:
             return None
+        ready = [u for u in self.queue.waiting if u.request_id not in self.held]
         waiting = {u.request_id for u in self.queue.waiting}
-        running = _running(self.live)
+        running = [rid for rid in _running(self.live) if rid not in self.held]
         elsewhere = any(self.live[rid].generated and not self.live[rid].lost and rid not in waiting for rid in running)
         replaying = frozenset(rid for rid in waiting if rid in self.live and self.live[rid].generated)
-        ride = prompts_ride(elsewhere, self.queue.waiting, replaying)
-        return self.queue.next_step(decode_group(len(running), self.shard.count), prompts=not ride)
+        ride = prompts_ride(elsewhere, ready, replaying)
+        return self.queue.next_step(decode_group(len(running), self.shard.count), prompts=not ride, held=self.held)
 
     def finish(self, step: Step, outcome) -> list:
         return pass_on(step, outcome, dest=self.next, live=self.is_live, refused=self._refused)

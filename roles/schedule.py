@@ -40,7 +40,7 @@ the slots to release in the worker before the next step.
 from __future__ import annotations
 
 import collections
-from typing import Sequence
+from typing import Collection, Sequence
 
 import attrs
 
@@ -188,12 +188,16 @@ class StageQueue:
         """Free these slots before the next step: those of a step whose compute failed before freeing them."""
         self._release.extend(releases)
 
-    def next_step(self, decode_rows: int | None = None, *, prompts: bool = True) -> Step | None:
+    def next_step(self, decode_rows: int | None = None, *, prompts: bool = True,
+                  held: Collection[str] = ()) -> Step | None:
         """Take the next step's rows off the queue, or None when there is nothing to do; `decode_rows`: at
-        most this many decode rows (plan_rows); without `prompts`, no prompt rows."""
-        take = plan_rows(self.waiting, self.max_rows, self.prompt_rows if prompts else 0, decode_rows)
+        most this many decode rows (plan_rows); without `prompts`, no prompt rows; the rows of the requests
+        `held` stay where they are."""
+        ready = [u for u in self.waiting if u.request_id not in held]
+        takes = iter(plan_rows(ready, self.max_rows, self.prompt_rows if prompts else 0, decode_rows))
         units, rest = [], []
-        for unit, k in zip(self.waiting, take):
+        for unit in self.waiting:
+            k = 0 if unit.request_id in held else next(takes)
             if k == unit.rows:
                 units.append(unit)
             elif k:

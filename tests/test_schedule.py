@@ -139,3 +139,16 @@ def test_an_ended_request_loses_its_waiting_rows_and_frees_its_slot_in_the_next_
     assert [u.request_id for u in step.units] == ["b"] and step.release == (("a", ""),)
     queue.end("b", keep_as="kept-b")
     assert queue.next_step().release == (("b", "kept-b"),) and queue.next_step() is None
+
+
+def test_a_held_request_s_rows_stay_in_place_while_the_others_run():
+    """node/follow.py: an asker that reads no further holds its request's rows; they keep their place in line."""
+    queue = StageQueue(max_rows=4)
+    for unit in (d("slow"), d("b"), p("c", 2)):
+        queue.add(unit)
+    step = queue.next_step(held={"slow"})
+    assert [(u.request_id, u.rows) for u in step.units] == [("b", 1), ("c", 2)]
+    assert queue.next_step(held={"slow"}) is None
+    queue.add(d("b", 11))
+    step = queue.next_step()  # caught up: it runs first, as the oldest
+    assert [u.request_id for u in step.units] == ["slow", "b"]

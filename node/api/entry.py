@@ -4,10 +4,8 @@ imports it). The checks a request must pass are not here: the actor admits or re
 worker checks what it computes (worker/stage.py)."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Protocol
-
-import trio
 
 from roles.messages import InferenceRequest
 from worker.plan import Split
@@ -36,6 +34,14 @@ class Vocabulary(Protocol):
     def token_strs(self, tokens: list[int]) -> list[str]: ...  # as the vocabulary spells each (/tokenize)
     def prompt_text(self, tokens: list[int]) -> str: ...  # control tokens included (/detokenize)
     def tokenizer_info(self) -> dict: ...  # special tokens and chat template (/tokenizer_info)
+
+
+class Inbox(Protocol):
+    """One API request's events (node/follow.py's): each of its engine requests' roles.actions.Progress, then
+    the last stage's InferenceResponse, read with `async for` until every request is closed. It holds a few
+    events a request: an asker that reads no further holds its requests' rows, so nothing piles up for it."""
+
+    def __aiter__(self) -> AsyncIterator: ...
 
 
 class Members(Protocol):
@@ -71,12 +77,9 @@ class Entry(Protocol):
     def health(self) -> dict:
         """The stage's /health figures; the actor's `admitting`, `slots` and `queue` among them."""
 
-    def open_local(self, request: InferenceRequest,
-                   into: trio.MemorySendChannel | None = None) -> trio.MemoryReceiveChannel | None:
-        """Admit a request and follow it: the channel gets each roles.actions.Progress of it, then the last
-        stage's InferenceResponse. With `into` (a clone the node owns and closes) they go there instead, and
-        nothing is returned: several requests share one channel. Raises roles.actions.Refused (its `code` says
-        why, where it is the prompt's fault)."""
+    def open_local(self, request: InferenceRequest, into: Inbox | None = None) -> Inbox:
+        """Admit a request and follow it into `into`, or a new inbox (several requests may share one); returns
+        the inbox. Raises roles.actions.Refused (its `code` says why, where it is the prompt's fault)."""
 
     def close_local(self, request_id: str, *, cancel: bool) -> None:
         """Stop following a request; with `cancel`, also end it and free its slots."""

@@ -40,7 +40,7 @@ from roles.messages import MAX_TOKENS_LIMIT, EndReason, InferenceRequest, Infere
 from worker.sampling import MAX_SEED, stop_set
 from worker.tool_formats import CONTROL_MARKED
 
-from node.api.entry import Entry, Vocabulary
+from node.api.entry import Entry, Inbox, Vocabulary
 from node.api.openai_answer import Choice, Completion, Entries
 from node.api.openai_fields import ApiError
 from node.api.openai_tools import tool_setup
@@ -154,9 +154,9 @@ async def _complete(app: QuartTrio, node: Entry, model_name: str, tool_parser: s
     return response
 
 
-def _admit(node: Entry, vocab: Vocabulary, api: ApiRequest, choices: list[Choice]) -> trio.MemoryReceiveChannel:
+def _admit(node: Entry, vocab: Vocabulary, api: ApiRequest, choices: list[Choice]) -> Inbox:
     """Every choice is a request of the engine's, admitted together or not at all; their events share one
-    channel. max_tokens past what the context holds is refused, as vLLM does (max_tokens 0 runs one token:
+    inbox. max_tokens past what the context holds is refused, as vLLM does (max_tokens 0 runs one token:
     the prompt's logprobs come with it, and the answer leaves it out)."""
     requests = [_engine_request(node, vocab, api, c) for c in choices]
     # one request always fits an idle chain; several may never, and no retry passes then: a 400, not a 429
@@ -165,11 +165,10 @@ def _admit(node: Entry, vocab: Vocabulary, api: ApiRequest, choices: list[Choice
                             f"together: the chain runs and queues at most {most} at once (--max-seqs and --max-queue), "
                             f"so it could never start; send at most {most}", param="prompt" if not api.chat else "n",
                        code="invalid_value")
-    send, events = trio.open_memory_channel(float("inf"))
-    admitted: list[str] = []
+    events, admitted = None, []
     try:
         for req in requests:
-            node.open_local(req, into=send.clone())
+            events = node.open_local(req, into=events)
             admitted.append(req.request_id)
     except Refused as exc:
         for rid in admitted:
@@ -179,8 +178,6 @@ def _admit(node: Entry, vocab: Vocabulary, api: ApiRequest, choices: list[Choice
         for rid in admitted:
             node.close_local(rid, cancel=True)
         raise
-    finally:
-        send.close()  # the requests hold their own clones
     return events
 
 
@@ -218,7 +215,7 @@ def _refused(exc: Refused, api: ApiRequest, context: int, prompt_len: int) -> Ap
 class _Follow:
     """A request's choices followed from the entry: their tokens become text pieces, in order per choice."""
 
-    def __init__(self, node: Entry, vocab: Vocabulary, completion: Completion, events: trio.MemoryReceiveChannel,
+    def __init__(self, node: Entry, vocab: Vocabulary, completion: Completion, events: Inbox,
                  tool_family: str):
         self.node, self.vocab, self.completion, self.events = node, vocab, completion, events
         api = completion.request
