@@ -12,11 +12,24 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import trio
 
 from node.config.cores import available_cores, fair_share
 from runner.orchestrator import Orchestrator, run_orchestrator
 from runner.children import child_env, run_child, terminate_then_kill
+
+
+def http(**kw) -> httpx.AsyncClient:
+    """A client for a bench's own calls to the stages (/health, /metrics, the API with a key), https:// or
+    http://. The stages show certificates of their cluster's CA; a bench reading figures on loopback does not check
+    them (a served cluster's token is the runner's). What only members may call needs member_http."""
+    return httpx.AsyncClient(verify=False, **kw)
+
+
+def member_http(orch: Orchestrator, **kw) -> httpx.AsyncClient:
+    """A client with the runner's member certificate: /v1/hops and the cluster's other routes."""
+    return httpx.AsyncClient(verify=orch.tls.client_context(), **kw)
 
 
 async def start_local_cluster(nursery: trio.Nursery, model: str, n: int, *, extra_env: dict[str, str] | None = None,

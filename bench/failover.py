@@ -29,7 +29,7 @@ import trio
 
 from worker.weights.fetch import DEFAULT_MODEL
 
-from .cluster import ServedRun, start_served_cluster
+from .cluster import ServedRun, http, start_served_cluster
 from .prefix import API_KEY, RULES, TIMEOUT, Answer, Api, chat, served_model
 
 QUESTION = "Count from 1 to 200, separated by commas."
@@ -127,7 +127,7 @@ async def measure(args) -> dict:
     extra = ("--standby", str(args.standby)) if args.standby else ()
     async with trio.open_nursery() as nursery:
         run = await start_served_cluster(nursery, args.model, args.stages, api_key=API_KEY, args=extra)
-        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        async with http(timeout=TIMEOUT) as client:
             api = await served_model(client, run.holders()[0][0])
             systems = system_prompts(STREAMS, await rules_for(client, api, args.system_tokens))
             undisturbed, _ = await streams(client, api, systems, args.max_tokens)

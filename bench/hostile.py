@@ -46,7 +46,7 @@ import trio
 from node.api.openai_wire import MAX_STOP_CHARS
 from node.membership.gossip import State
 
-from .cluster import start_local_cluster
+from .cluster import http, start_local_cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_h2_abuse import rapid_reset  # noqa: E402 -- the tests' raw h2 client, not a copy of it
@@ -59,7 +59,7 @@ async def main_async(args) -> None:
     async with trio.open_nursery() as nursery:
         orch, urls = await start_local_cluster(nursery, args.model, args.stages, api_keys=(key,))
         for name in args.phases:  # a client per phase: a phase may leave the node closing connections
-            async with httpx.AsyncClient(base_url=urls[0], headers={"Authorization": f"Bearer {key}"},
+            async with http(base_url=urls[0], headers={"Authorization": f"Bearer {key}"},
                                          timeout=120) as api:
                 if name == args.phases[0]:  # the first request compiles and captures each stage's JIT
                     await api.post("/v1/completions", json={"model": args.model, "prompt": "warm", "max_tokens": 4})
@@ -73,7 +73,7 @@ async def main_async(args) -> None:
 async def _all_serving(urls: list[str], timeout_s: float = 120) -> None:
     """Until every stage's /health is 200: on a loaded machine a stage compiling its JIT may miss gossip
     probes and be suspected for a while, which is not what a phase measures."""
-    async with httpx.AsyncClient(timeout=10) as client:
+    async with http(timeout=10) as client:
         with trio.fail_after(timeout_s):
             for url in urls:
                 while (await client.get(url + "/health")).status_code != 200:
@@ -100,7 +100,7 @@ def poll(url: str) -> None:
     """--poll: GET url/health every POLL_S until stdin closes; then print every latency (s) as JSON."""
     latencies, stop = [], threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-    with httpx.Client(timeout=30) as client:
+    with httpx.Client(timeout=30, verify=False) as client:  # /health holds no secret: see cluster.http
         deadline = time.perf_counter() + 60  # a stage suspected while compiling may take a while to be back
         while client.get(url + "/health").status_code != 200 and time.perf_counter() < deadline:
             time.sleep(0.5)
@@ -206,7 +206,7 @@ async def walk_away(api, urls, model, *, orch) -> dict:
         for _ in range(20):
             nursery.start_soon(leave)
     left = time.perf_counter()
-    async with httpx.AsyncClient() as client:
+    async with http() as client:
         while not await _idle(client, urls):
             await trio.sleep(0.01)
     free_s = time.perf_counter() - left
@@ -281,7 +281,7 @@ async def _watched(attack, seconds: float, urls: list[str], orch) -> dict:
 
 
 async def _answers(url: str) -> bool:
-    async with httpx.AsyncClient(timeout=5) as client:
+    async with http(timeout=5) as client:
         try:
             return (await client.get(url)).status_code == 200
         except httpx.TransportError:

@@ -25,13 +25,12 @@ import sys
 import time
 from collections.abc import Callable
 
-import httpx
 import trio
 
 from node.api.openai_messages import MAX_MESSAGES
 from worker.grammar import MAX_SCHEMA_CHARS
 
-from .cluster import start_local_cluster
+from .cluster import http, start_local_cluster
 from .hostile import health_figures, under_poll
 
 CLIENTS = 8
@@ -42,7 +41,7 @@ async def main_async(args) -> None:
     key = secrets.token_urlsafe(16)
     async with trio.open_nursery() as nursery:
         _, urls = await start_local_cluster(nursery, args.model, args.stages, api_keys=(key,))
-        async with httpx.AsyncClient(base_url=urls[0], headers={"Authorization": f"Bearer {key}"},
+        async with http(base_url=urls[0], headers={"Authorization": f"Bearer {key}"},
                                      timeout=300) as api:
             await api.post("/v1/completions", json={"model": args.model, "prompt": "warm", "max_tokens": 4})
             context = (await api.get("/v1/models")).json()["data"][0]["max_model_len"]

@@ -29,7 +29,7 @@ import trio
 
 from worker.weights.fetch import DEFAULT_MODEL
 
-from .cluster import start_served_cluster
+from .cluster import http, start_served_cluster
 from .prefix import API_KEY, RULES, TIMEOUT, Api, chat, served_model
 
 QUESTIONS = ["What is the capital of France?", "Name a colour.", "Say hello.", "What is 2 + 2?",
@@ -81,7 +81,7 @@ async def measure(args) -> dict:
     async with trio.open_nursery() as nursery:
         run = await start_served_cluster(nursery, args.model, args.stages, api_key=API_KEY, args=flags)
         log_dir = Path(next(t for _, t in run.lines if "logs in " in t).split("logs in ")[1].split()[0])
-        async with httpx.AsyncClient(timeout=TIMEOUT, http2=True) as client:
+        async with http(timeout=TIMEOUT, http2=True) as client:
             api = await served_model(client, run.holders()[0][0])
             rules, long_tokens = await rules_for(client, api, args.long_tokens)
             chats = [[{"role": "system", "content": long_system(rules)}, {"role": "user", "content": "Which rule is first?"}]]

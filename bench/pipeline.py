@@ -18,14 +18,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import trio
 
 from node.observe.hops import PARTS as HOP_PARTS
 from worker.weights.contract import PRECISIONS
 from worker.weights.fetch import DEFAULT_MODEL
 
-from .cluster import start_local_cluster
+from .cluster import member_http, start_local_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,7 +61,6 @@ def single_process(model: str, prompt: str, max_tokens: int, repeats: int, beam:
 async def pipeline(model: str, n: int, prompt: str, max_tokens: int, repeats: int, beam: int = 0,
                    precision: str = "auto") -> dict:
     started, token = time.monotonic(), secrets.token_urlsafe(16)
-    auth = {"Authorization": f"Bearer {token}"}
     async with trio.open_nursery() as nursery:
         orch, urls = await start_local_cluster(nursery, model, n, token=token, extra_env={"PP_BEAM": str(beam),
                                                                                      "PP_PRECISION": precision})
@@ -70,7 +68,7 @@ async def pipeline(model: str, n: int, prompt: str, max_tokens: int, repeats: in
         runs, tokens = [], 0
         for i in range(repeats + 1):  # the first request compiles and captures each stage's JIT
             if i == 1:  # the hop figures of the timed requests only
-                async with httpx.AsyncClient(headers=auth) as client:
+                async with member_http(orch) as client:
                     for u in urls:
                         (await client.post(u + "/v1/hops/reset")).raise_for_status()
             sent = time.monotonic()
@@ -79,7 +77,7 @@ async def pipeline(model: str, n: int, prompt: str, max_tokens: int, repeats: in
             tokens += len(r.token_ids)  # a trained model may end its answer before max_tokens
             runs.append({"first_token_s": time.monotonic() - sent - r.decode_s, "tokens": len(r.token_ids),
                          "decode_ms_per_token": 1000 * r.decode_s / (len(r.token_ids) - 1)})
-        async with httpx.AsyncClient(headers=auth) as client:
+        async with member_http(orch) as client:
             health = [(await client.get(u + "/health")).json() for u in urls]
             figures = [(await client.get(u + "/v1/hops")).json() for u in urls]
         nursery.cancel_scope.cancel()

@@ -36,7 +36,7 @@ from pathlib import Path
 import httpx
 import trio
 
-from .cluster import start_local_cluster
+from .cluster import http, start_local_cluster
 from .serve import stage_counters, stage_figures
 from .prefix import API_KEY, QUESTIONS, TIMEOUT, Answer, Api, chat, served_model
 
@@ -79,7 +79,7 @@ async def one_round(client: httpx.AsyncClient, api: Api, streams: int, max_token
 async def captured(urls: list[str], timeout_s: float = 180) -> None:
     """Until no stage has step buckets left to capture (/health's warming): they capture one whenever they idle
     for 2 s, and a capture in a timed round would be timed as compute."""
-    async with httpx.AsyncClient() as client:
+    async with http() as client:
         with trio.fail_after(timeout_s):
             while any([(await client.get(u + "/health")).json()["warming"] for u in urls]):
                 await trio.sleep(1.0)
@@ -94,7 +94,7 @@ async def one_cluster(model: str, n: int, mode: str, streams: int, max_tokens: i
         orch, urls = await start_local_cluster(nursery, model, n, extra_env={"PP_LAYER_PARTITION": mode},
                                                api_keys=(API_KEY,), wrappers=wrappers)
         boot_s = time.monotonic() - started
-        async with httpx.AsyncClient(timeout=TIMEOUT, limits=httpx.Limits(max_connections=streams + 4)) as client:
+        async with http(timeout=TIMEOUT, limits=httpx.Limits(max_connections=streams + 4)) as client:
             api = await served_model(client, urls[0])
             view = (await client.get(api.url + "/v1/pipeline", headers=api.headers)).json()
             await one_round(client, api, streams, max_tokens)  # every bucket's first use

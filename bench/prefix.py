@@ -44,7 +44,7 @@ import trio
 
 from worker.weights.fetch import DEFAULT_MODEL
 
-from .cluster import start_local_cluster, start_served_cluster
+from .cluster import http, start_local_cluster, start_served_cluster
 
 API_KEY = "bench-prefix-key"
 NO_CACHE = "PP_NO_PREFIX_CACHE"
@@ -231,7 +231,7 @@ async def on_fresh_cluster(model: str, n: int, mode: str, work: Callable[[httpx.
     """`work` on a fresh local cluster after a warm-up request, with the prefix counters it moved."""
     async with trio.open_nursery() as nursery:
         _, urls = await start_local_cluster(nursery, model, n, extra_env=MODES[mode], api_keys=(API_KEY,))
-        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        async with http(timeout=TIMEOUT) as client:
             api = await served_model(client, urls[0])
             await chat(client, api, WARM_UP, 4)
             before = await prefix_counters(client, api)
@@ -251,7 +251,7 @@ async def killed_stream(model: str, n: int, mode: str, *, system_tokens: int, ma
     chunks, and once more after the replacement."""
     async with trio.open_nursery() as nursery:
         run = await start_served_cluster(nursery, model, n, api_key=API_KEY, extra_env=MODES[mode])
-        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        async with http(timeout=TIMEOUT) as client:
             api = await served_model(client, run.holders()[0][0])
             system = await system_prompt(client, api, system_tokens)
             messages = [{"role": "system", "content": system}, {"role": "user", "content": KILL_QUESTION}]

@@ -22,12 +22,11 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import trio
 
 from worker.weights.fetch import DEFAULT_MODEL
 
-from .cluster import start_served_cluster
+from .cluster import http, start_served_cluster
 from .kv_use import long_system, ready_lines, rules_for, stage_figures
 from .prefix import API_KEY, TIMEOUT, chat, served_model
 
@@ -91,7 +90,7 @@ async def cluster(args, n: int) -> list[dict]:
     async with trio.open_nursery() as nursery:
         run = await start_served_cluster(nursery, args.model, n, api_key=API_KEY)
         log_dir = Path(next(t for _, t in run.lines if "logs in " in t).split("logs in ")[1].split()[0])
-        async with httpx.AsyncClient(timeout=TIMEOUT, http2=True) as client:
+        async with http(timeout=TIMEOUT, http2=True) as client:
             api = await served_model(client, run.holders()[0][0])
             rules, _ = await rules_for(client, api, args.prompt)
             slots = (await client.get(run.holders()[0][0] + "/health")).json()["max_seqs"]

@@ -23,13 +23,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import trio
 
 from worker.weights.fetch import DEFAULT_MODEL
 
-from .cluster import start_local_cluster
+from .cluster import http, start_local_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["Say hello", "What is the capital of France?", "Write a haiku about the sea.", "Why?",
@@ -142,7 +141,7 @@ async def cluster(model: str, n: int, concurrency: list[int], max_tokens: int, m
 
 
 async def stage_counters(urls: list[str]) -> list[dict]:
-    async with httpx.AsyncClient() as client:
+    async with http() as client:
         return [(await client.get(u + "/health")).json() for u in urls]
 
 

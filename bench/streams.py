@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import trio
 
-from .cluster import start_served_cluster
+from .cluster import http, start_served_cluster
 from .llamacpp import llama_batched
 from .prefix import API_KEY, QUESTIONS, TIMEOUT, Answer, Api, chat, served_model
 
@@ -48,7 +48,7 @@ async def one_round(client: httpx.AsyncClient, api: Api, streams: int, max_token
 async def served(model: str, n: int, streams: int, max_tokens: int, rounds: int) -> list[dict]:
     async with trio.open_nursery() as nursery:
         run = await start_served_cluster(nursery, model, n, api_key=API_KEY)
-        async with httpx.AsyncClient(timeout=TIMEOUT, limits=httpx.Limits(max_connections=streams + 4)) as client:
+        async with http(timeout=TIMEOUT, limits=httpx.Limits(max_connections=streams + 4)) as client:
             api = await served_model(client, run.holders()[0][0])
             await one_round(client, api, streams, max_tokens)  # warm-up: every bucket's first use
             out = [await one_round(client, api, streams, max_tokens) for _ in range(rounds)]

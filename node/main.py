@@ -54,6 +54,7 @@ from node.stage_node import StageNode
 from node.transport.app import make_app, serve_app
 from node.transport.client import HttpTransport, PeerClient, gossip_client, http1_client
 from node.transport.link_routes import add_link_routes
+from node.transport.tls import ClusterTls, api_context, renew_certificates
 
 log = logging.getLogger("pp.node")
 PROGRESS_EVERY_S = 5.0
@@ -289,20 +290,31 @@ def serve_api(app, entry: EntryStage, config: NodeConfig, view: httpx.AsyncClien
     """pp-entry serves the OpenAI API too (and vLLM's /tokenize), and a chat page that uses it."""
     add_openai_routes(app, entry, model_name=config.model_name, tool_parser=config.tool_call_parser)
     add_tokenize_routes(app, entry, config.model_name, tool_parser=config.tool_call_parser)
-    add_chat_page(app, entry, http=view, token=config.cluster_token, model_name=config.model_name)
+    add_chat_page(app, entry, http=view, model_name=config.model_name)
+
+
+async def listen(app, tls: ClusterTls, config: NodeConfig, entry: bool, *, task_status=trio.TASK_STATUS_IGNORED):
+    """Serve `app` over TLS as a member, until cancelled; reports the bound port. Stage 0 (`entry`) serves its API
+    in plain HTTP too, or, with PP_TLS_CERT, over TLS with that certificate to whoever does not ask for the
+    cluster's (node/transport/tls.py)."""
+    api = api_context(*config.api_tls) if config.api_tls and entry else None
+    await serve_app(app, config.bind_host, config.port, tls=tls.server_context(api=api),
+                    plaintext=entry and api is None, task_status=task_status)
 
 
 async def _serve(config, swim_config, on_listening, compute, task_status, loaded) -> None:
     shard = Shard.of(config.stage, config.num_stages, None if config.layer_partition == AUTO else config.layer_partition)
-    async with PeerClient(config.cluster_token) as client, gossip_client(config.cluster_token) as gossip, \
-            http1_client(config.cluster_token, HOPS_TIMEOUT_S) as view, trio.open_nursery() as nursery:
+    tls = ClusterTls(config.cluster_token, config.node_id)
+    async with PeerClient(tls) as client, gossip_client(tls) as gossip, \
+            http1_client(tls, HOPS_TIMEOUT_S) as view, trio.open_nursery() as nursery:
         node = open_stage(shard, client, config)
         app = make_app(node, token=config.cluster_token, max_body_bytes=config.max_body_bytes,
                        api_keys=config.api_keys, token_is_api_key=config.token_is_api_key)
         add_link_routes(app, node)
         if isinstance(node.side, EntryStage):
             serve_api(app, node.side, config, view.http)
-        url = advertised_url(config, await nursery.start(serve_app, app, config.bind_host, config.port))
+        url = advertised_url(config, await nursery.start(listen, app, tls, config, shard.first))
+        nursery.start_soon(renew_certificates, tls)
         if shard.first and not config.api_keys and not config.token_is_api_key:  # after listening: see ppnode.py
             log.warning("no client API key (PP_API_KEY, PP_API_KEY_FILE): the OpenAI API answers 401 to everyone")
         node.listening(url)

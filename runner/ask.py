@@ -27,7 +27,9 @@ class Asked:
 
 async def ask(entry_url: str, *, api_key: str, model: str, prompt: str, max_tokens: int, sampling: Sampling,
               on_text: Callable[[str], None] = lambda text: None, transport=None) -> Asked:
-    """Stream one answer; raises RunFailed with the cluster's error (it names the stage at fault)."""
+    """Stream one answer; raises RunFailed with the cluster's error (it names the stage at fault). `transport`:
+    the runner's, as a member (node/transport/client.py's member_transport: the entry's certificate checked
+    against the cluster's CA)."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": sampling.seed, "stream": True,
             "return_token_ids": True}

@@ -7,6 +7,7 @@ to it), or an observer behind NAT (vast.ai from a laptop: it only opens connecti
 the members to each other and long-polls the stages for the response)."""
 from __future__ import annotations
 
+import functools
 import random
 import time
 import uuid
@@ -18,11 +19,13 @@ from roles import topology
 from roles.actions import Refused
 
 from node.groups import unwrapped
+from node.config.network import SCHEME
 from node.membership.gossip import TERMINAL, Member, Meta, SwimConfig
 from node.membership.swim import Swim
 from node.transport import wire
 from node.transport.app import make_app, serve_app
 from node.transport.client import HttpTransport, PeerClient, PeerError, gossip_client
+from node.transport.tls import ClusterTls, renew_certificates
 
 POLL_WAIT_S = 20.0
 
@@ -40,6 +43,7 @@ class Orchestrator:
         self.client, self.poll_client, self.node_id = client, poll_client, node_id
         self.url = url  # None: nobody can reach us
         self.swim: Swim | None = None
+        self.tls: ClusterTls | None = None  # the runner's certificate and the cluster's CA (run_orchestrator)
         self._pending: dict[str, trio.MemorySendChannel] = {}
 
     def deliver(self, message, *, source: str | None = None, sent_at: float | None = None) -> None:
@@ -147,14 +151,19 @@ async def run_orchestrator(token: str, *, reach: Reach | None = Reach(), seeds: 
                            swim_config: SwimConfig = SwimConfig(), max_body_bytes: int = 1 << 20,
                            task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Run the orchestrator until cancelled; reports it once up."""
-    async with PeerClient(token) as client, gossip_client(token) as gossip, trio.open_nursery() as nursery:
-        orch = Orchestrator(client, gossip, f"orchestrator-{uuid.uuid4().hex[:8]}", url=None)
+    node_id = f"orchestrator-{uuid.uuid4().hex[:8]}"
+    tls = ClusterTls(token, node_id)
+    async with PeerClient(tls) as client, gossip_client(tls) as gossip, trio.open_nursery() as nursery:
+        orch = Orchestrator(client, gossip, node_id, url=None)
+        orch.tls = tls
         if reach is not None:
-            port = await nursery.start(serve_app, make_app(orch, token=token, max_body_bytes=max_body_bytes),
-                                       reach.host, reach.port)
-            orch.url = f"http://{reach.host}:{port}"
+            app = make_app(orch, token=token, max_body_bytes=max_body_bytes)
+            port = await nursery.start(functools.partial(serve_app, app, reach.host, reach.port,
+                                                         tls=tls.server_context()))
+            orch.url = f"{SCHEME}://{reach.host}:{port}"
+        nursery.start_soon(renew_certificates, tls)
         meta = Meta(names=(topology.ORCHESTRATOR,), observer=reach is None)
-        me = Member(orch.node_id, orch.url or "http://unreachable.invalid", time.time_ns() // 1_000_000, meta=meta)
+        me = Member(orch.node_id, orch.url or f"{SCHEME}://unreachable.invalid", time.time_ns() // 1_000_000, meta=meta)
         orch.swim = Swim(me, swim_config, HttpTransport(gossip), random.Random(), seeds)
         await nursery.start(orch.swim.run)
         task_status.started(orch)

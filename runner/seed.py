@@ -19,7 +19,7 @@ from typing import Callable
 import attrs
 import trio
 
-from node.config.network import LOOPBACK
+from node.config.network import LOOPBACK, SCHEME
 from node.planning import gossiped_plan
 from roles.topology import stage_name
 from .orchestrator import Orchestrator, run_orchestrator
@@ -148,7 +148,7 @@ async def _start_children(nursery, opts, token, seed_url, run_dir, children, pro
     started: list[Child | None] = [None] * opts.num_stages
 
     async def start(stage: int) -> None:
-        peer = f"http://{LOOPBACK}:{ports[stage - 1]}" if stage > 0 else None
+        peer = f"{SCHEME}://{LOOPBACK}:{ports[stage - 1]}" if stage > 0 else None
         started[stage] = child = await _start_child(nursery, opts, token, seed_url, stage, peer,
                                                     run_dir / f"stage{stage}.log", port=ports[stage])
         progress(f"stage {stage}/{opts.num_stages - 1} listening at {child.url} (pid {child.process.pid})")

@@ -12,6 +12,7 @@ import trio
 
 from node.groups import unwrapped
 from node.planning import gossiped_kernels, gossiped_plan
+from node.transport.client import member_transport
 from .orchestrator import Orchestrator, StageDied
 from roles import topology
 from worker.contract import Sampling
@@ -49,7 +50,8 @@ async def answer_once(orch: Orchestrator, use: Use, *, converged: float, started
         with trio.fail_after(use.timeout_s), unwrapped(StageDied):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(orch.watch)
-                asked = await ask(entry_url(orch), api_key=use.api_key, model=use.model_name, prompt=use.prompt,
+                asked = await ask(entry_url(orch), transport=member_transport(orch.tls, http2=False),
+                                  api_key=use.api_key, model=use.model_name, prompt=use.prompt,
                                   max_tokens=use.max_tokens, sampling=use.sampling, on_text=use.on_text)
                 nursery.cancel_scope.cancel()
     except StageDied as exc:
@@ -66,7 +68,13 @@ async def answer_once(orch: Orchestrator, use: Use, *, converged: float, started
 def announce_entry(use: Use, stage: int, holder) -> None:
     """A replaced stage 0 is a new entry: its streams were lost, and its address may have changed."""
     if stage == 0:
-        use.announce(f"OPENAI_BASE_URL={holder.url}/v1")
+        use.announce(f"OPENAI_BASE_URL={api_base(holder.url)}/v1")
+
+
+def api_base(member_addr: str) -> str:
+    """Stage 0's API for a user's clients: its member address (https://, the cluster's own CA) as plain http://,
+    which the same port serves to clients (node/transport/tls_accept.py)."""
+    return "http://" + member_addr.split("://", 1)[-1]
 
 
 def announcement(base: str, use: Use) -> list[str]:
@@ -87,7 +95,7 @@ def announcement(base: str, use: Use) -> list[str]:
 async def serve(orch: Orchestrator, use: Use, keep: Callable[[], Awaitable[None]] | None = None) -> None:
     """Announce the API and wait: only a signal (Stopped) or a failure (RunFailed) ends this. `keep`
     replaces stages that die (runner/keeper.py); without it, a dead stage ends the run."""
-    for line in announcement(entry_url(orch) + "/v1", use):
+    for line in announcement(api_base(entry_url(orch)) + "/v1", use):
         use.announce(line)
     if keep is not None:
         await keep()

@@ -18,6 +18,8 @@ from typing import Callable
 import attrs
 import trio
 
+from node.config.network import SCHEME
+
 from .orchestrator import Orchestrator, run_orchestrator
 from worker.contract import Sampling
 
@@ -188,7 +190,7 @@ async def _wait_running(vast, opts, stage: int, contract: int, progress) -> str:
                 raise RunFailed(f"stage {stage}: instance {contract} {failure}")
             port = mapped_port(inst, NODE_PORT)
             if inst.actual_status == "running" and inst.public_ipaddr and port:
-                url = f"http://{inst.public_ipaddr}:{port}"
+                url = f"{SCHEME}://{inst.public_ipaddr}:{port}"
                 progress(f"stage {stage}: instance {contract} running at {url}")
                 return url
             await trio.sleep(opts.poll_status_s)

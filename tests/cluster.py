@@ -3,28 +3,84 @@ on loopback, each node started as ppsmoke does: in order, each with its predeces
 from __future__ import annotations
 
 import functools
+import ssl
 import time
+import urllib.parse
 from pathlib import Path
 
+import h2.events
+import h2.exceptions
+import httpx
 import trio
 
 from node.config.settings import NodeConfig
 from node.membership.gossip import SwimConfig
 from node.compute import open_compute_thread
 from node.main import run_node
+from node.transport.client import member_transport
+from node.transport.tls import ClusterTls
 from runner.orchestrator import Orchestrator, run_orchestrator
 from worker.models import stub_model
 from worker.reference import generate_full
 from worker.stub import StubSlice
 
-TOKEN = "test-cluster-token"  # the nodes' own secret: gossip, links, /v1/inference ...
+TOKEN = "test-cluster-token"  # the nodes' own secret: their certificates, and so gossip, links, /v1/inference ...
 API_KEY = "test-client-key"  # what a client holds: the OpenAI API, /v1/pipeline, /metrics
+MEMBER_TLS = ClusterTls(TOKEN, "test-member")  # a member's certificate, as a runner holds one
 # fast enough for tests, slow enough that a busy 2-core machine doesn't look dead
 FAST_SWIM = SwimConfig(protocol_period_s=0.3, probe_timeout_s=0.15, suspicion_mult=4, sync_interval_s=2.0)
 # for in-process clusters of tinygrad models: the nodes share one event loop with a compute thread that holds
 # the GIL through long stretches of graph capture, and 5 such nodes on 2 cores missed 150 ms probes for long
 # enough to be declared dead (test_serving at N = 5, most runs on a loaded machine)
 PATIENT_SWIM = SwimConfig(protocol_period_s=0.5, probe_timeout_s=0.4, suspicion_mult=10, sync_interval_s=2.0)
+
+
+def member_http(*, http1: bool = True, http2: bool = False, **kw) -> httpx.AsyncClient:
+    """A client as a member is one: it shows a certificate of the cluster's CA and checks the node's (asking for the
+    cluster's by name, as members do: node/transport/client.py)."""
+    return httpx.AsyncClient(transport=member_transport(MEMBER_TLS, http1=http1, http2=http2), **kw)
+
+
+def client_http(**kw) -> httpx.AsyncClient:
+    """A client over TLS without a member's certificate (a user's, a scraper's): it checks the node's against the
+    cluster's CA, and shows none of its own."""
+    return httpx.AsyncClient(verify=ca_context(), **kw)
+
+
+def ca_context() -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.load_verify_locations(cadata=MEMBER_TLS.ca.pem)
+    return ctx
+
+
+async def open_raw(url: str, tls: ssl.SSLContext | None, alpn: list[str] | None = None) -> trio.abc.Stream:
+    """A raw connection to a node, for hostile tests: plain TCP, or TLS with `tls` (asking for `alpn` where given,
+    as HTTP/2 clients ask for h2)."""
+    parts = urllib.parse.urlsplit(url)
+    stream = await trio.open_tcp_stream(parts.hostname, parts.port)
+    if tls is None:
+        return stream
+    if alpn is not None:
+        tls.set_alpn_protocols(alpn)
+    return trio.SSLStream(stream, tls, server_hostname="node")
+
+
+async def read_goaway(stream, conn, goaway: list, scope: trio.CancelScope) -> None:
+    """Read an h2 client's connection until the server's GOAWAY (into `goaway`) or its end; then cancel `scope`."""
+    try:
+        while data := await stream.receive_some():
+            goaway += [e for e in conn.receive_data(data) if isinstance(e, h2.events.ConnectionTerminated)]
+            if goaway:
+                break
+    except (trio.BrokenResourceError, h2.exceptions.ProtocolError):
+        pass
+    scope.cancel()
+
+
+def api(url: str) -> str:
+    """Stage 0's API as a user's client reaches it: its address as plain http:// (the port serves both)."""
+    return "http://" + url.split("://", 1)[-1]
 
 
 def stage_config(stage: int, n: int, *, model: str, seed: str, peer: str | None, tmp: Path, **kw) -> NodeConfig:

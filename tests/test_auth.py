@@ -1,15 +1,15 @@
-"""Two kinds of credential (node/transport/auth.py): the cluster token opens what the nodes say to each other, a client
-API key opens the client surface and nothing else. A client key cannot steer the cluster (issue 23: an API
-user had the token, and with it gossip, links and ping-req's dialling), and the token is not a client key
-unless the operator says so."""
+"""Two kinds of credential (node/transport/auth.py): a member's certificate (derived from the cluster token, which is
+never sent) opens what the nodes say to each other, a client API key opens the client surface and nothing else. A
+client key cannot steer the cluster (issue 23: an API user had the token, and with it gossip, links and ping-req's
+dialling), the token sent as a bearer opens nothing of the cluster's, and it is not a client key unless the
+operator says so."""
 import functools
 import json
 
-import httpx
 import pytest
 import trio
 
-from cluster import API_KEY, TOKEN, start_cluster
+from cluster import API_KEY, TOKEN, client_http, member_http, start_cluster
 from node.transport import auth, wire
 from node.membership import gossip
 from node.transport.auth import Credential
@@ -29,39 +29,46 @@ INTERNAL = [("POST", "/swim/ping"), ("POST", "/swim/ping-req"), ("POST", "/swim/
 
 # --- the decision, as a table ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("path, credential, opt_in, status", [
-    ("/health", Credential.NONE, False, None),
-    ("/", Credential.NONE, False, None),
-    ("/v1/chat/completions", Credential.CLIENT, False, None),
-    ("/metrics", Credential.CLIENT, False, None),
-    ("/v1/pipeline", Credential.CLIENT, False, None),
-    ("/v1/models", Credential.NONE, False, 401),
-    ("/v1/models", Credential.CLUSTER, False, 403),
-    ("/v1/models", Credential.CLUSTER, True, None),
-    ("/metrics", Credential.CLUSTER, False, 403),
-    ("/swim/ping-req", Credential.CLUSTER, False, None),
-    ("/swim/ping-req", Credential.CLIENT, False, 403),
-    ("/swim/ping-req", Credential.CLIENT, True, 403),  # the opt-in widens the token, never a client key
-    ("/swim/ping-req", Credential.NONE, False, 401),
-    ("/v1/inference", Credential.CLIENT, False, 403),
-    ("/v1/chat/completions/", Credential.CLIENT, False, 403),  # not the client surface: the cluster's by default
-    ("/v1/added-later", Credential.CLIENT, False, 403),
-    ("/tokenize", Credential.CLIENT, False, None),
-    ("/detokenize", Credential.CLUSTER, False, 403),
-    ("/detokenize", Credential.NONE, False, 401),
-    ("/v1/models/org/name", Credential.CLIENT, False, None),
-    ("/v1/models/org/name", Credential.CLUSTER, False, 403),
-    ("/v1/modelsx", Credential.CLIENT, False, 403),
+@pytest.mark.parametrize("path, credential, member, opt_in, status", [
+    ("/health", Credential.NONE, False, False, None),
+    ("/", Credential.NONE, False, False, None),
+    ("/v1/chat/completions", Credential.CLIENT, False, False, None),
+    ("/v1/chat/completions", Credential.CLIENT, True, False, None),  # a member with a key is a client here
+    ("/metrics", Credential.CLIENT, False, False, None),
+    ("/v1/pipeline", Credential.CLIENT, False, False, None),
+    ("/v1/models", Credential.NONE, False, False, 401),
+    ("/v1/models", Credential.NONE, True, False, 403),  # a member's certificate is no client key
+    ("/v1/models", Credential.CLUSTER, False, False, 403),
+    ("/v1/models", Credential.CLUSTER, False, True, None),
+    ("/metrics", Credential.CLUSTER, False, False, 403),
+    ("/swim/ping-req", Credential.NONE, True, False, None),  # membership is the connection's certificate
+    ("/swim/ping-req", Credential.CLIENT, True, False, None),
+    ("/swim/ping-req", Credential.CLUSTER, False, False, 403),  # the token sent opens nothing of the cluster's
+    ("/swim/ping-req", Credential.CLUSTER, False, True, 403),
+    ("/swim/ping-req", Credential.CLIENT, False, False, 403),
+    ("/swim/ping-req", Credential.CLIENT, False, True, 403),  # the opt-in widens the token, never a client key
+    ("/swim/ping-req", Credential.NONE, False, False, 401),
+    ("/v1/inference", Credential.CLIENT, False, False, 403),
+    ("/v1/chat/completions/", Credential.CLIENT, False, False, 403),  # not the client surface: the cluster's
+    ("/v1/added-later", Credential.CLIENT, False, False, 403),
+    ("/v1/added-later", Credential.NONE, True, False, None),
+    ("/tokenize", Credential.CLIENT, False, False, None),
+    ("/detokenize", Credential.CLUSTER, False, False, 403),
+    ("/detokenize", Credential.NONE, False, False, 401),
+    ("/v1/models/org/name", Credential.CLIENT, False, False, None),
+    ("/v1/models/org/name", Credential.CLUSTER, False, False, 403),
+    ("/v1/modelsx", Credential.CLIENT, False, False, 403),
 ])
-def test_each_path_takes_its_own_kind_of_credential(path, credential, opt_in, status):
-    refused = auth.refusal(path, credential, token_is_api_key=opt_in)
+def test_each_path_takes_its_own_kind_of_credential(path, credential, member, opt_in, status):
+    refused = auth.refusal(path, credential, member=member, token_is_api_key=opt_in)
     assert (refused and refused.status) == status
 
 
-@pytest.mark.parametrize("credential, status", [(Credential.CLIENT, None), (Credential.CLUSTER, None),
-                                                (Credential.NONE, 401)])
-def test_a_path_no_route_serves_is_for_either_credential_to_hear_so(credential, status):
-    refused = auth.refusal("/v1/embeddings", credential, routed=False)  # the app answers it 404
+@pytest.mark.parametrize("credential, member, status", [(Credential.CLIENT, False, None),
+                                                        (Credential.CLUSTER, False, None), (Credential.NONE, True, None),
+                                                        (Credential.NONE, False, 401)])
+def test_a_path_no_route_serves_is_for_either_credential_to_hear_so(credential, member, status):
+    refused = auth.refusal("/v1/embeddings", credential, member=member, routed=False)  # the app answers it 404
     assert (refused and refused.status) == status
 
 
@@ -77,7 +84,8 @@ def test_refusals_name_the_credential_wanted_and_hold_none():
     messages = [auth.refusal(p, c).message for p, c in [("/v1/models", Credential.NONE), ("/v1/models", Credential.CLUSTER),
                                                           ("/swim/sync", Credential.NONE), ("/swim/sync", Credential.CLIENT)]]
     assert "API key" in messages[0] and "cluster token" in messages[1] and "PP_TOKEN_IS_API_KEY" in messages[1]
-    assert "cluster token" in messages[2] and "client API key opens only" in messages[3]
+    assert "member's certificate" in messages[2] and "client API key opens only" in messages[3]
+    assert "never sent" in auth.refusal("/swim/sync", Credential.CLUSTER).message
 
 
 # --- on a live cluster -------------------------------------------------------------------------------------------
@@ -85,7 +93,7 @@ def test_refusals_name_the_credential_wanted_and_hold_none():
 @pytest.fixture
 async def cluster(nursery, tmp_path):
     orch, urls, _ = await start_cluster(nursery, 2, tmp_path)
-    async with httpx.AsyncClient(timeout=10) as client:
+    async with client_http(timeout=10) as client:  # over TLS, without a member's certificate
         yield orch, urls, client
     nursery.cancel_scope.cancel()
 
@@ -110,7 +118,12 @@ async def test_a_client_key_opens_no_internal_endpoint(cluster):
             status, body = await call(client, method, url + path, KEY_AUTH)
             assert status == 403 and "for the cluster's own nodes" in body["error"], (url, path, body)
             assert API_KEY not in json.dumps(body) and TOKEN not in json.dumps(body)
-    status, body = await call(client, "GET", urls[0] + "/v1/members", TOKEN_AUTH)  # the token still does
+    for url in urls:  # nor does the token itself, sent
+        for method, path in INTERNAL:
+            status, body = await call(client, method, url + path, TOKEN_AUTH)
+            assert status == 403 and "never sent" in body["error"], (url, path, body)
+    async with member_http(timeout=10) as member:  # a member's certificate does
+        status, body = await call(member, "GET", urls[0] + "/v1/members", {})
     assert status == 200 and len(body["members"]) == 3
 
 
@@ -132,7 +145,8 @@ async def test_ping_req_with_a_client_key_is_refused_and_the_node_dials_nobody(c
 
 async def test_a_client_key_can_neither_declare_a_stage_dead_nor_announce_a_member(cluster):
     orch, urls, client = cluster
-    _, view = await call(client, "GET", urls[0] + "/v1/members", TOKEN_AUTH)
+    async with member_http(timeout=10) as member:
+        _, view = await call(member, "GET", urls[0] + "/v1/members", {})
     stage1 = next(gossip_member(m) for m in view["members"] if m["meta"]["stage"] == 1)
     me = gossip.Member("prober", "http://127.0.0.1:9", 1)
     dead = gossip.Ping(me, "stage0", 7, updates=(gossip.Member(stage1.id, stage1.addr, stage1.incarnation + 1,
@@ -144,7 +158,8 @@ async def test_a_client_key_can_neither_declare_a_stage_dead_nor_announce_a_memb
         assert (await call(client, "POST", url + "/swim/sync", KEY_AUTH, wire.encode(fake)))[0] == 403
     await trio.sleep(1.0)  # several protocol periods: what had been taken in would have spread
     for url in urls:
-        _, view = await call(client, "GET", url + "/v1/members", TOKEN_AUTH)
+        async with member_http(timeout=10) as member:
+            _, view = await call(member, "GET", url + "/v1/members", {})
         states = {m["id"]: m["state"] for m in view["members"]}
         assert states[stage1.id] == "alive" and "fake-stage1" not in states and "prober" not in states, states
     assert orch.swim.resolve("pp-stage-1").id == stage1.id
@@ -180,13 +195,13 @@ async def test_a_missing_key_is_401_naming_the_credential_each_path_wants(cluste
     r = await client.get(urls[0] + "/metrics", headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401 and "API key" in r.json()["error"]
     r = await client.post(urls[0] + "/swim/sync", content=b"{}", headers={"Authorization": "Bearer wrong"})
-    assert r.status_code == 401 and "cluster token" in r.json()["error"]
+    assert r.status_code == 401 and "member's certificate" in r.json()["error"]
     assert (await client.get(urls[0] + "/health")).status_code == 200 and (await client.get(urls[0] + "/")).status_code == 200
 
 
 async def test_with_the_operators_opt_in_the_cluster_token_opens_the_client_surface_too(nursery, tmp_path):
     _, urls, _ = await start_cluster(nursery, 2, tmp_path, token_is_api_key=True)
-    async with httpx.AsyncClient(timeout=10) as client:
+    async with client_http(timeout=10) as client:
         for headers in (TOKEN_AUTH, KEY_AUTH):
             assert (await client.get(urls[0] + "/v1/models", headers=headers)).status_code == 200
             assert (await client.get(urls[1] + "/metrics", headers=headers)).status_code == 200

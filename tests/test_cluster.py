@@ -1,11 +1,10 @@
 """Spec tiers 4 and 6: in-process clusters over real hypercorn HTTP/2 on loopback."""
 import collections
 
-import httpx
 import pytest
 import trio
 
-from cluster import PATIENT_SWIM, start_cluster, start_cluster_behind_nat
+from cluster import PATIENT_SWIM, client_http, start_cluster, start_cluster_behind_nat
 from node.transport import frames, wire
 from node.stage_node import StageNode
 from worker.models import stub_model, tinygrad_model
@@ -81,7 +80,7 @@ async def test_every_message_crosses_every_hop_intact_over_http2(nursery, tmp_pa
                      "InferenceResponse": 1}
     stage_bound = [m for m in sent if not isinstance(m, wire.InferenceResponse)]
     assert sorted(map(repr, stage_bound)) == sorted(map(repr, received))  # equal, field by field, bytes too
-    async with httpx.AsyncClient() as c:
+    async with client_http() as c:  # every stage speaks TLS
         health = [(await c.get(url + "/health")).json() for url in urls]
     for h in health:  # gossip and these /health calls are HTTP/1.1; the pipeline's messages HTTP/2
         assert set(h["http_versions"]) <= {"2", "1.1"} and h["http_versions"]["2"] > 0

@@ -5,7 +5,7 @@ import hypercorn.config
 import pytest
 import trio
 
-from cluster import start_cluster
+from cluster import client_http, start_cluster
 from node.transport import conn_guard
 from node.transport.conn_guard import ConnectionLimits, refusal
 
@@ -58,7 +58,7 @@ def test_at_a_limit_a_newcomer_displaces_the_oldest_connection_no_credential_has
 
 async def open_idle(url: str, n: int) -> tuple[list[trio.SocketStream], int]:
     """Open `n` connections that send nothing; the ones the node kept, and how many it closed at once."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
+    host, port = url.split("://", 1)[-1].rsplit(":", 1)
     streams = [await trio.open_tcp_stream(host, int(port)) for _ in range(n)]
     closed = []
 
@@ -93,7 +93,7 @@ async def test_a_flood_of_idle_connections_is_cut_at_the_limit_and_the_node_serv
 
 
 async def health_ok(url: str) -> bool:
-    async with httpx.AsyncClient(http1=False, http2=True, timeout=5) as client:
+    async with client_http(http1=False, http2=True, timeout=5) as client:  # every stage speaks TLS
         try:
             return (await client.get(url + "/health")).status_code == 200
         except httpx.TransportError:  # refused at the limit: closed before a byte was read
@@ -105,7 +105,7 @@ async def test_a_connection_that_sends_nothing_is_closed_at_the_keep_alive_timeo
     still closed when hypercorn would have closed it, idle, unlike one that sent its request."""
     monkeypatch.setattr(hypercorn.config.Config, "keep_alive_timeout", 0.5)
     _, urls, _ = await start_cluster(nursery, 2, tmp_path)
-    host, port = urls[0].removeprefix("http://").rsplit(":", 1)
+    host, port = urls[0].split("://", 1)[-1].rsplit(":", 1)
     async with await trio.open_tcp_stream(host, int(port)) as silent:
         with trio.fail_after(10):
             assert await silent.receive_some() == b""

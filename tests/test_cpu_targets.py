@@ -14,13 +14,12 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 import trio
 from tinygrad import Tensor
 
-from cluster import API_KEY, start_cluster
+from cluster import API_KEY, client_http, start_cluster
 from node.config.cores import converts_half
 from node.config.model import kv_cache_dtype
 from node.config.parse import parse_config
@@ -283,7 +282,7 @@ async def test_a_cluster_whose_kernels_cannot_be_built_answers_and_names_the_fal
         response = await orch.submit("Say hello", max_tokens=12)
     model = tinygrad_model(TinySource())
     assert list(response.token_ids) == generate_full(model, model.tokenizer().encode_chat("Say hello"), 12).token_ids
-    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+    async with client_http(headers={"Authorization": f"Bearer {API_KEY}"}) as client:  # every stage speaks TLS
         for url in urls:
             kernels = (await client.get(url + "/health")).json()["kernels"]
             assert kernels["name"] == "tinygrad" and f"does not know the CPU '{UNKNOWN}'" in kernels["fallback"]

@@ -6,7 +6,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster import API_KEY, start_cluster
+from cluster import API_KEY, api, start_cluster
 from node.api.entry import Entry, Members, Vocabulary
 from node.membership.swim import Swim
 from node.downstream import DownstreamStage
@@ -60,7 +60,7 @@ async def test_the_api_shapes_the_actors_refusals_of_a_prompt_of_ids(nursery, tm
     context, vocab = probe.info.max_context, probe.info.vocab_size
     async with httpx.AsyncClient(timeout=30, headers=AUTH) as client:
         async def complete(prompt):
-            r = await client.post(urls[0] + "/v1/completions", json={"model": "stub", "prompt": prompt})
+            r = await client.post(api(urls[0]) + "/v1/completions", json={"model": "stub", "prompt": prompt})
             return r.status_code, r.json()["error"]
         status, error = await complete([1, 2, vocab])
         assert (status, error["code"], error["param"]) == (400, "invalid_value", "prompt")

@@ -19,7 +19,7 @@ import pytest
 import trio
 from hypercorn.protocol.h2 import H2Protocol
 
-from cluster import API_KEY, PATIENT_SWIM, slow_stub, start_cluster
+from cluster import API_KEY, PATIENT_SWIM, api, client_http, slow_stub, start_cluster
 from node import follow
 from node.transport import h2_flow
 
@@ -36,7 +36,7 @@ def test_a_socket_write_is_timed_a_piece_at_a_time(size, piece, pieces):
 
 
 async def health(urls):
-    async with httpx.AsyncClient() as c:
+    async with client_http() as c:  # over TLS: stages past 0 answer nothing in plain HTTP
         return [(await c.get(u + "/health")).json() for u in urls]
 
 
@@ -58,7 +58,7 @@ async def nothing_followed(urls) -> bool:
 
 
 async def ended(urls) -> dict[str, float]:
-    async with httpx.AsyncClient() as c:
+    async with client_http() as c:
         metrics = (await c.get(urls[0] + "/metrics", headers=AUTH)).text
     return {k: float(v) for k, v in re.findall(r'pp_requests_total\{[^}]*reason="(\w+)"[^}]*\} (\S+)', metrics)}
 
@@ -90,11 +90,11 @@ async def open_unread_streams(url: str, n: int, body: dict = BIG):
 
 
 async def served_meanwhile(url: str) -> None:
-    async with httpx.AsyncClient(http1=False, http2=True, timeout=30) as c:
-        r = await c.post(url + "/v1/chat/completions", headers=AUTH,
+    async with httpx.AsyncClient(http1=False, http2=True, timeout=30) as c:  # stage 0's API in plain HTTP/2
+        r = await c.post(api(url) + "/v1/chat/completions", headers=AUTH,
                          json={"model": "stub", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
-        assert (await c.get(url + "/health")).status_code == 200
+        assert (await c.get(api(url) + "/health")).status_code == 200
 
 
 async def test_a_client_that_never_reads_holds_its_rows_and_a_bounded_buffer_and_others_are_served(

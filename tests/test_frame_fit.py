@@ -6,7 +6,7 @@ import httpx
 import pytest
 import trio
 
-from cluster import API_KEY, start_cluster
+from cluster import API_KEY, api, start_cluster
 from node.observe import hops
 from node.transport import frames
 from node.transport.links import coalesce
@@ -129,7 +129,7 @@ async def test_a_request_too_large_for_a_frame_fails_alone_while_the_others_fini
     async def complete(name, **body):
         results[name] = await client.post("/v1/completions", json={"model": "stub", "max_tokens": 12, **body})
 
-    async with httpx.AsyncClient(base_url=urls[0], headers={"Authorization": f"Bearer {API_KEY}"},
+    async with httpx.AsyncClient(base_url=api(urls[0]), headers={"Authorization": f"Bearer {API_KEY}"},
                                  timeout=60) as client:
         with trio.fail_after(60):
             async with trio.open_nursery() as clients:

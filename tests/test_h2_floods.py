@@ -1,22 +1,23 @@
 """Control-frame floods at a node's edge (issue 33): a client that sends PING, SETTINGS, PRIORITY, empty DATA or
 unearned WINDOW_UPDATE frames past its connection's budget gets GOAWAY ENHANCE_YOUR_CALM and loses that
-connection, before h2 parses the rest; /health and the node go on. A client that reads a long streamed answer
-(granting flow-control credit as it goes) or sends many requests on one connection is never calmed."""
+connection, before h2 parses the rest, in plain HTTP at stage 0's API as over TLS at a stage that serves only the
+cluster; /health and the node go on. A client that reads a long streamed answer (granting flow-control credit as
+it goes) or sends many requests on one connection is never calmed."""
 import collections
+import ssl
 import struct
 
 import h2.config
 import h2.connection
 import h2.errors
 import h2.events
-import h2.exceptions
 import httpx
 import pytest
 import trio
 from quart import request
 from quart_trio import QuartTrio
 
-from cluster import start_cluster
+from cluster import api, ca_context, client_http, open_raw, read_goaway, start_cluster
 from node.transport import h2_budget, h2_guard
 from node.transport.app import serve_app
 from node.transport.h2_budget import BUDGET, Bucket, ControlBudget, FrameScan, Kind, Rate, drawn, spend_earned
@@ -147,15 +148,16 @@ FLOODS = {  # what one flood sends, after the handshake and an open stream
 }
 
 
-async def flood(url: str, one: bytes, frames: int = FLOOD) -> h2.events.ConnectionTerminated | None:
+
+async def flood(url: str, one: bytes, tls: ssl.SSLContext | None = None,
+                frames: int = FLOOD) -> h2.events.ConnectionTerminated | None:
     """Send `frames` copies of a frame on one connection, in batches, reading as we go; the GOAWAY, if one came."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
     conn = _client()
-    async with await trio.open_tcp_stream(host, int(port)) as stream:
+    async with await open_raw(url, tls, ["h2"]) as stream:
         await stream.send_all(conn.data_to_send() + _open_stream(conn))
         async with trio.open_nursery() as nursery:
             goaway = []
-            nursery.start_soon(_read_goaway, stream, conn, goaway, nursery.cancel_scope)
+            nursery.start_soon(read_goaway, stream, conn, goaway, nursery.cancel_scope)
             for _ in range(0, frames, 500):
                 try:
                     await stream.send_all(one * 500)
@@ -167,29 +169,20 @@ async def flood(url: str, one: bytes, frames: int = FLOOD) -> h2.events.Connecti
     return goaway[0] if goaway else None
 
 
-async def _read_goaway(stream, conn, goaway: list, scope: trio.CancelScope) -> None:
-    try:
-        while data := await stream.receive_some():
-            events = conn.receive_data(data)
-            goaway += [e for e in events if isinstance(e, h2.events.ConnectionTerminated)]
-            if goaway:
-                break
-    except (trio.BrokenResourceError, h2.exceptions.ProtocolError):
-        pass
-    scope.cancel()
 
-
+@pytest.mark.parametrize("stage, tls", [(0, False), (1, True)], ids=["stage 0 in plain HTTP", "stage 1 over TLS"])
 @pytest.mark.parametrize("kind", list(FLOODS))
-async def test_a_control_frame_flood_is_calmed_and_the_node_goes_on(nursery, tmp_path, kind):
+async def test_a_control_frame_flood_is_calmed_and_the_node_goes_on(nursery, tmp_path, kind, stage, tls):
     _, urls, _ = await start_cluster(nursery, 2, tmp_path)
+    door, context = (urls[stage], ca_context()) if tls else (api(urls[stage]), None)  # no member's certificate
     calmed = h2_guard.CALMED["control frames"]
-    goaway = await flood(urls[0], FLOODS[kind])  # main's node answered every one of them
+    goaway = await flood(door, FLOODS[kind], context)  # main's node answered every one of them
     assert goaway is not None and goaway.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
     assert h2_guard.CALMED["control frames"] == calmed + 1
-    async with httpx.AsyncClient(http1=False, http2=True, timeout=5) as client:
+    async with client_http(http1=False, http2=True, timeout=5) as client:
         with trio.fail_after(2):  # a generous bound: the issue's figure (0.5 s) is bench.hostile's to measure
-            assert (await client.get(urls[0] + "/health")).status_code == 200
-    assert (await flood(urls[0], FLOODS[kind])) is not None  # a new connection is calmed again
+            assert (await client.get(urls[stage] + "/health")).status_code == 200
+    assert (await flood(door, FLOODS[kind], context)) is not None  # a new connection is calmed again
     nursery.cancel_scope.cancel()
 
 

@@ -1,26 +1,40 @@
 """No packet ends a node (issue 33): a seeded fuzzer sends hostile HTTP/2 frame sequences and HTTP/1.1 requests
-(tests/h2_fuzz.py) to a live 2-stage cluster of the stand-in model; after every batch the node answers /health,
-and at the end every node answers and the cluster serves a real request end to end. Before the fix, any
+(tests/h2_fuzz.py) to a live 2-stage cluster of the stand-in model, by every way in (stage 0's API in plain HTTP,
+and over TLS each stage as a member and as a stranger); after every batch each node answers /health, and at the
+end every node answers and the cluster serves a real request end to end. Before the fix, any
 exception escaping one connection's handling ended the whole server; the audit's named vectors are pinned
 below one by one, each ending only its own connection."""
-import urllib.parse
+import ssl
 
-import httpx
 import pytest
 import trio
 
-from cluster import API_KEY, start_cluster, stub_tokens
+from cluster import API_KEY, MEMBER_TLS, api, ca_context, client_http, open_raw, start_cluster, stub_tokens
 from h2_fuzz import END_HEADERS, END_STREAM, HEADERS, PREFACE, PRIORITY, SETTINGS, Fuzz, frame, header_block, request_headers
 
 BATCH = 25  # connections at once
 
 
-async def exchange(url: str, data: bytes, *, linger_s: float = 0.05) -> bytes:
+def doors(urls: list[str]) -> list[tuple[str, dict[str, ssl.SSLContext | None]]]:
+    """The ways into the cluster a case takes, in turn, each with its TLS context by the case's kind ("h2" or "h1",
+    whose protocol ALPN asks for; none for plain HTTP): stage 0's API in plain HTTP, stage 0 and stage 1 over TLS
+    as a member (every route is open to it), stage 1 over TLS as a stranger (no certificate)."""
+    def by_kind(make) -> dict[str, ssl.SSLContext]:
+        contexts = {"h2": make(), "h1": make()}
+        contexts["h2"].set_alpn_protocols(["h2"])
+        contexts["h1"].set_alpn_protocols(["http/1.1"])
+        return contexts
+    member = by_kind(MEMBER_TLS.client_context)
+    return [(api(urls[0]), {"h2": None, "h1": None}), (urls[0], member), (urls[1], member),
+            (urls[1], by_kind(ca_context))]
+
+
+
+async def exchange(url: str, data: bytes, tls: ssl.SSLContext | None = None, *, linger_s: float = 0.05) -> bytes:
     """Send `data` on a fresh connection, read what comes back for `linger_s` (or until the node closes it)."""
-    parts = urllib.parse.urlsplit(url)
     got = b""
     try:
-        async with await trio.open_tcp_stream(parts.hostname, parts.port) as stream:
+        async with await open_raw(url, tls) as stream:
             await stream.send_all(data)
             with trio.move_on_after(linger_s):
                 while chunk := await stream.receive_some(65536):
@@ -30,10 +44,9 @@ async def exchange(url: str, data: bytes, *, linger_s: float = 0.05) -> bytes:
     return got
 
 
-async def closed_by_node(url: str, data: bytes, within_s: float = 10.0) -> bool:
+async def closed_by_node(url: str, data: bytes, tls: ssl.SSLContext | None = None, within_s: float = 10.0) -> bool:
     """Send `data` and wait for the node to close the connection (EOF or reset)."""
-    parts = urllib.parse.urlsplit(url)
-    async with await trio.open_tcp_stream(parts.hostname, parts.port) as stream:
+    async with await open_raw(url, tls) as stream:
         await stream.send_all(data)
         with trio.move_on_after(within_s):
             try:
@@ -46,18 +59,20 @@ async def closed_by_node(url: str, data: bytes, within_s: float = 10.0) -> bool:
 
 
 async def answers(url: str) -> None:
-    async with httpx.AsyncClient(timeout=10) as c:
+    async with client_http(timeout=10) as c:
         assert (await c.get(url + "/health")).status_code == 200
 
 
 async def fuzz(urls: list[str], seed: int, cases: int) -> None:
-    gen = Fuzz(seed)
+    gen, ways = Fuzz(seed), doors(urls)
     for start in range(0, cases, BATCH):
         async with trio.open_nursery() as n:
-            for _ in range(min(BATCH, cases - start)):
-                _, data = gen.case()
-                n.start_soon(exchange, urls[0], data)
-        await answers(urls[0])  # still alive after this batch
+            for i in range(start, min(start + BATCH, cases)):
+                kind, data = gen.case()
+                url, tls = ways[i % len(ways)]
+                n.start_soon(exchange, url, data, tls[kind])
+        for url in urls:  # each still alive after this batch
+            await answers(url)
 
 
 async def served_end_to_end(orch, urls: list[str]) -> None:
@@ -66,7 +81,7 @@ async def served_end_to_end(orch, urls: list[str]) -> None:
     with trio.fail_after(30):
         r = await orch.submit("after the fuzz", max_tokens=6)
     assert r.error is None and list(r.token_ids) == stub_tokens("after the fuzz", 6)
-    async with httpx.AsyncClient(http1=False, http2=True, timeout=30) as c:
+    async with client_http(http1=False, http2=True, timeout=30) as c:
         r = await c.post(urls[0] + "/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
                          json={"model": "stub", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
         assert r.status_code == 200, r.text
@@ -113,9 +128,11 @@ VECTORS = {
 @pytest.mark.parametrize("vector", list(VECTORS))
 async def test_each_vector_the_audit_named_ends_its_own_connection_only(nursery, tmp_path, vector):
     orch, urls, _ = await start_cluster(nursery, 2, tmp_path)
-    async with httpx.AsyncClient(http1=False, http2=True, timeout=10) as bystander:  # a connection open throughout
-        assert (await bystander.get(urls[0] + "/health")).status_code == 200
-        assert await closed_by_node(urls[0], VECTORS[vector])
-        assert (await bystander.get(urls[0] + "/health")).status_code == 200
+    kind = "h2" if VECTORS[vector].startswith(PREFACE) else "h1"
+    async with client_http(http1=False, http2=True, timeout=10) as bystander:  # a connection open throughout
+        for url, tls in doors(urls):
+            assert (await bystander.get(url + "/health")).status_code == 200
+            assert await closed_by_node(url, VECTORS[vector], tls[kind]), url
+            assert (await bystander.get(url + "/health")).status_code == 200
     await served_end_to_end(orch, urls)
     nursery.cancel_scope.cancel()

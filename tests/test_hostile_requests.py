@@ -3,8 +3,8 @@ in-process cluster of the stand-in model (tests/cluster.py) where that is what i
 
 - a poison request (a seed numpy refuses, a temperature that overflows, a compute job that raises) fails
   alone, naming the stage, and the stage goes on; a request that failed is never replayed;
-- a client that leaves — over HTTP/1.1 or HTTP/2, before or after the first byte, streamed or not — has its
-  request cancelled, and every slot and record of it freed (bench/hostile.py: how soon);
+- a client that leaves — over HTTP/1.1 or HTTP/2, plain or TLS, before or after the first byte, streamed or
+  not — has its request cancelled, and every slot and record of it freed (bench/hostile.py: how soon);
 - work on the event loop is bounded: stop strings are capped and matched in linear time, a prompt longer
   than the context could hold is refused untokenized, and tokenizing runs in a thread, so /health answers
   meanwhile (bench/hostile.py: how fast);
@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import trio
 
-from cluster import API_KEY, slow_stub, start_cluster, stub_tokens
+from cluster import API_KEY, api, ca_context, client_http, slow_stub, start_cluster, stub_tokens
 from node.api import openai_read
 from node.api.openai_read import prompts as _prompts
 from node.api.openai_tools import tool_setup
@@ -51,7 +51,7 @@ LONG = 400  # tokens: with a slowed stand-in, seconds of work if nobody cancels 
 
 
 async def health(urls):
-    async with httpx.AsyncClient() as c:
+    async with client_http() as c:
         return [(await c.get(u + "/health")).json() for u in urls]
 
 
@@ -152,12 +152,20 @@ async def soon() -> None:
     await trio.sleep(random.uniform(0, 0.005))
 
 
+async def connect(url: str, alpn: str) -> tuple[trio.abc.Stream, str]:
+    """A raw connection as a client makes one, plain to an http:// address, TLS (no certificate) to https://; and
+    the host:port it names."""
+    parts, context = urllib.parse.urlsplit(url), ca_context()
+    context.set_alpn_protocols([alpn])
+    sock = await trio.open_tcp_stream(parts.hostname, parts.port)
+    return sock if parts.scheme == "http" else trio.SSLStream(sock, context, server_hostname="node"), parts.netloc
+
+
 async def h1_leave(url: str, body: bytes, *, after_first_byte: bool, wait=soon) -> None:
     """HTTP/1.1 on a raw socket: send the request, then close the socket (once `wait` returns, or at the
     first streamed event)."""
-    parts = urllib.parse.urlsplit(url)
-    sock = await trio.open_tcp_stream(parts.hostname, parts.port)
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {parts.netloc}\r\nAuthorization: Bearer {API_KEY}\r\n"
+    sock, netloc = await connect(url, "http/1.1")
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {netloc}\r\nAuthorization: Bearer {API_KEY}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
     await sock.send_all(head + body)
     if after_first_byte:
@@ -170,13 +178,12 @@ async def h1_leave(url: str, body: bytes, *, after_first_byte: bool, wait=soon) 
 async def h2_leave(url: str, body: bytes, *, after_first_byte: bool, reset: bool, wait=soon):
     """HTTP/2 with prior knowledge on a raw socket (the `h2` library): send the request, then reset the
     stream (the connection stays open: returned, for the caller to close later) or close the connection."""
-    parts = urllib.parse.urlsplit(url)
-    sock = await trio.open_tcp_stream(parts.hostname, parts.port)
+    sock, netloc = await connect(url, "h2")
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     conn.initiate_connection()
     sid = conn.get_next_available_stream_id()
     conn.send_headers(sid, [(":method", "POST"), (":path", "/v1/chat/completions"), (":scheme", "http"),
-                            (":authority", parts.netloc), ("authorization", f"Bearer {API_KEY}"),
+                            (":authority", netloc), ("authorization", f"Bearer {API_KEY}"),
                             ("content-type", "application/json"), ("content-length", str(len(body)))])
     conn.send_data(sid, body, end_stream=True)
     await sock.send_all(conn.data_to_send())
@@ -199,7 +206,7 @@ async def h2_leave(url: str, body: bytes, *, after_first_byte: bool, reset: bool
 LEAVING = [  # (how the client leaves, streamed, after the first byte)
     ("http/1.1 close", True, False), ("http/1.1 close", True, True), ("http/1.1 close", False, False),
     ("http/2 reset", True, False), ("http/2 reset", True, True), ("http/2 close", True, False),
-    ("http/2 reset", False, False)]
+    ("http/2 reset", False, False), ("http/1.1 close over TLS", True, True), ("http/2 reset over TLS", True, False)]
 
 
 @pytest.mark.parametrize("how,stream,after_first_byte", LEAVING,
@@ -210,6 +217,7 @@ async def test_a_client_that_leaves_is_cancelled_and_frees_its_slots_and_the_ent
     orch, urls, _ = await start_cluster(nursery, 2, tmp_path, max_seqs=4, max_queue=16)
     slow_stub(monkeypatch, 0.005)  # 400 tokens: seconds of steps if nobody cancels them
     body, kept = _body(stream), []
+    door = urls[0] if "TLS" in how else api(urls[0])  # stage 0's API is served both ways
 
     async def admitted():  # the entry follows a request: one of these was admitted before its client left
         with trio.fail_after(10):
@@ -218,9 +226,9 @@ async def test_a_client_that_leaves_is_cancelled_and_frees_its_slots_and_the_ent
 
     async def leave(wait):
         if how.startswith("http/1.1"):
-            await h1_leave(urls[0], body, after_first_byte=after_first_byte, wait=wait)
+            await h1_leave(door, body, after_first_byte=after_first_byte, wait=wait)
         else:
-            kept.append(await h2_leave(urls[0], body, after_first_byte=after_first_byte, reset="reset" in how,
+            kept.append(await h2_leave(door, body, after_first_byte=after_first_byte, reset="reset" in how,
                                        wait=wait))
     clients = 2 if after_first_byte else 8  # 8: four running, four waiting for a slot
     async with trio.open_nursery() as n:
@@ -231,7 +239,7 @@ async def test_a_client_that_leaves_is_cancelled_and_frees_its_slots_and_the_ent
     finally:
         for sock in filter(None, kept):
             await sock.aclose()
-    async with httpx.AsyncClient() as c:
+    async with client_http() as c:
         metrics = (await c.get(urls[0] + "/metrics", headers=AUTH)).text
     ended = dict(re.findall(r'pp_requests_total\{[^}]*reason="(\w+)"[^}]*\} (\S+)', metrics))
     assert float(ended.get("cancelled", 0)) >= 1, metrics  # they were admitted, then cancelled
@@ -307,9 +315,9 @@ async def test_health_is_answered_while_a_prompt_is_tokenized(nursery, tmp_path,
         waited.append(answered.wait(timeout=10))  # False: /health could not answer while this ran
         return real(self, messages, **kw)
     monkeypatch.setattr(StubTokenizer, "encode_messages", held_template)
-    async with httpx.AsyncClient(timeout=30) as client, httpx.AsyncClient(timeout=30, headers=AUTH) as api:
+    async with client_http(timeout=30) as client, client_http(timeout=30, headers=AUTH) as user:
         async with trio.open_nursery() as n:
-            n.start_soon(functools.partial(api.post, urls[0] + "/v1/chat/completions", json={**CHAT, "max_tokens": 4}))
+            n.start_soon(functools.partial(user.post, urls[0] + "/v1/chat/completions", json={**CHAT, "max_tokens": 4}))
             await trio.to_thread.run_sync(tokenizing.wait, 20)
             assert (await client.get(urls[0] + "/health")).status_code == 200
             answered.set()
@@ -337,11 +345,11 @@ async def test_every_malformed_body_on_the_api_paths_is_an_openai_shaped_400(nur
     async with httpx.AsyncClient(timeout=30, headers={**AUTH, "Content-Type": "application/json"}) as client:
         for path in ("/v1/completions", "/v1/chat/completions"):
             for name, body in MALFORMED.items():
-                r = await client.post(urls[0] + path, content=body)
+                r = await client.post(api(urls[0]) + path, content=body)
                 shaped = r.headers.get("content-type", "").startswith("application/json") and \
                     set(r.json().get("error", {})) == {"message", "type", "param", "code"}
                 answers[path, name] = (r.status_code, shaped)
-        assert (await client.post(urls[0] + "/v1/completions",
+        assert (await client.post(api(urls[0]) + "/v1/completions",
                                   json={"model": "stub", "prompt": "hi", "max_tokens": 2})).status_code == 200
     assert answers == {key: (400, True) for key in answers}
     nursery.cancel_scope.cancel()
@@ -360,11 +368,11 @@ async def test_a_body_past_what_the_context_could_need_is_an_openai_shaped_413(n
         async def chunked():
             for i in range(0, len(over), 65536):
                 yield over[i:i + 65536]
-        answers = [await client.post(urls[0] + "/v1/chat/completions", content=over,
+        answers = [await client.post(api(urls[0]) + "/v1/chat/completions", content=over,
                                      headers={"Content-Type": "application/json"}),
-                   await client.post(urls[0] + "/v1/chat/completions", content=chunked(),
+                   await client.post(api(urls[0]) + "/v1/chat/completions", content=chunked(),
                                      headers={"Content-Type": "application/json"})]
-        under = await client.post(urls[0] + "/v1/chat/completions",
+        under = await client.post(api(urls[0]) + "/v1/chat/completions",
                                   json={**CHAT, "messages": [{"role": "user", "content": "x" * (limit // 2)}]})
     assert [(r.status_code, r.json()["error"]["code"]) for r in answers] == [(413, "request_too_large")] * 2
     assert (under.status_code, under.json()["error"]["code"]) == (400, "context_length_exceeded")
@@ -376,7 +384,7 @@ async def test_a_body_that_stalls_is_a_408_and_the_stage_serves_on(nursery, tmp_
     (shortened here) ends it, before the first byte of the body or between two."""
     monkeypatch.setattr(openai_read, "BODY_IDLE_S", 0.5)
     orch, urls, _ = await start_cluster(nursery, 2, tmp_path)
-    parts = urllib.parse.urlsplit(urls[0])
+    parts = urllib.parse.urlsplit(api(urls[0]))
     answers = []
     for sent in (b"", b'{"model": "stub", '):
         sock = await trio.open_tcp_stream(parts.hostname, parts.port)
@@ -399,7 +407,7 @@ async def test_a_body_that_stalls_is_a_408_and_the_stage_serves_on(nursery, tmp_
 async def test_the_chat_page_is_sent_with_a_strict_csp_nosniff_and_no_framing(nursery, tmp_path):
     orch, urls, _ = await start_cluster(nursery, 2, tmp_path)
     async with httpx.AsyncClient() as client:
-        r = await client.get(urls[0] + "/")
+        r = await client.get(api(urls[0]) + "/")
     policy = dict(d.strip().split(" ", 1) for d in r.headers["content-security-policy"].split(";"))
     inline = {kind: [f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'"
                      for k, b in re.findall(r"<(script|style)>(.*?)</\1>", r.text, re.DOTALL) if k == kind]

@@ -2,13 +2,12 @@
 requests preempted so that no stage holds more, preempted requests replayed with the same answers, and
 nothing failing for lack of KV while a request could wait."""
 import attrs
-import httpx
 import numpy as np
 import pytest
 import trio
 
 from chain import Chain
-from cluster import PATIENT_SWIM, start_cluster
+from cluster import PATIENT_SWIM, client_http, start_cluster
 from node.kv_memory import KvPositions, chain_positions, stage_positions
 from roles import make_actor
 from roles.actions import Refused, Send
@@ -225,7 +224,7 @@ async def test_a_cluster_with_one_context_of_kv_memory_preempts_and_answers_ever
     for i, ids in enumerate(prompts):
         want = generate_full(model, list(ids), 24, ENDLESS).token_ids
         assert got[i].error is None and list(got[i].token_ids) == want, i
-    async with httpx.AsyncClient() as c:
+    async with client_http() as c:  # every stage's port speaks TLS
         health = [(await c.get(u + "/health")).json() for u in urls]
     assert health[0]["kv"]["budget_positions"] == 64
     assert sum(r.queued_s > 0 for r in got.values()) >= 4  # 8 prompts of 136 positions in all: half must wait

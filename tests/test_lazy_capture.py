@@ -4,11 +4,10 @@ into the captured buckets alone, and every answer is the same as with every buck
 import types
 
 import numpy as np
-import httpx
 import pytest
 import trio
 
-from cluster import PATIENT_SWIM, start_cluster
+from cluster import PATIENT_SWIM, client_http, start_cluster
 from node import main as node_main, stage_node
 from node.membership.gossip import Member, Meta, State
 from node.stage_node import StageNode
@@ -125,7 +124,7 @@ async def test_a_stage_captures_its_other_buckets_once_the_chain_serves_and_it_i
         nodes.append(self)
     monkeypatch.setattr(StageNode, "__init__", init)
     orch, urls, _ = await start_cluster(nursery, 2, tmp_path, model="tiny", swim_config=PATIENT_SWIM)
-    async with httpx.AsyncClient(timeout=30) as client:
+    async with client_http(timeout=30) as client:
         assert (await client.get(urls[1] + "/health")).json()["warming"] is True  # buckets left: /health says so
         with trio.fail_after(120):
             while not all(captured(n.worker) == list(n.worker.compute.model.buckets) for n in nodes):

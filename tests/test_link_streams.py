@@ -9,7 +9,7 @@ import httpx
 import pytest
 import trio
 
-from cluster import API_KEY, _node_until_listening, slow_stub, stage_config, start_cluster, stub_tokens
+from cluster import API_KEY, _node_until_listening, client_http, slow_stub, stage_config, start_cluster, stub_tokens
 from node.observe import hops
 from runner.orchestrator import StageDied
 from node.stage_node import StageNode
@@ -53,7 +53,7 @@ async def test_a_link_whose_connection_drops_mid_request_is_reopened_and_loses_n
         with trio.fail_after(60):
             response = await orch.submit("Say hello", max_tokens=60)
     assert response.error is None and list(response.token_ids) == stub_tokens("Say hello", 60)
-    async with httpx.AsyncClient() as c:
+    async with client_http() as c:
         opened = [(await c.get(u + "/health")).json()["link_streams"] for u in urls]
     assert opened[0]["pp-stage-1"] >= 2 and opened[2]["pp-stage-0"] >= 2, opened
     nursery.cancel_scope.cancel()
@@ -122,7 +122,7 @@ async def test_a_stage_restarted_mid_request_fails_it_naming_the_stage_then_the_
     assert old is None or old.addr != new_url
     # through the entry's API: the runner's own submit refuses to ask a cluster that has lost a member
     messages = [{"role": "user", "content": "Say hello"}]
-    async with httpx.AsyncClient(timeout=30, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+    async with client_http(timeout=30, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
         r = await c.post(urls[0] + "/v1/chat/completions", json={
             "model": "stub", "messages": messages, "max_tokens": 8, "temperature": 0, "return_token_ids": True})
     assert r.status_code == 200, r.text

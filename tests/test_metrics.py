@@ -1,13 +1,12 @@
 """GET /metrics on every node: Prometheus' text format, read back with prometheus_client's own parser, and
 counters that move by what a request did; every series names the served model, as vLLM's do."""
-import httpx
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster import API_KEY, start_cluster
+from cluster import API_KEY, client_http, start_cluster
 from worker.models import stub_model
 
-AUTH = {"Authorization": f"Bearer {API_KEY}"}  # a scraper is a client
+AUTH = {"Authorization": f"Bearer {API_KEY}"}  # a scraper is a client (over TLS, without a certificate)
 MODEL_NAME = "served-stub"  # what the API calls the model: not the model argument
 
 
@@ -27,7 +26,7 @@ async def test_metrics_parse_and_move_by_what_one_request_did(nursery, tmp_path)
     _, urls, _ = await start_cluster(nursery, 3, tmp_path, model_name=MODEL_NAME)
     messages = [{"role": "user", "content": "Say hello"}]
     prompt = len(stub_model().tokenizer().encode_messages(messages))
-    async with httpx.AsyncClient(timeout=30) as client:
+    async with client_http(timeout=30) as client:
         assert (await client.get(urls[0] + "/metrics")).status_code == 401  # it takes a client API key
         before = [await scrape(client, u) for u in urls]
         with trio.fail_after(30):
@@ -66,7 +65,7 @@ async def test_metrics_parse_and_move_by_what_one_request_did(nursery, tmp_path)
 
 async def test_every_series_of_every_node_is_labelled_with_the_served_model_name(nursery, tmp_path):
     _, urls, _ = await start_cluster(nursery, 2, tmp_path, model_name=MODEL_NAME)
-    async with httpx.AsyncClient(timeout=30) as client:
+    async with client_http(timeout=30) as client:
         scraped = [await scrape(client, u) for u in urls]
     for samples in scraped:
         assert {"pp_slots_in_use", "pp_gossip_members", "pp_generated_tokens_total",
@@ -82,7 +81,7 @@ async def test_the_prefix_cache_counts_tokens_looked_up_and_found_and_health_sho
                 {"role": "user", "content": "Say hello"}]
     prompt = len(stub_model().tokenizer().encode_messages(messages))
     body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
-    async with httpx.AsyncClient(timeout=30) as client:
+    async with client_http(timeout=30) as client:
         for _ in range(2):  # the second starts after the whole blocks of the first's prompt
             with trio.fail_after(30):
                 assert (await client.post(urls[0] + "/v1/chat/completions", headers=AUTH, json=body)).status_code == 200

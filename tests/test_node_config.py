@@ -75,10 +75,10 @@ def test_every_variable_is_read_from_the_environment():
         "PUBLIC_IPADDR": " 203.0.113.4\n", "VAST_TCP_PORT_9000": "41234", "VAST_TCP_PORT_8000": "1",
         "PP_NODE_ID": "alpha", "PP_MAX_BODY": "1048576", "PP_LOG_LEVEL": "debug",
         "XDG_CACHE_HOME": "/xdg", "OLLAMA_MODELS": "/models"})
-    assert cfg.seed_addr == "http://10.0.0.5:7000"
-    assert cfg.peer_direct == ("http://10.0.0.6:8000", "http://10.0.0.7:8001")
+    assert cfg.seed_addr == "https://10.0.0.5:7000"
+    assert cfg.peer_direct == ("https://10.0.0.6:8000", "https://10.0.0.7:8001")
     assert (cfg.model, cfg.port, cfg.bind_host, cfg.advertise_addr) == ("llama3.2:1b", 9000, "10.0.0.9",
-                                                                        "http://node.example:80")
+                                                                        "https://node.example:80")
     assert (cfg.public_ip, cfg.public_port) == ("203.0.113.4", 41234)  # the mapping of PP_PORT, not of 8000
     assert (cfg.node_id, cfg.max_body_bytes, cfg.log_level) == ("alpha", 1048576, "DEBUG")
     assert (cfg.cache_dir, cfg.ollama_models_dir) == (Path("/xdg/pp"), Path("/models"))
@@ -98,8 +98,8 @@ def test_the_cluster_token_loses_surrounding_whitespace():
 @pytest.mark.parametrize("argv, field, expected", [
     (["--stage", "2"], "stage", 2),
     (["--num-stages", "5"], "num_stages", 5),
-    (["--seed-addr", "10.1.1.1:9"], "seed_addr", "http://10.1.1.1:9"),
-    (["--peer-direct", "a:1", "--peer-direct", "b:2,c:3"], "peer_direct", ("http://a:1", "http://b:2", "http://c:3")),
+    (["--seed-addr", "10.1.1.1:9"], "seed_addr", "https://10.1.1.1:9"),
+    (["--peer-direct", "a:1", "--peer-direct", "b:2,c:3"], "peer_direct", ("https://a:1", "https://b:2", "https://c:3")),
     (["--model", "small"], "model", "small"),
     (["--port", "0"], "port", 0),
     (["--bind", "127.0.0.2"], "bind_host", "127.0.0.2"),
@@ -220,11 +220,11 @@ def test_the_default_node_id_is_reproducible_with_an_injected_rng_and_differs_ac
 # --- addresses --------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("raw, expected", [
-    ("10.0.0.5:7000", "http://10.0.0.5:7000"),
-    ("http://10.0.0.5:7000/", "http://10.0.0.5:7000"),
+    ("10.0.0.5:7000", "https://10.0.0.5:7000"),
+    ("http://10.0.0.5:7000/", "https://10.0.0.5:7000"),
     (" https://node.example:8443// ", "https://node.example:8443"),
-    ("node.example", "http://node.example"),
-    ("[::1]:7000", "http://[::1]:7000"),
+    ("node.example", "https://node.example"),
+    ("[::1]:7000", "https://[::1]:7000"),
 ])
 def test_addresses_are_normalised_to_base_urls(raw, expected):
     assert normalise_url(raw, "SEED_ADDR") == expected
@@ -233,14 +233,14 @@ def test_addresses_are_normalised_to_base_urls(raw, expected):
 @pytest.mark.parametrize("overrides, bound_port, expected", [
     ({"advertise_addr": "http://me.example:80", "public_ip": "203.0.113.4", "public_port": 41234}, 8000,
      "http://me.example:80"),
-    ({"public_ip": "203.0.113.4", "public_port": 41234}, 8000, "http://203.0.113.4:41234"),
-    ({"public_ip": "2001:db8::4", "public_port": 41234}, 8000, "http://[2001:db8::4]:41234"),
-    ({"public_ip": "203.0.113.4"}, 8000, "http://127.0.0.1:8000"),   # no port mapping: not reachable there
-    ({"public_port": 41234}, 8000, "http://127.0.0.1:8000"),
-    ({}, 43111, "http://127.0.0.1:43111"),                            # 0.0.0.0 and an ephemeral port
-    ({"bind_host": "::"}, 8000, "http://127.0.0.1:8000"),
-    ({"bind_host": "10.0.0.9"}, 8000, "http://10.0.0.9:8000"),
-    ({"bind_host": "::1"}, 8000, "http://[::1]:8000"),
+    ({"public_ip": "203.0.113.4", "public_port": 41234}, 8000, "https://203.0.113.4:41234"),
+    ({"public_ip": "2001:db8::4", "public_port": 41234}, 8000, "https://[2001:db8::4]:41234"),
+    ({"public_ip": "203.0.113.4"}, 8000, "https://127.0.0.1:8000"),   # no port mapping: not reachable there
+    ({"public_port": 41234}, 8000, "https://127.0.0.1:8000"),
+    ({}, 43111, "https://127.0.0.1:43111"),                            # 0.0.0.0 and an ephemeral port
+    ({"bind_host": "::"}, 8000, "https://127.0.0.1:8000"),
+    ({"bind_host": "10.0.0.9"}, 8000, "https://10.0.0.9:8000"),
+    ({"bind_host": "::1"}, 8000, "https://[::1]:8000"),
 ])
 def test_the_advertised_url_prefers_explicit_then_public_then_bound_address(overrides, bound_port, expected):
     assert advertised_url(config(**overrides), bound_port) == expected

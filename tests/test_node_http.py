@@ -9,13 +9,13 @@ import pytest
 import trio
 
 import cluster as local
-from cluster import API_KEY, FAST_SWIM, TOKEN, stage_config, start_cluster
+from cluster import API_KEY, FAST_SWIM, TOKEN, api, client_http, member_http, stage_config, start_cluster
 from node.transport import wire
 from worker.models import stub_model
 from worker.reference import generate_full
 from worker.stub import STUB_DIM
 
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
+AUTH = {"Authorization": f"Bearer {TOKEN}"}  # the token sent: it opens nothing of the cluster's (a member's connection does)
 KEY = {"Authorization": f"Bearer {API_KEY}"}
 MAX_BODY = 64 * 1024
 
@@ -23,7 +23,7 @@ MAX_BODY = 64 * 1024
 @pytest.fixture
 async def cluster(nursery, tmp_path):
     orch, urls, _ = await start_cluster(nursery, 2, tmp_path, max_body_bytes=MAX_BODY)
-    async with httpx.AsyncClient(http1=False, http2=True, timeout=10) as client:
+    async with member_http(http1=False, http2=True, timeout=10) as client:  # a member's certificate
         yield orch, urls, client
     nursery.cancel_scope.cancel()
 
@@ -37,18 +37,21 @@ def activation(rid="r", position=0, seq_len=1, hidden_len=None, prefill=True):
     return struct.pack(">I", len(raw)) + raw + b"\0" * n
 
 
-async def answer(client, url, path, body, headers=AUTH, content_type="application/json"):
-    r = await client.post(url + path, content=body, headers={**headers, "Content-Type": content_type})
+async def answer(client, url, path, body, headers=None, content_type="application/json"):
+    r = await client.post(url + path, content=body, headers={**(headers or {}), "Content-Type": content_type})
     return r.status_code, r.json().get("error", "")
 
 
-async def test_health_needs_no_token_but_everything_else_does(cluster):
-    _, urls, client = cluster
-    assert (await client.get(urls[0] + "/health")).status_code == 200
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
-        status, error = await answer(client, urls[0], "/v1/inference", b"{}", headers)
-        assert status == 401 and "cluster token" in error and TOKEN not in error
-        assert (await client.get(urls[0] + "/v1/members", headers=headers)).status_code == 401
+async def test_health_needs_no_certificate_but_everything_else_does(cluster):
+    _, urls, _ = cluster
+    async with client_http(timeout=10) as client:  # over TLS, without a member's certificate
+        assert (await client.get(urls[0] + "/health")).status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+            status, error = await answer(client, urls[0], "/v1/inference", b"{}", headers)
+            assert status == 401 and "member's certificate" in error and TOKEN not in error
+            assert (await client.get(urls[0] + "/v1/members", headers=headers)).status_code == 401
+        status, error = await answer(client, urls[0], "/v1/inference", b"{}", AUTH)  # the token, sent
+        assert status == 403 and "never sent" in error and TOKEN not in error
 
 
 @pytest.mark.parametrize("body,field", [
@@ -138,8 +141,8 @@ async def test_the_node_still_serves_after_bad_input_and_speaks_http1_too(cluste
     orch, urls, client = cluster
     await answer(client, urls[0], "/v1/inference", b"garbage")
     await answer(client, urls[1], "/v1/activation", b"\0" * (MAX_BODY + 1), content_type="application/octet-stream")
-    async with httpx.AsyncClient(http1=True, http2=False) as h1:
-        r = await h1.get(urls[0] + "/v1/members", headers=AUTH)
+    async with member_http(http1=True, http2=False) as h1:
+        r = await h1.get(urls[0] + "/v1/members")
         assert r.status_code == 200 and r.http_version == "HTTP/1.1" and len(r.json()["members"]) == 3
     with trio.fail_after(30):
         response = await orch.submit("Say hello", max_tokens=8)
@@ -149,10 +152,11 @@ async def test_the_node_still_serves_after_bad_input_and_speaks_http1_too(cluste
 
 async def test_a_large_body_refused_before_it_is_read_does_not_take_the_node_down(cluster):
     orch, urls, client = cluster
-    for headers in ({}, AUTH):  # 401 before reading, and 413 before reading
-        status, _ = await answer(client, urls[1], "/v1/activation", b"\0" * (4 * MAX_BODY), headers,
-                                 content_type="application/octet-stream")
-        assert status in (401, 413)
+    async with client_http(http1=False, http2=True, timeout=10) as guest:
+        for asker, status in ((guest, 401), (client, 413)):  # 401 before reading, and 413 before reading
+            got, _ = await answer(asker, urls[1], "/v1/activation", b"\0" * (4 * MAX_BODY),
+                                  content_type="application/octet-stream")
+            assert got == status
     assert (await client.get(urls[1] + "/health")).status_code == 200
 
 
@@ -167,9 +171,9 @@ async def test_one_http2_connection_carries_more_than_a_thousand_requests(cluste
 async def test_a_long_poll_with_nothing_to_return_keeps_the_http2_connection(cluster):
     _, urls, client = cluster
     for _ in range(3):
-        r = await client.get(urls[0] + "/v1/response/nobody?wait=0.1", headers=AUTH)
+        r = await client.get(urls[0] + "/v1/response/nobody?wait=0.1")
         assert r.status_code == 204 and r.http_version == "HTTP/2"
-    r = await client.get(urls[0] + "/v1/members", headers=AUTH)
+    r = await client.get(urls[0] + "/v1/members")
     assert r.status_code == 200
 
 
@@ -177,7 +181,7 @@ async def test_an_early_refusal_over_http1_closes_the_connection_instead_of_leav
     # Headers and body in separate writes, as httpx sends them: the 401 is decided on the headers, before
     # the body is in. hypercorn then sometimes left the kept-alive connection answering nothing.
     _, urls, _ = cluster
-    host, port = urls[0].removeprefix("http://").split(":")
+    host, port = urls[0].split("://")[1].split(":")  # stage 0's port serves its API in plain HTTP too
     head = "POST /v1/inference HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 35\r\n\r\n"
     for _ in range(20):
         stream = await trio.open_tcp_stream(host, int(port))
@@ -193,9 +197,9 @@ async def test_an_early_refusal_over_http1_closes_the_connection_instead_of_leav
         assert b" 401 " in status_line and b"connection: close" in headers.lower()
     async with httpx.AsyncClient(http1=True, http2=False, timeout=3) as h1:
         for _ in range(50):  # a client that keeps connections alive gets every answer
-            r = await h1.post(urls[0] + "/v1/inference", content=b"x" * 35)
+            r = await h1.post(api(urls[0]) + "/v1/inference", content=b"x" * 35)
             assert r.status_code == 401 and r.http_version == "HTTP/1.1"
-        r = await h1.get(urls[0] + "/v1/members", headers=AUTH)
+        r = await h1.get(api(urls[0]) + "/health")
         assert r.status_code == 200 and "close" not in r.headers.get("connection", "")
 
 
@@ -208,11 +212,13 @@ async def test_an_early_refusal_over_http1_closes_the_connection_instead_of_leav
     ("GET", "/v1/chat/completions", KEY, 405, None),
     ("DELETE", "/v1/models/stub", KEY, 405, None),
     ("GET", "/tokenize", KEY, 405, None),
-    ("GET", "/v1/inference", AUTH, 405, None),  # the cluster's own route: the token opens it, not with GET
+    ("GET", "/v1/inference", AUTH, 405, None),  # the cluster's own route: a member may call it, not with GET
 ])
 async def test_404s_and_405s_under_v1_are_openai_json_not_html_pages(cluster, method, path, headers, status, code):
-    _, urls, client = cluster
-    r = await client.request(method, urls[0] + path, headers=headers)
+    _, urls, member = cluster
+    async with client_http(timeout=10) as guest:  # AUTH stands for a member's connection here
+        client = member if headers is AUTH else guest
+        r = await client.request(method, urls[0] + path, headers={} if headers is AUTH else headers)
     assert r.status_code == status and r.headers["content-type"] == "application/json", r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["code"] == code
@@ -224,7 +230,7 @@ async def test_404s_and_405s_under_v1_are_openai_json_not_html_pages(cluster, me
 
 async def test_elsewhere_and_on_the_other_stages_a_404_is_json_too(cluster):
     _, urls, client = cluster
-    for url, path, headers in ((urls[0], "/nope", AUTH), (urls[1], "/v1/models", KEY), (urls[1], "/tokenize", KEY)):
+    for url, path, headers in ((urls[0], "/nope", {}), (urls[1], "/v1/models", KEY), (urls[1], "/tokenize", KEY)):
         r = await client.get(url + path, headers=headers)
         assert r.status_code == 404 and r.json() == {"error": f"no such endpoint: GET {path}"}
 
@@ -244,7 +250,7 @@ async def test_a_model_is_retrieved_by_its_id_as_v1_models_lists_it_and_another_
 
 async def test_a_model_name_with_slashes_is_retrieved_by_it(nursery, tmp_path):
     _, urls, _ = await start_cluster(nursery, 2, tmp_path, model_name="HuggingFaceTB/SmolLM2-135M-Instruct")
-    async with httpx.AsyncClient(timeout=10, headers=KEY) as client:
+    async with client_http(timeout=10, headers=KEY) as client:
         r = await client.get(urls[0] + "/v1/models/HuggingFaceTB/SmolLM2-135M-Instruct")
         assert r.status_code == 200 and r.json()["id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
         assert (await client.get(urls[0] + "/v1/models/HuggingFaceTB")).status_code == 404
@@ -260,7 +266,7 @@ async def test_health_is_503_until_the_chain_can_serve_then_200_and_503_again_wh
     def config(stage, peer):
         return stage_config(stage, 2, model="stub", seed=orch.url, peer=peer, tmp=tmp_path)
     url0 = await nursery.start(local._scoped, trio.CancelScope(), config(0, None), compute)
-    async with httpx.AsyncClient(timeout=10) as client:
+    async with client_http(timeout=10) as client:
         with trio.fail_after(30):
             while not (alone := await client.get(url0 + "/health")).json()["ready"]:
                 await trio.sleep(0.05)

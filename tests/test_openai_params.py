@@ -7,7 +7,7 @@ import httpx
 import pytest
 import trio
 
-from cluster import API_KEY, slow_stub, start_cluster
+from cluster import API_KEY, api, slow_stub, start_cluster
 from worker.batching import Segment
 from worker.contract import Sampling
 from worker.logprobs import token_logprobs
@@ -22,7 +22,7 @@ TOK = StubTokenizer()
 @pytest.fixture
 async def entry(nursery, tmp_path):
     _, urls, _ = await start_cluster(nursery, 3, tmp_path, max_seqs=4, max_queue=8, chunked_prefill_size=3)
-    async with httpx.AsyncClient(base_url=urls[0], headers=AUTH, timeout=60) as client:
+    async with httpx.AsyncClient(base_url=api(urls[0]), headers=AUTH, timeout=60) as client:
         yield client
 
 

@@ -12,6 +12,7 @@ from worker.partition import Shard
 from node.transport import frames
 from node.transport.app import make_app
 from node.transport.link_routes import add_link_routes
+from cluster import MEMBER_TLS
 from node.transport.client import PeerClient
 from node.transport.links import coalesce
 from node.transport.streams import MAX_INBOUND_LINKS, LinkReceiver, inbound_link_refusal
@@ -84,7 +85,7 @@ def test_hop_figures_are_labelled_only_by_the_chains_stages(source, link):
 
 
 def test_senders_a_peer_makes_up_share_one_hop_label_in_hops_and_metrics():
-    node = StageNode(Shard.of(1, 3), PeerClient("t"), side=DownstreamStage, node_id="n", model_name="m")
+    node = StageNode(Shard.of(1, 3), PeerClient(MEMBER_TLS), side=DownstreamStage, node_id="n", model_name="m")
     for i in range(50):  # a header or a link's `from` names the sender: anything a peer likes
         with pytest.raises(Refused):  # still loading: timed all the same, before the refusal
             node.deliver(NextTokens((Token("r", 1, 5, False),)), source=f"made-up-{i}", sent_at=hops.now())
@@ -104,16 +105,20 @@ class _Loaded:
         return {}
 
 
+MEMBER = ("10.0.0.1", 40000)
+
+
 @pytest.mark.parametrize("reading, status", [(MAX_INBOUND_LINKS, 503), (MAX_INBOUND_LINKS - 1, 200)])
 async def test_past_the_inbound_link_cap_a_link_open_and_its_state_are_refused_with_503(reading, status):
     links_in = LinkReceiver()
     links_in.streams = reading
     app = make_app(stage := _Loaded(links_in), token="t", max_body_bytes=1 << 20)
     add_link_routes(app, stage)
-    client, auth = app.test_client(), {"Authorization": "Bearer t"}
-    r = await client.get("/v1/link/abc", headers=auth)
+    app.pp_members[MEMBER] = "stage0"  # as if the connection had shown a member's certificate (tls_accept)
+    client = app.test_client()
+    r = await client.get("/v1/link/abc", scope_base={"client": MEMBER})
     assert r.status_code == status
     if status == 503:
-        r = await client.post("/v1/link?link=abc&from=pp-stage-0", headers=auth, data=b"")
+        r = await client.post("/v1/link?link=abc&from=pp-stage-0", scope_base={"client": MEMBER}, data=b"")
         assert r.status_code == 503 and "link streams" in (await r.get_json())["error"]
         assert r.headers["Retry-After"] == "1"

@@ -1,12 +1,11 @@
 """A flood of `GET /v1/pipeline` (a client key's) neither wedges stage 0's HTTP/2 connections to the other stages
 nor multiplies the asks for hop figures it makes of them (issue 33's second audit, finding 2), on an in-process
 cluster over real HTTP."""
-import httpx
 import pytest
 import trio
 
 import node.main
-from cluster import API_KEY, start_cluster
+from cluster import API_KEY, client_http, start_cluster
 from node.api import pipeline_view
 from node.api.pipeline_view import HOPS_FRESH_S, fresh
 from node.observe.hops import HopStats
@@ -21,7 +20,7 @@ async def _flood_of_views(url: str) -> list[int]:
     statuses = []
 
     async def views():
-        async with httpx.AsyncClient(http1=False, http2=True, timeout=60, headers=AUTH) as client:
+        async with client_http(http1=False, http2=True, timeout=60, headers=AUTH) as client:
             async with trio.open_nursery() as nursery:
                 for _ in range(VIEWS):
                     nursery.start_soon(view, client)
@@ -89,7 +88,7 @@ async def test_concurrent_views_share_their_asks_for_hop_figures(nursery, tmp_pa
     assert set(await _flood_of_views(urls[0])) == {200}
     # One gathering asks stages 1 and 2 once each; the flood spans a few gatherings at most, never one per view.
     assert 2 <= len(asks) <= 2 * 10, len(asks)
-    async with httpx.AsyncClient(timeout=30, headers=AUTH) as client:
+    async with client_http(timeout=30, headers=AUTH) as client:
         stages = (await client.get(urls[0] + "/v1/pipeline")).json()["stages"]
     assert [s["state"] for s in stages] == ["alive"] * 3
     nursery.cancel_scope.cancel()

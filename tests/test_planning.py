@@ -1,11 +1,10 @@
 """How nodes agree on the split at boot (node/planning.py, issue 37): the decisions are pure functions of the
 gossip view; a cluster of real tinygrad nodes plans, loads and shows its split."""
 import attrs
-import httpx
 import pytest
 import trio
 
-from cluster import API_KEY, PATIENT_SWIM, _scoped, _shared_compute, stage_config, start_cluster
+from cluster import API_KEY, PATIENT_SWIM, _scoped, _shared_compute, client_http, stage_config, start_cluster
 from node.membership.gossip import Member, Meta, State, Sync
 from node.transport import wire
 from node.planning import (describe, gossiped_costs, gossiped_plan, kept, measured_by, measurer, overlapping,
@@ -115,7 +114,7 @@ async def test_a_cluster_of_real_nodes_plans_its_split_and_the_pipeline_view_sho
     # the tiny model: 8 blocks; every node measures itself, stage 0 plans, each loads its range
     _, urls, _ = await start_cluster(nursery, 2, tmp_path, model="tiny", swim_config=PATIENT_SWIM,
                                      layer_partition="auto")
-    async with httpx.AsyncClient(timeout=30) as client:
+    async with client_http(timeout=30) as client:
         view = (await client.get(urls[0] + "/v1/pipeline", headers={"Authorization": f"Bearer {API_KEY}"})).json()
     split = view["split"]
     assert split["how"] == "auto" and sum(split["counts"]) == 8 and min(split["counts"]) >= 1

@@ -8,7 +8,7 @@ import pytest
 import trio
 
 from chain import Chain
-from cluster import API_KEY, PATIENT_SWIM, start_cluster
+from cluster import API_KEY, PATIENT_SWIM, api, start_cluster
 
 from worker.contract import FromCache, StepItem
 from worker.errors import PrefixMissing
@@ -195,9 +195,9 @@ async def test_a_live_cluster_answers_the_same_with_and_without_the_prefix_cache
             _, urls, _ = await start_cluster(nursery, 3, tmp_path / str(cache), max_seqs=4,
                                              prefix_cache=cache, swim_config=PATIENT_SWIM)
             with trio.fail_after(300):
-                answers[cache] = await chat_twice(urls[0], system, questions)
+                answers[cache] = await chat_twice(api(urls[0]), system, questions)  # as a user's client asks
             async with httpx.AsyncClient(timeout=30) as client:
-                hits[cache] = (await client.get(urls[0] + "/health")).json()["prefix_cache"]["hits"]
+                hits[cache] = (await client.get(api(urls[0]) + "/health")).json()["prefix_cache"]["hits"]
             nursery.cancel_scope.cancel()
     assert answers[True] == answers[False] and len(set(answers[True])) > 1  # and the questions were told apart
     assert hits[True] > 0 and hits[False] == 0

@@ -77,6 +77,10 @@ def test_two_shells_serve_an_openai_client_as_the_readme_says_and_a_restarted_st
     shells = [shell(a, "a"), shell(b, "b")]
     try:
         _wait_healthy(url)
+        stage1 = f"127.0.0.1:{ports['8001']}"  # the nodes speak TLS to each other: B answers nothing in plain HTTP
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://{stage1}/health", timeout=5)
+        assert httpx.get(f"https://{stage1}/health", timeout=5, verify=False).status_code == 200  # no identity needed
         out = subprocess.run(["bash", "-c", client], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
         status, answer = out.stdout.split("\n", 1)
         assert status == "200" and json.loads(answer)["choices"][0]["message"]["content"], out

@@ -30,7 +30,7 @@ import httpx
 import numpy as np
 import pytest
 
-from cluster import API_KEY, start_cluster
+from cluster import API_KEY, api, start_cluster
 from npforward import teacher_forced
 from worker.calibrate import calibrate
 from worker.chain import run_chain
@@ -332,8 +332,8 @@ async def test_the_api_answers_the_reference_text_without_control_tokens_and_sto
     headers = {"Authorization": f"Bearer {API_KEY}"}
     want = TRANSFORMERS[HELLO]
     async with httpx.AsyncClient(http2=True, timeout=600) as client:
-        whole = (await client.post(urls[0] + "/v1/chat/completions", json=body, headers=headers)).json()
-        async with client.stream("POST", urls[0] + "/v1/chat/completions", json={**body, "stream": True},
+        whole = (await client.post(api(urls[0]) + "/v1/chat/completions", json=body, headers=headers)).json()
+        async with client.stream("POST", api(urls[0]) + "/v1/chat/completions", json={**body, "stream": True},
                                  headers=headers) as r:
             chunks = [json.loads(line[6:]) async for line in r.aiter_lines()
                       if line.startswith("data: ") and line != "data: [DONE]"]

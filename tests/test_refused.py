@@ -4,6 +4,7 @@ import socket
 
 import pytest
 
+from cluster import MEMBER_TLS
 from node.transport.client import PeerClient, PeerError, connection_refused
 
 
@@ -14,9 +15,9 @@ def closed_port() -> int:
 
 
 async def test_a_post_to_a_port_nothing_listens_on_fails_as_refused():
-    async with PeerClient("token", http2=False) as client:
+    async with PeerClient(MEMBER_TLS, http2=False) as client:
         with pytest.raises(PeerError) as caught:
-            await client.post(f"http://127.0.0.1:{closed_port()}", "/swim/ping", b"{}")
+            await client.post(f"https://127.0.0.1:{closed_port()}", "/swim/ping", b"{}")
     assert caught.value.refused and caught.value.status is None
 
 

@@ -31,7 +31,7 @@ def pid_alive(pid: int) -> bool:
 def test_a_stage_0_frozen_on_its_fixed_port_is_stopped_and_its_replacement_serves_on_that_port():
     port = free_port()
     with serving(["--model", "stub", "--port", str(port)], stages=2) as served:
-        pid = int(re.search(rf"stage 0/1 listening at http://127.0.0.1:{port} \(pid (\d+)\)", served.booted).group(1))
+        pid = int(re.search(rf"stage 0/1 listening at https://127.0.0.1:{port} \(pid (\d+)\)", served.booted).group(1))
         os.kill(pid, signal.SIGSTOP)  # frozen: declared dead in seconds, yet it holds the port until it is killed
         after = "".join(wait_for_line(served.proc.stderr, "stage 0 replaced in", 120))
         assert "replacement 1 failed" not in after and "Address already in use" not in after, after

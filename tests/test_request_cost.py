@@ -7,11 +7,10 @@ import functools
 import json
 import threading
 
-import httpx
 import pytest
 import trio
 
-from cluster import API_KEY, start_cluster
+from cluster import API_KEY, client_http, start_cluster
 from node.api import openai_read
 from node.api.openai_fields import ApiError
 from node.api.openai_messages import MAX_MESSAGES, MessageBudget, messages
@@ -145,7 +144,7 @@ async def test_eight_requests_of_9000_empty_messages_are_refused_unrendered_and_
         r = await client.post(urls[0] + "/v1/chat/completions", content=body)
         statuses.append((r.status_code, r.json()["error"]["param"]))
 
-    async with httpx.AsyncClient(timeout=30) as health, httpx.AsyncClient(timeout=60, headers=AUTH) as api:
+    async with client_http(timeout=30) as health, client_http(timeout=60, headers=AUTH) as api:
         async with trio.open_nursery() as n:
             n.start_soon(poll, health)
             async with trio.open_nursery() as senders:
@@ -173,7 +172,7 @@ PROBES = {  # the audit's classes, each through the served API
 async def test_each_class_of_the_audit_s_bad_fields_is_an_openai_shaped_400_and_the_node_serves_on(nursery, tmp_path):
     orch, urls, _ = await start_cluster(nursery, 2, tmp_path, max_seqs=4)
     answers = {}
-    async with httpx.AsyncClient(timeout=30, headers=AUTH) as api:
+    async with client_http(timeout=30, headers=AUTH) as api:
         for name, body in PROBES.items():
             with trio.fail_after(20):
                 r = await api.post(urls[0] + "/v1/completions", content=body)

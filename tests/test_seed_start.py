@@ -23,11 +23,11 @@ async def start_all(opts, monkeypatch) -> list[dict]:
             all_asked.set()
         with trio.fail_after(5):  # a stage that waited for the one before to listen would never get here
             await all_asked.wait()
-        return types.SimpleNamespace(stage=stage, url=f"http://127.0.0.1:{port}", process=types.SimpleNamespace(pid=1))
+        return types.SimpleNamespace(stage=stage, url=f"https://127.0.0.1:{port}", process=types.SimpleNamespace(pid=1))
     monkeypatch.setattr(seed, "_start_child", fake_start)
     children = []
     async with trio.open_nursery() as nursery:
-        await seed._start_children(nursery, opts, "t", "http://seed", Path("/tmp"), children, lambda line: None)
+        await seed._start_children(nursery, opts, "t", "https://seed", Path("/tmp"), children, lambda line: None)
     assert [c.stage for c in children] == list(range(opts.num_stages))
     return sorted(asked, key=lambda a: a["stage"])
 
@@ -36,9 +36,10 @@ async def test_every_stage_starts_at_once_each_with_its_predecessors_address(mon
     asked = await start_all(options(5), monkeypatch)
     ports = [a["port"] for a in asked]
     assert len(set(ports)) == 5 and all(ports)
-    assert [a["peer"] for a in asked] == [None, *(f"http://127.0.0.1:{p}" for p in ports[:-1])]
+    # each stage's peer: its predecessor's address, https:// as every member's (they speak TLS)
+    assert [a["peer"] for a in asked] == [None, *(f"https://127.0.0.1:{p}" for p in ports[:-1])]
 
 
 async def test_stage_0_keeps_the_port_it_was_given(monkeypatch):
     asked = await start_all(options(3, port=18123), monkeypatch)
-    assert asked[0]["port"] == 18123 and asked[1]["peer"] == "http://127.0.0.1:18123"
+    assert asked[0]["port"] == 18123 and asked[1]["peer"] == "https://127.0.0.1:18123"

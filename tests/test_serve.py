@@ -237,11 +237,11 @@ def test_host_and_port_reach_stage_0_alone():
     args = ppsmoke.parse_args(["--seed", "--serve", "--host", " 0.0.0.0 ", "--port", "8123", "--model", "tiny"])
     args.model_path, args.secrets = "tiny", Secrets(None, ("k",), None)
     opts = ppsmoke._seed_options(args, {})
-    envs = [node_env(opts, "t", "http://127.0.0.1:1", stage, None) for stage in range(3)]
+    envs = [node_env(opts, "t", "https://127.0.0.1:1", stage, None) for stage in range(3)]
     assert [(e["PP_BIND"], e["PP_PORT"]) for e in envs] == [("0.0.0.0", "8123"), ("127.0.0.1", "0"), ("127.0.0.1", "0")]
     plain = ppsmoke.parse_args(["--seed", "--model", "tiny"])
     plain.model_path, plain.secrets = args.model_path, args.secrets
-    assert node_env(ppsmoke._seed_options(plain, {}), "t", "http://127.0.0.1:1", 0, None)["PP_BIND"] == "127.0.0.1"
+    assert node_env(ppsmoke._seed_options(plain, {}), "t", "https://127.0.0.1:1", 0, None)["PP_BIND"] == "127.0.0.1"
 
 
 def loopback_alias() -> tuple[str, int]:

@@ -4,11 +4,10 @@ is bounded."""
 import functools
 import json
 
-import httpx
 import pytest
 import trio
 
-from cluster import API_KEY, PATIENT_SWIM, TOKEN, slow_stub, start_cluster, stub_tokens
+from cluster import API_KEY, PATIENT_SWIM, client_http, member_http, slow_stub, start_cluster, stub_tokens
 from node.transport import wire
 from worker.contract import GREEDY
 from worker.errors import WorkerError
@@ -19,7 +18,6 @@ from worker.stopping import generation_done
 from worker.stub import StubTokenizer
 from worker.weights.tiny import TinySource
 
-AUTH = {"Authorization": f"Bearer {TOKEN}"}  # the runner's: /v1/inference, /v1/cancel
 CLIENT = {"Authorization": f"Bearer {API_KEY}"}  # a client's: the OpenAI API
 PROMPTS = ["Say hello", "x", "Tell me a story about a cat who learned to fly over the sea", "Why?",
            "1 2 3 4 5 6 7 8 9 10 11 12", "What is the capital of France?", "ok", "A long one " * 6]
@@ -62,7 +60,7 @@ async def submit_all(orch, prompts, **kw):
 
 
 async def health(urls):
-    async with httpx.AsyncClient() as c:
+    async with client_http() as c:
         return [(await c.get(u + "/health")).json() for u in urls]
 
 
@@ -140,11 +138,11 @@ async def test_slots_come_back_on_every_stage_after_finish_failure_and_cancel(nu
 async def test_past_the_queue_bound_the_entry_answers_429_with_retry_after(nursery, tmp_path, monkeypatch):
     orch, urls, _ = await start_cluster(nursery, 2, tmp_path, max_seqs=1, max_queue=2)
     slow_stub(monkeypatch, 0.05)
-    async with httpx.AsyncClient(http1=False, http2=True) as client:
+    async with member_http(http1=False, http2=True) as client:  # as the runner: /v1/inference, /v1/cancel
         statuses = []
         for i in range(5):
             body = wire.encode(wire.InferenceRequest(f"q{i}", "Say hello", max_tokens=50))
-            r = await client.post(urls[0] + "/v1/inference", content=body, headers=AUTH)
+            r = await client.post(urls[0] + "/v1/inference", content=body)
             statuses.append(r.status_code)
             if r.status_code == 429:
                 assert int(r.headers["Retry-After"]) >= 1 and "retry" in r.json()["error"]
@@ -152,7 +150,7 @@ async def test_past_the_queue_bound_the_entry_answers_429_with_retry_after(nurse
         h = (await health(urls[:1]))[0]
         assert h["queue"] == {"waiting": 2, "max": 2} and h["slots"]["active"] == 1
         for i in range(3):
-            await client.post(urls[0] + "/v1/cancel", content=wire.encode(wire.CancelRequest(f"q{i}")), headers=AUTH)
+            await client.post(urls[0] + "/v1/cancel", content=wire.encode(wire.CancelRequest(f"q{i}")))
     await until_idle(urls)
     nursery.cancel_scope.cancel()
 
@@ -180,7 +178,7 @@ async def test_a_stage_failing_mid_stream_ends_the_stream_with_an_error_event_an
         return out
     monkeypatch.setattr(StageWorker, "run", failing_run)
     body = {"model": "stub", "messages": messages, "max_tokens": 50, "stream": True, "temperature": 0}
-    async with httpx.AsyncClient(http2=True, timeout=30) as client:
+    async with client_http(http2=True, timeout=30) as client:
         with trio.fail_after(30):
             async with client.stream("POST", urls[0] + "/v1/chat/completions", json=body, headers=CLIENT) as r:
                 assert r.status_code == 200

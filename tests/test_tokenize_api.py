@@ -10,7 +10,7 @@ import httpx
 import pytest
 import trio
 
-from cluster import API_KEY, TOKEN, start_cluster
+from cluster import API_KEY, TOKEN, client_http, start_cluster
 from node.api.openai_api import add_openai_routes
 from node.api.openai_fields import ApiError
 from node.api.tokenize_api import add_tokenize_routes, parse_detokenize, parse_tokenize
@@ -218,7 +218,7 @@ def test_vllm_s_defaults_hold_and_unknown_fields_are_ignored():
 
 async def test_they_take_a_client_api_key_and_refuse_the_token_in_openai_s_shape(nursery, tmp_path):
     _, urls, _ = await start_cluster(nursery, 2, tmp_path)
-    async with httpx.AsyncClient(timeout=10) as client:
+    async with client_http(timeout=10) as client:
         for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [2, 3]})):
             for headers, status, code in (({}, 401, "invalid_api_key"), (KEY, 200, None),
                                           ({"Authorization": f"Bearer {TOKEN}"}, 403, None)):
@@ -235,7 +235,7 @@ async def test_they_take_a_client_api_key_and_refuse_the_token_in_openai_s_shape
 
 async def test_a_served_prompt_is_counted_as_its_completion_uses_it(nursery, tmp_path):
     _, urls, _ = await start_cluster(nursery, 2, tmp_path)
-    async with httpx.AsyncClient(timeout=30, headers=KEY) as client:
+    async with client_http(timeout=30, headers=KEY) as client:
         with trio.fail_after(30):
             done = await client.post(urls[0] + "/v1/chat/completions", json={"model": "stub", "messages": CHAT,
                                                                                "max_tokens": 2})

@@ -264,8 +264,8 @@ async def test_a_real_node_answers_through_its_mapped_port_until_destroyed(nurse
     async with api(await start(nursery, spawn=True)) as client:
         instance_id = await created_id(client, 21001002, env)
         inst = await wait_status(client, instance_id, "running")
-        public = f"http://127.0.0.1:{inst['ports']['8000/tcp'][0]['HostPort']}"
-        async with api(public, headers={}) as node:
+        public = f"127.0.0.1:{inst['ports']['8000/tcp'][0]['HostPort']}"
+        async with api(f"http://{public}", headers={}) as node:  # stage 0's port answers plain HTTP too
             with trio.fail_after(30):
                 while True:
                     try:
@@ -275,7 +275,8 @@ async def test_a_real_node_answers_through_its_mapped_port_until_destroyed(nurse
                         await trio.sleep(0.1)
             # alone, stage 0 has no chain behind it to serve with: 503, and the body still says who answers
             assert health.status_code == 503 and health.json()["stage"] == 0
-            assert f"PP_GPU_NODE_ADDR={public}\n" in await fetch_logs(client, instance_id)  # it advertises F
+            # it advertises F, as a member's address: https://
+            assert f"PP_GPU_NODE_ADDR=https://{public}\n" in await fetch_logs(client, instance_id)
             pid = (await client.get("/standin/state")).json()["instances"][str(instance_id)]["pid"]
             assert (await destroy(client, instance_id)).json()["success"]
             with pytest.raises(ProcessLookupError):

@@ -1,6 +1,6 @@
 """pp-entry's chat page (`GET /`, no key: it holds no secret) and the live view of the pipeline it reads
 (`GET /v1/pipeline`, with a client API key like every call the page makes; the view asks the other stages for
-their hop figures with the cluster token, which stays here). The page is one self-contained file,
+their hop figures as a member, over TLS: nothing of the cluster's reaches the page). The page is one self-contained file,
 node/api/static/chat.html: no build step, nothing fetched from elsewhere (the machines may have no internet)."""
 from __future__ import annotations
 
@@ -36,12 +36,12 @@ def page_headers(html: str) -> dict[str, str]:
             "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer"}
 
 
-def add_chat_page(app, node: Entry, *, http: httpx.AsyncClient, token: str, model_name: str) -> None:
-    """`http` asks the other stages for their hop figures (with the cluster token `token`): an HTTP/1.1 client
+def add_chat_page(app, node: Entry, *, http: httpx.AsyncClient, model_name: str) -> None:
+    """`http` asks the other stages for their hop figures, as a member (its certificate): an HTTP/1.1 client
     (node/api/pipeline_view.py says why)."""
     html = PAGE.read_text().replace("{{MODEL}}", html_escape(model_name, quote=True))
     headers = page_headers(html)
-    hops = HopFigures(http, token)
+    hops = HopFigures(http)
 
     @app.get("/")
     async def chat_page():

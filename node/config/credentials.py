@@ -1,12 +1,14 @@
-"""The secrets: the cluster token (the nodes' own, from the environment only) and the clients' API keys (flags,
-a variable or a key file). A message names a key by its place, never by its value; ppsmoke checks its keys with
+"""The secrets: the cluster token (the nodes' own, from the environment only), the clients' API keys (flags,
+a variable or a key file) and stage 0's API certificate. A message names a key by its place, never by its value; ppsmoke checks its keys with
 the same functions."""
 from __future__ import annotations
 
+import ssl
 from collections.abc import Mapping
 from pathlib import Path
 
 from node.config.sources import ConfigError, Sources
+from node.transport.tls import api_context
 
 TOKEN_ENV = "PP_CLUSTER_TOKEN"
 API_KEY_ENV, API_KEY_FILE_ENV, TOKEN_IS_API_KEY_ENV = "PP_API_KEY", "PP_API_KEY_FILE", "PP_TOKEN_IS_API_KEY"
@@ -70,3 +72,20 @@ def check_keys(keys: list[str], token: str | None, *, label: str, token_is_api_k
                           f"steer the cluster: give the clients a key of their own (or set "
                           f"{TOKEN_IS_API_KEY_ENV}=1 to let the token open the client surface too)")
     return tuple(dict.fromkeys(keys))
+
+
+def api_tls(src: Sources) -> tuple[str, str] | None:
+    """Stage 0's API certificate and key (--tls-cert, --tls-key): both or neither, loaded once here so that a wrong
+    path or a key that does not match fails at boot, named."""
+    (cert, cert_label), (key, key_label) = src.get("--tls-cert"), src.get("--tls-key")
+    cert, key = (cert or "").strip(), (key or "").strip()
+    if not cert and not key:
+        return None
+    if not (cert and key):
+        raise ConfigError(f"{cert_label} and {key_label} go together: give both (a PEM certificate chain and its key)")
+    try:
+        api_context(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"{cert_label}={cert!r}, {key_label}={key!r}: cannot load them: "
+                          f"{getattr(exc, 'strerror', None) or exc}") from None
+    return cert, key

@@ -18,6 +18,7 @@ DEFAULT_BIND = "0.0.0.0"
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024  # a few prefill activations of an 8B model, with room to spare
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 LOOPBACK = "127.0.0.1"
+SCHEME = "https"  # every member's port speaks TLS (node/transport/tls.py)
 
 
 def advertised_url(config: NodeConfig, bound_port: int) -> str:
@@ -25,10 +26,10 @@ def advertised_url(config: NodeConfig, bound_port: int) -> str:
     if config.advertise_addr:
         return config.advertise_addr
     if config.public_ip and config.public_port:
-        return f"http://{_url_host(config.public_ip)}:{config.public_port}"
+        return f"{SCHEME}://{_url_host(config.public_ip)}:{config.public_port}"
     # A wildcard bind is reachable on loopback; without better information that is the only safe guess.
     host = LOOPBACK if config.bind_host in WILDCARD_HOSTS else config.bind_host
-    return f"http://{_url_host(host)}:{bound_port}"
+    return f"{SCHEME}://{_url_host(host)}:{bound_port}"
 
 
 def _url_host(host: str) -> str:
@@ -36,11 +37,14 @@ def _url_host(host: str) -> str:
 
 
 def normalise_url(raw: str, label: str) -> str:
-    """`host:port` -> `http://host:port`, no trailing slash; refuses anything but a plain http(s) base URL."""
+    """A member's address: `host:port` -> `https://host:port`, no trailing slash; refuses anything but a plain
+    http(s) base URL. Members speak TLS only, so an http:// address (an older recipe's) is taken as https://."""
     text = raw.strip()
     if "://" not in text:
-        text = "http://" + text
+        text = f"{SCHEME}://" + text
     text = text.rstrip("/")
+    if text.lower().startswith("http://"):
+        text = f"{SCHEME}://" + text[len("http://"):]
     parts = urlsplit(text)
     try:
         parts.port  # noqa: B018 -- urlsplit checks the port only when asked

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from node.config.cores import MACHINE_ID, MAX_THREADS, available_cores, converts_half, machine_id
 from node.config.credentials import (API_KEY_ENV, API_KEY_FILE_ENV, TOKEN_ENV, TOKEN_IS_API_KEY_ENV,
-                                     client_api_keys, cluster_token)
+                                     api_tls, client_api_keys, cluster_token)
 from node.config.model import (kv_cache_dtype, kv_cache_memory, layer_partition, model_spec, precision,
                                tool_call_parser)
 from node.config.network import (DEFAULT_BIND, DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT, link_faults, link_streams,
@@ -38,6 +38,10 @@ ENV_TABLE = (
                                "nothing else (none: those answer 401); /health and the chat page (/) need no key"),
     (API_KEY_FILE_ENV, "--api-key-file", "a file of client API keys, one a line (taken with PP_API_KEY's)"),
     (TOKEN_IS_API_KEY_ENV, "--token-is-api-key", "1: the cluster token opens the client surface too (0)"),
+    ("PP_TLS_CERT", "--tls-cert", "stage 0: a PEM certificate (chain) to serve the API over TLS with, for clients "
+     "that connect straight to it; with it, plain HTTP is refused. Between nodes everything is TLS whatever this "
+     "says, under certificates derived from PP_CLUSTER_TOKEN (none: the API is plain HTTP)"),
+    ("PP_TLS_KEY", "--tls-key", "the private key of PP_TLS_CERT"),
     ("SEED_ADDR", "--seed-addr", "a node to join through, e.g. http://10.0.0.5:8000 or 10.0.0.5:8000"),
     ("PEER_DIRECT", "--peer-direct", "comma-separated addresses of peers to dial directly"),
     ("MODEL", "--model", f"a known name such as {DEFAULT_MODEL} or llama3.2:1b, a .gguf file, a Hugging Face "
@@ -163,6 +167,9 @@ def build_parser(prog: str = "python ppnode.py") -> argparse.ArgumentParser:
     p.add_argument("--api-key-file", metavar="PATH", help="file of client API keys, one a line (PP_API_KEY_FILE)")
     p.add_argument("--token-is-api-key", action="store_const", const="1",
                    help="let the cluster token open the client surface too (PP_TOKEN_IS_API_KEY=1)")
+    p.add_argument("--tls-cert", metavar="PATH", help="stage 0: serve the API over TLS with this PEM certificate "
+                   "(PP_TLS_CERT; between nodes it is always TLS)")
+    p.add_argument("--tls-key", metavar="PATH", help="the key of --tls-cert (PP_TLS_KEY)")
     return p
 
 
@@ -195,6 +202,7 @@ def _config_from(src: Sources, *, home: Path, rng: random.Random | None) -> Node
         stage=stage, num_stages=num_stages, cluster_token=token,
         node_id=_node_id(src, "standby" if standby else f"stage{stage}", rng), standby=standby,
         api_keys=client_api_keys(src, token, token_is_api_key=token_is_api_key), token_is_api_key=token_is_api_key,
+        api_tls=api_tls(src),
         cache_dir=default_cache_dir(home, env.get("XDG_CACHE_HOME")),
         ollama_models_dir=default_ollama_dir(home, env.get("OLLAMA_MODELS")),
         seed_addr=optional_url(*src.get("--seed-addr")), peer_direct=peer_urls(*src.get("--peer-direct")),

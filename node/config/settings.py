@@ -58,6 +58,7 @@ class NodeConfig:
     machine_id: str | None = None       # PP_MACHINE_ID: the cores this node shares with others (None: its own)
     precision: str = "auto"             # PP_PRECISION: which matrices keep the file's precision (worker.weights.contract.narrow_kinds)
     link_streams: bool = True           # PP_LINKS=stream: one long-lived HTTP/2 stream to the next stage; post: a POST each
+    api_tls: tuple[str, str] | None = None  # PP_TLS_CERT, PP_TLS_KEY: stage 0's API over TLS with this certificate
     exit_on_stdin_eof: bool = False     # PP_STDIN_LIFELINE=1: a local runner holds our stdin; EOF = it is gone
     standby: bool = False               # PP_STANDBY=1: a warm spare; `stage` is set when it takes one (node/standby.py)
     faults: Faults = NO_FAULTS          # PP_FAULTS: drop or delay link sends (chaos tests; node/transport/faults.py)

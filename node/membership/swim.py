@@ -256,8 +256,9 @@ class Swim:
         with trio.move_on_after(self.config.sync_timeout_s):
             try:
                 reply = await self._transport.sync(addr, Sync(members=tuple(self._state.view.values())))
-            except TransportError as exc:
-                log.debug("%s: sync with %s failed: %s", self._id, addr, exc)
+            except TransportError as exc:  # a certificate of another cluster's is worth saying out loud
+                log.log(logging.WARNING if "PP_CLUSTER_TOKEN" in str(exc) else logging.DEBUG,
+                        "%s: sync with %s failed: %s", self._id, addr, exc)
                 return False
             self._step(swim_state.absorb, reply.members, Heard.ANSWER)
             return True

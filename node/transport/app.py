@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import socket
+import ssl
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
@@ -37,6 +38,7 @@ from node.transport import auth, conn_guard, h1_guard, h2_early_answer, h2_flow,
 from node.transport.gossip_routes import GossipDispatcher, add_gossip_routes
 from node.transport.pipeline_routes import PipelineDispatcher, add_pipeline_routes
 from node.transport.routes import STILL_LOADING, Traffic, still_loading
+from node.transport.tls_accept import ServerTls
 
 __all__ = [  # still_loading and STILL_LOADING are re-exported: the surfaces added on top refuse with them
     "Dispatcher", "ListenError", "STILL_LOADING", "check_listenable", "make_app", "serve_app",
@@ -57,8 +59,9 @@ class Dispatcher(PipelineDispatcher, GossipDispatcher, Protocol):
 
 def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, api_keys: tuple[str, ...] = (),
              token_is_api_key: bool = False) -> QuartTrio:
-    """`token` opens the cluster's endpoints, `api_keys` the client surface (and `token` too if
-    `token_is_api_key`): node/transport/auth.py. A stage adds its link routes: link_routes.add_link_routes."""
+    """A member's certificate opens the cluster's endpoints (serve_app's `tls`), `api_keys` the client surface (and
+    `token` too if `token_is_api_key`): node/transport/auth.py. A stage adds its link routes:
+    link_routes.add_link_routes."""
     h1_guard.install()
     h2_guard.install()
     h2_early_answer.install()  # an answer before the body is in resets the stream: the sender stops
@@ -71,8 +74,8 @@ def make_app(dispatcher: Dispatcher, *, token: str, max_body_bytes: int, api_key
     Traffic().install(app)
     app.extensions[_SHAPES] = _Shapes()
     keys = auth.Keys.of(token, api_keys, token_is_api_key=token_is_api_key)
-    app.pp_is_member = keys.is_token  # serve_app's stream_guard counts everyone else's requests,
-    app.pp_is_client = keys.is_client  # keyed clients' apart from guests'
+    app.pp_members = {}  # connections that showed a member's certificate (tls_accept.ServerTls.members)
+    app.pp_is_client = keys.is_client  # serve_app's stream_guard counts keyed clients' streams apart from guests'
     _add_auth(app, keys)
     _add_refusals(app, max_body_bytes)
     _add_health(app, dispatcher)
@@ -88,7 +91,9 @@ def _add_auth(app: QuartTrio, keys: auth.Keys) -> None:
         if request.path in auth.OPEN_PATHS:  # the chat page holds no secret; every call it makes carries a key
             return None
         credential = keys.credential(request.headers.get("Authorization", ""))
-        refused = auth.refusal(request.path, credential, token_is_api_key=keys.token_is_api_key, routed=_routed())
+        member = (client := request.scope.get("client")) is not None and tuple(client) in app.pp_members
+        refused = auth.refusal(request.path, credential, member=member, token_is_api_key=keys.token_is_api_key,
+                               routed=_routed())
         if refused is None:
             return None
         if refused.status == 403:  # a credential of the wrong kind: worth a line, unlike a stray 401
@@ -219,8 +224,11 @@ def check_listenable(host: str, port: int) -> None:
         raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
-async def serve_app(app: QuartTrio, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Serve until cancelled; reports the bound port (port 0 picks a free one). Raises ListenError."""
+async def serve_app(app: QuartTrio, host: str, port: int, *, tls: ssl.SSLContext | None = None,
+                    plaintext: bool = False, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve until cancelled; reports the bound port (port 0 picks a free one). Raises ListenError. With `tls`
+    (node/transport/tls.py's server context) connections are TLS, plain HTTP served beside it only where
+    `plaintext` (stage 0's API: the cluster's routes refuse it, having no member's certificate)."""
     check_listenable(host, port)
     config = Config()
     config.bind = [f"{host}:{port}"]
@@ -230,8 +238,11 @@ async def serve_app(app: QuartTrio, host: str, port: int, *, task_status=trio.TA
     config.keep_alive_max_requests = 2 ** 31
     config.graceful_timeout = 1.0
     conn_guard.install(config)  # connections per peer address and in all
+    members = getattr(app, "pp_members", {})
+    if tls is not None:
+        config.pp_tls = ServerTls(tls, plaintext=plaintext, members=members)
     config.pp_streams = app.pp_streams = stream_guard.GuestStreams(
-        getattr(app, "pp_is_member", lambda header: False), is_client=getattr(app, "pp_is_client", lambda header: False))
+        lambda connection: tuple(connection) in members, is_client=getattr(app, "pp_is_client", lambda header: False))
 
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(functools.partial(serve, app, config))

@@ -1,5 +1,6 @@
-"""Outbound HTTP/2 to peers: one httpx client per process (one kept-alive connection per peer),
-the cluster token on every request, failures turned into PeerError at this edge."""
+"""Outbound HTTP/2 to peers: one httpx client per process (one kept-alive connection per peer), over TLS with
+this member's certificate (node/transport/tls.py; the token itself is never sent), failures turned into
+PeerError at this edge."""
 from __future__ import annotations
 
 import attrs
@@ -9,6 +10,7 @@ import trio
 from node.membership import gossip
 from node.membership.swim import TransportError
 from node.transport import wire
+from node.transport.tls import CLUSTER_SNI, ClusterTls
 
 SEND_ATTEMPTS = 4  # tries of one send, or of opening one link stream, before it fails
 FIRST_RETRY_S = 0.1  # the wait after a first failed try; each next wait is three times the last
@@ -45,10 +47,9 @@ class Backoff:
 
 
 class PeerClient:
-    def __init__(self, token: str, *, timeout_s: float = 30.0, http2: bool = True):
-        # prior-knowledge h2c: http1=False makes httpx speak HTTP/2 over plain TCP
-        self._client = httpx.AsyncClient(http1=not http2, http2=http2, timeout=timeout_s,
-                                         headers={"Authorization": f"Bearer {token}"})
+    def __init__(self, tls: ClusterTls, *, timeout_s: float = 30.0, http2: bool = True):
+        # http1=False: HTTP/2 only (ALPN h2); every member's address is https://
+        self._client = httpx.AsyncClient(timeout=timeout_s, transport=member_transport(tls, http2=http2))
 
     async def __aenter__(self) -> PeerClient:
         return self
@@ -73,8 +74,8 @@ class PeerClient:
     async def _request(self, method: str, url: str, **kw) -> httpx.Response:
         try:
             r = await self._client.request(method, url, **kw)
-        except httpx.HTTPError as exc:  # connection refused/reset, timeouts, protocol errors
-            raise PeerError(url, f"{type(exc).__name__}: {exc}", refused=connection_refused(exc)) from None
+        except httpx.HTTPError as exc:  # connection refused/reset, timeouts, protocol errors, TLS
+            raise PeerError(url, described(exc), refused=connection_refused(exc)) from None
         if r.status_code >= 400:
             raise PeerError(url, f"HTTP {r.status_code}: {_error_text(r)}", r.status_code)
         return r
@@ -83,6 +84,21 @@ class PeerClient:
         """POST a pipeline message to the endpoint for its type."""
         path, body, content_type = wire.body_of(message)
         return await self.post(base, path, body, content_type)
+
+
+class _MemberTransport(httpx.AsyncHTTPTransport):
+    """Every request names CLUSTER_SNI in its handshake: a stage 0 with an API certificate of its own shows members
+    the cluster's (node/transport/tls.py)."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        request.extensions["sni_hostname"] = CLUSTER_SNI
+        return await super().handle_async_request(request)
+
+
+def member_transport(tls: ClusterTls, *, http2: bool = True, http1: bool | None = None) -> httpx.AsyncBaseTransport:
+    """httpx's transport as a member calls members: its certificate shown, theirs checked against the cluster's CA;
+    HTTP/2 only, HTTP/1.1 only, or (`http1` too) whichever the server picks."""
+    return _MemberTransport(verify=tls.client_context(), http1=not http2 if http1 is None else http1, http2=http2)
 
 
 def connection_refused(exc: BaseException) -> bool:
@@ -98,6 +114,14 @@ def connection_refused(exc: BaseException) -> bool:
     return False
 
 
+def described(exc: httpx.HTTPError) -> str:
+    """An httpx failure as a line; a certificate this cluster's CA did not sign says what that means."""
+    text = f"{type(exc).__name__}: {exc}"
+    if "CERTIFICATE_VERIFY_FAILED" in text:
+        text += " (the peer's certificate is not this cluster's: a node started with another PP_CLUSTER_TOKEN?)"
+    return text
+
+
 def _error_text(r: httpx.Response) -> str:
     try:
         return str(r.json().get("error", r.text))
@@ -111,19 +135,19 @@ class _AckOrNack:
     nack: gossip.Nack | None = None
 
 
-def http1_client(token: str, timeout_s: float) -> PeerClient:
+def http1_client(tls: ClusterTls, timeout_s: float) -> PeerClient:
     """HTTP/1.1, for requests that are cancelled by design when they time out (gossip's probes, the pipeline
     view's asks for hop figures). httpcore's HTTP/2 loses count of a connection's streams when a request is
     cancelled mid-flight (encode/httpcore#943, #1022: it frees the stream's permit but never resets the stream,
     so h2 soon counts 100 open and every new request on that connection fails: "Max outbound streams is 100").
     A cancelled HTTP/1.1 request just closes its own connection. Pipeline messages and link streams stay on
     HTTP/2, where no timeout of ours cuts a request off mid-flight (a link probe is bounded, not cancelled)."""
-    return PeerClient(token, timeout_s=timeout_s, http2=False)
+    return PeerClient(tls, timeout_s=timeout_s, http2=False)
 
 
-def gossip_client(token: str) -> PeerClient:
+def gossip_client(tls: ClusterTls) -> PeerClient:
     """Gossip's own client: its probes are cut off at the probe timeout (see http1_client)."""
-    return http1_client(token, 10.0)
+    return http1_client(tls, 10.0)
 
 
 class HttpTransport:

@@ -27,6 +27,9 @@ from hypercorn.trio import run as hypercorn_run
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.utils import parse_socket_addr
 
+from node.transport import tls_accept
+from node.transport.tls_accept import ServerTls
+
 PER_PEER = 256
 TOTAL = 1024
 
@@ -132,15 +135,24 @@ class _GuardedTCPServer(TCPServer):
         if victim is not None:  # its own task sees its socket closed and ends; its count is given back already
             if admission.evicted in (1, 10, 100) or admission.evicted % 1000 == 0:
                 log.warning("closed an untrusted connection for one from %s (%d so far)", peer, admission.evicted)
-            with trio.CancelScope(shield=True):
-                await victim.aclose()
+            await trio.aclose_forcefully(victim)
+        tls: ServerTls | None = getattr(self.config, "pp_tls", None)
         try:
-            if await _first_byte(self.stream, self.config.keep_alive_timeout):
-                await contained(super().run(), self.stream, peer, admission)
-            else:
-                with trio.CancelScope(shield=True):
-                    await self.stream.aclose()
+            if not (first := await _first_byte(self.stream, self.config.keep_alive_timeout)):
+                await trio.aclose_forcefully(self.stream)
+                return
+            if tls is not None:
+                stream, member = await tls_accept.accept(self.stream, tls, peer, first)
+                if stream is None:
+                    return
+                self.stream = stream
+                if member is not None and connection is not None:
+                    tls.members[connection] = member
+                    admission.trust(connection)
+            await contained(super().run(), self.stream, peer, admission)
         finally:
+            if tls is not None and connection is not None:
+                tls.members.pop(connection, None)
             admission.close(connection, peer)
             streams = getattr(self.config, "pp_streams", None)
             if streams is not None and connection is not None:  # however the connection ended: an exception
@@ -167,8 +179,7 @@ async def contained(run, stream, peer: str, admission: Admission) -> None:
         total = sum(admission.failures.values())
         if total <= FAILURES_LOGGED or total % 1000 == 0:
             log.warning("closed a connection from %s on %s: %s", peer, what, _message(exc)[:200])
-        with trio.CancelScope(shield=True):
-            await stream.aclose()
+        await trio.aclose_forcefully(stream)  # a TLS stream's close_notify must not wait on a peer that reads nothing
 
 
 def _described(exc: BaseException) -> str:
@@ -184,17 +195,17 @@ def _message(exc: BaseException) -> str:
     return str(exc)
 
 
-async def _first_byte(stream, timeout_s: float) -> bool:
-    """Wait for a connection's first byte, leaving it to be read: False if the peer closes it first or sends
-    nothing for `timeout_s` (hypercorn's own idle timeout for a connection with no request). Until then a
-    connection costs a parked task, not hypercorn's protocol state: set up, a burst of 256 idle ones held
-    the event loop ~200 ms, and /health with it."""
+async def _first_byte(stream, timeout_s: float) -> bytes:
+    """Wait for a connection's first byte, leaving it to be read (node/transport/tls_accept.py reads what it
+    says): b"" if the peer closes it first or sends nothing for `timeout_s` (hypercorn's own idle timeout for a
+    connection with no request). Until then a connection costs a parked task, not hypercorn's protocol state: set
+    up, a burst of 256 idle ones held the event loop ~200 ms, and /health with it."""
     with trio.move_on_after(timeout_s):
         try:
-            return await stream.socket.recv(1, socket.MSG_PEEK) != b""
+            return await stream.socket.recv(1, socket.MSG_PEEK)
         except (OSError, trio.ClosedResourceError):  # reset by the peer, or closed here for a newcomer (Admission)
-            return False
-    return False
+            return b""
+    return b""
 
 
 def _connection(stream) -> tuple | None:

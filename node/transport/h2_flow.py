@@ -136,14 +136,13 @@ async def _timed_send_all(server, data: bytes) -> None:
         # Closing the socket ends the connection's reader (and so its run); Closed tells each app http.disconnect.
         # Not a cancel of the connection's task group: hypercorn's TaskGroup re-raises its body's Cancelled, which
         # would then end the server's listener nursery.
-        with trio.CancelScope(shield=True):
-            await server.stream.aclose()
+        await trio.aclose_forcefully(server.stream)  # over TLS, a close_notify would stall as the write did
         await server.protocol.handle(Closed())
 
 
 def _peer(server) -> str:
     try:
-        return str(server.stream.socket.getpeername()[0])
+        return str(getattr(server.stream, "transport_stream", server.stream).socket.getpeername()[0])
     except (AttributeError, OSError):
         return "?"
 

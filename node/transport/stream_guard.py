@@ -82,12 +82,12 @@ class _Pool:
 
 
 class GuestStreams:
-    """The HTTP/2 streams in flight of requests that do not carry the cluster token, in two pools: those that
+    """The HTTP/2 streams in flight of requests that are not members', in two pools: those that
     carry a client API key, and those that carry no credential (guests). Each pool has its own caps, so guests
     holding all theirs (round 3: 512 zero-window `GET /health` streams from four addresses) refuse no keyed
     client, and members are never counted. The credential is read from the stream's HEADERS frame."""
 
-    def __init__(self, is_member: Callable[[bytes], bool], limits: ConnectionLimits | None = None, *,
+    def __init__(self, is_member: Callable[[object], bool], limits: ConnectionLimits | None = None, *,
                  is_client: Callable[[bytes], bool] = lambda header: False,
                  client_limits: ConnectionLimits | None = None):
         self.is_member, self.is_client = is_member, is_client
@@ -100,9 +100,12 @@ class GuestStreams:
         """Guests' streams in flight by address."""
         return self.guests.by_peer
 
-    def kind(self, authorization: bytes) -> str:
-        """Whose a request is, by its Authorization header: a member's, a keyed client's, or a guest's."""
-        return MEMBER if self.is_member(authorization) else CLIENT if self.is_client(authorization) else GUEST
+    def kind(self, authorization: bytes, connection=None) -> str:
+        """Whose a request is: a member's (its connection showed the cluster's certificate: is_member), a keyed
+        client's (by its Authorization header), or a guest's."""
+        if connection is not None and self.is_member(connection):
+            return MEMBER
+        return CLIENT if self.is_client(authorization) else GUEST
 
     def take(self, connection: Connection, stream_id: int, kind: str = GUEST) -> str | None:
         """Count a client's or a guest's stream (kind); why it is refused, or None."""
@@ -171,7 +174,7 @@ def install() -> None:
 def _trusted(protocol, guests: GuestStreams, headers) -> str:
     """Whose the request is (GuestStreams.kind); one with the cluster token or a client key makes its connection
     one a newcomer never displaces at the connection limit (conn_guard.Admission)."""
-    kind = guests.kind(authorization(headers))
+    kind = guests.kind(authorization(headers), protocol.client)
     if kind != GUEST and (admission := getattr(protocol.config, "pp_admission", None)) is not None:
         admission.trust(protocol.client)
     return kind
