@@ -21,9 +21,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from quart_trio import QuartTrio
 
-from cluster import API_KEY, MEMBER_TLS, TOKEN, api, client_http, member_http, stage_config, start_cluster
+from cluster import API_KEY, MEMBER_TLS, TOKEN, api, client_http, member_http, open_raw, stage_config, start_cluster
 import cluster as local
-from node.transport import tls, tls_accept
+from node.transport import h2_flow, tls, tls_accept
 from node.transport.app import serve_app
 
 NOW = datetime.datetime(2026, 12, 8, tzinfo=datetime.timezone.utc)
@@ -325,3 +325,29 @@ async def test_with_its_own_certificate_stage_0_serves_the_api_over_tls_only_and
     async with member_http(timeout=10) as member:  # members are shown the cluster's certificate
         assert (await member.get(urls[0] + "/v1/members")).status_code == 200
     nursery.cancel_scope.cancel()
+
+
+async def test_a_node_stops_at_once_though_a_tls_peer_reads_nothing_of_what_it_was_sent(nursery):
+    """A socket write is shielded from its task's cancellation (half a frame would break the connection), for up to
+    the send timeout: a stopping node waited on a peer that read nothing, 30 s. It cuts them now."""
+    h2_flow.install()  # as make_app does: the node's timed socket writes
+    app = _app()
+
+    @app.get("/big")
+    async def big():
+        return b"x" * (32 << 20)
+    async with trio.open_nursery() as server:
+        port = await server.start(functools.partial(serve_app, app, "127.0.0.1", 0, tls=MEMBER_TLS.server_context()))
+        stream = await open_raw(f"https://127.0.0.1:{port}", local.ca_context(), ["http/1.1"])
+        await stream.send_all(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+        await stream.receive_some(1024)  # the answer has begun, and is never read further
+        await trio.sleep(1.0)  # the server's writes fill the sockets' buffers and wait
+        nursery.start_soon(_hang_up_after, stream, 15.0)  # else a server that waits for the peer waits 30 s
+        stopped = trio.current_time()
+        server.cancel_scope.cancel()
+    assert trio.current_time() - stopped < 5.0
+
+
+async def _hang_up_after(stream, seconds: float) -> None:
+    await trio.sleep(seconds)
+    await trio.aclose_forcefully(stream)

@@ -244,6 +244,8 @@ async def serve_app(app: QuartTrio, host: str, port: int, *, tls: ssl.SSLContext
     config.pp_streams = app.pp_streams = stream_guard.GuestStreams(
         lambda connection: tuple(connection) in members, is_client=getattr(app, "pp_is_client", lambda header: False))
 
+    config.pp_writes = h2_flow.Writes()
     async with trio.open_nursery() as nursery:
+        await nursery.start(h2_flow.cut_writes_when_stopped, config.pp_writes)
         binds = await nursery.start(functools.partial(serve, app, config))
         task_status.started(int(binds[0].rsplit(":", 1)[1]))

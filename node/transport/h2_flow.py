@@ -19,6 +19,7 @@ Both wrap what is installed when `install` runs, so other adjustments of the sam
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import h2.errors
@@ -117,13 +118,48 @@ def write_pieces(data: bytes, piece: int = WRITE_PIECE) -> list[memoryview]:
     return [view[i:i + piece] for i in range(0, len(view), piece)] or [view]
 
 
+class Writes:
+    """The socket writes in flight on one server's connections. Each is shielded from its own task's cancellation, as
+    hypercorn's is (half a frame would break a connection that goes on), but a stopping server cuts them all: a
+    node being stopped waited up to SEND_STALL_S on a peer that read nothing."""
+
+    def __init__(self):
+        self.stopped = False
+        self._scopes: set[trio.CancelScope] = set()
+
+    @contextlib.contextmanager
+    def shielded(self, seconds: float):
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + seconds) as scope:
+            if self.stopped:
+                scope.cancel()
+            self._scopes.add(scope)
+            try:
+                yield scope
+            finally:
+                self._scopes.discard(scope)
+
+    def stop(self) -> None:
+        self.stopped = True
+        for scope in list(self._scopes):
+            scope.cancel()
+
+
+async def cut_writes_when_stopped(writes: Writes, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Run beside a server (node/transport/app.py's serve_app): once its nursery is cancelled, cut its writes."""
+    task_status.started()
+    try:
+        await trio.sleep_forever()
+    finally:
+        writes.stop()
+
+
 async def _timed_send_all(server, data: bytes) -> None:
     """hypercorn's socket write, each piece with SEND_STALL_S to go out; past that, the connection ends."""
+    writes = getattr(server.config, "pp_writes", None) or Writes()
     async with server.send_lock:
         try:
             for piece in write_pieces(data):
-                with trio.CancelScope(shield=True) as scope:  # shielded as hypercorn's is, but not forever
-                    scope.deadline = trio.current_time() + SEND_STALL_S
+                with writes.shielded(SEND_STALL_S) as scope:  # not forever, and not past the server's stop
                     await server.stream.send_all(piece)
                 if scope.cancelled_caught:
                     break
@@ -132,7 +168,8 @@ async def _timed_send_all(server, data: bytes) -> None:
             await server.protocol.handle(Closed())
             return
     if scope.cancelled_caught:
-        log.warning("closing a connection from %s: a write stalled for %g s", _peer(server), SEND_STALL_S)
+        if not writes.stopped:
+            log.warning("closing a connection from %s: a write stalled for %g s", _peer(server), SEND_STALL_S)
         # Closing the socket ends the connection's reader (and so its run); Closed tells each app http.disconnect.
         # Not a cancel of the connection's task group: hypercorn's TaskGroup re-raises its body's Cancelled, which
         # would then end the server's listener nursery.
