@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from cluster import api
 from node.membership.gossip import SwimConfig
 from node.membership.rules import suspicion_timeout_s
 from test_smoke_seed import MARK, ROOT, assert_all_gone
@@ -223,7 +224,7 @@ def test_sigkill_of_stage_0_ends_its_streams_with_an_error_and_its_replacement_s
         errors = [f.exception() for f in futures]
     assert all(isinstance(e, httpx.HTTPError) for e in errors), errors  # the clients' connections were there
     ready = cluster.wait_line("stage 0 replaced in", 60, after=seen)
-    new_url = cluster.holders()[0][0]
+    new_url = api(cluster.holders()[0][0])  # its API, as announced: plain http:// on the member's port
     deadline = time.monotonic() + 5
     while f"OPENAI_BASE_URL={new_url}/v1\n" not in cluster.announced and time.monotonic() < deadline:
         time.sleep(0.05)
