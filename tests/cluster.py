@@ -20,6 +20,7 @@ from node.main import run_node
 from node.transport.client import member_transport
 from node.transport.tls import ClusterTls
 from runner.orchestrator import Orchestrator, run_orchestrator
+from runner.session import api_base as api  # stage 0's API as a user's client reaches it: plain http://
 from worker.models import stub_model
 from worker.reference import generate_full
 from worker.stub import StubSlice
@@ -76,11 +77,6 @@ async def read_goaway(stream, conn, goaway: list, scope: trio.CancelScope) -> No
     except (trio.BrokenResourceError, h2.exceptions.ProtocolError):
         pass
     scope.cancel()
-
-
-def api(url: str) -> str:
-    """Stage 0's API as a user's client reaches it: its address as plain http:// (the port serves both)."""
-    return "http://" + url.split("://", 1)[-1]
 
 
 def stage_config(stage: int, n: int, *, model: str, seed: str, peer: str | None, tmp: Path, **kw) -> NodeConfig:

@@ -114,6 +114,7 @@ async def test_a_client_that_never_reads_holds_its_rows_and_a_bounded_buffer_and
             unread = max(unread, h["unread_events"])
             assert h["slots_in_use"] and h["behind"] == 16, h  # their rows wait: none of them finished
             await trio.sleep(0.05)
+    print(f"\nunread by a zero-window client: at most {most} bytes a stream in hypercorn, {unread} events held")
     assert 0 < most <= h2_flow.STREAM_BUFFER + EVENT_SLACK, most
     assert unread <= 16 * (follow.FOLLOW_EVENTS + 2), unread  # the buffer, and at most a token and an end on its way
     await served_meanwhile(urls[0])

@@ -38,7 +38,7 @@ from node.transport import auth, conn_guard, h1_guard, h2_early_answer, h2_flow,
 from node.transport.gossip_routes import GossipDispatcher, add_gossip_routes
 from node.transport.pipeline_routes import PipelineDispatcher, add_pipeline_routes
 from node.transport.routes import STILL_LOADING, Traffic, still_loading
-from node.transport.tls_accept import ServerTls
+from node.transport.tls_accept import ServerTls, is_member
 
 __all__ = [  # still_loading and STILL_LOADING are re-exported: the surfaces added on top refuse with them
     "Dispatcher", "ListenError", "STILL_LOADING", "check_listenable", "make_app", "serve_app",
@@ -91,7 +91,7 @@ def _add_auth(app: QuartTrio, keys: auth.Keys) -> None:
         if request.path in auth.OPEN_PATHS:  # the chat page holds no secret; every call it makes carries a key
             return None
         credential = keys.credential(request.headers.get("Authorization", ""))
-        member = (client := request.scope.get("client")) is not None and tuple(client) in app.pp_members
+        member = is_member(app.pp_members, request.scope.get("client"))
         refused = auth.refusal(request.path, credential, member=member, token_is_api_key=keys.token_is_api_key,
                                routed=_routed())
         if refused is None:
@@ -242,7 +242,7 @@ async def serve_app(app: QuartTrio, host: str, port: int, *, tls: ssl.SSLContext
     if tls is not None:
         config.pp_tls = ServerTls(tls, plaintext=plaintext, members=members)
     config.pp_streams = app.pp_streams = stream_guard.GuestStreams(
-        lambda connection: tuple(connection) in members, is_client=getattr(app, "pp_is_client", lambda header: False))
+        functools.partial(is_member, members), is_client=getattr(app, "pp_is_client", lambda header: False))
 
     config.pp_writes = h2_flow.Writes()
     async with trio.open_nursery() as nursery:

@@ -55,8 +55,8 @@ def refusal(limits: ConnectionLimits, open_from_peer: int, open_in_all: int, wha
 
 @attrs.define
 class _Open:
-    """A connection held: its peer, its socket stream, and whether a request on it carried the cluster token
-    or a client API key (stream_guard.py says so from each request's headers)."""
+    """A connection held: its peer, its socket stream, and whether it is trusted: it showed a member's certificate
+    (tls_accept.py), or a request on it carried a client API key (stream_guard.py says so from its headers)."""
 
     peer: str
     stream: object

@@ -172,8 +172,8 @@ def install() -> None:
 
 
 def _trusted(protocol, guests: GuestStreams, headers) -> str:
-    """Whose the request is (GuestStreams.kind); one with the cluster token or a client key makes its connection
-    one a newcomer never displaces at the connection limit (conn_guard.Admission)."""
+    """Whose the request is (GuestStreams.kind); a member's or a keyed client's makes its connection one a newcomer
+    never displaces at the connection limit (conn_guard.Admission)."""
     kind = guests.kind(authorization(headers), protocol.client)
     if kind != GUEST and (admission := getattr(protocol.config, "pp_admission", None)) is not None:
         admission.trust(protocol.client)

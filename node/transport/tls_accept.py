@@ -33,8 +33,10 @@ class ServerTls:
     members: dict[tuple, str] = attrs.Factory(dict)  # connection (host, port) -> the node id its certificate names
     refused: collections.Counter[str] = attrs.Factory(collections.Counter)
 
-    def member(self, connection) -> str | None:
-        return self.members.get(tuple(connection)) if connection is not None else None
+
+def is_member(members: dict[tuple, str], connection) -> bool:
+    """Whether a connection, (host, port) as hypercorn names it, showed a member's certificate (ServerTls.members)."""
+    return connection is not None and tuple(connection) in members
 
 
 async def accept(stream, tls: ServerTls, peer: str, first: bytes):
